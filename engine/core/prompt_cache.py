@@ -1,0 +1,144 @@
+"""Host-RAM prompt cache (`server_prompt_cache` in server-task.cpp: alloc / load / update).
+
+The cache keeps token lists and sizes; the KV bytes live in the backend, keyed by entry id (the core emits
+`cache_save` / `cache_load` / `cache_drop` operations). Which entry leaves when room is needed is an
+eviction policy (upstream: FIFO by insertion). What a hit does is a setting: "move" (upstream: the entry is
+moved into the slot and leaves the cache) or "copy" (the entry stays and its recency/frequency refresh).
+Under "move" a hit removes the entry, so recency never refreshes and FIFO and LRU evict alike; they only
+differ under "copy".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.core.protocols import EvictionPolicy
+from engine.core.recorder import Recorder
+from engine.core.tokens import common_prefix
+
+
+@dataclass(slots=True, eq=False)
+class CacheEntry:
+    id: int
+    tokens: list[int]
+    size_bytes: int
+    t_insert_s: float
+    t_used_s: float
+    n_hits: int = 0
+    priority: float = 0.0      # free for policies (e.g. GDSF's H value)
+    seq: int = field(default=0)  # insertion sequence number (ties)
+
+
+class PromptCache:
+    """Entries in insertion order; byte limit hard, token limit raised to bytes / bytes-per-token."""
+
+    def __init__(self, limit_bytes: int, limit_tokens: int, policy: EvictionPolicy, hit_mode: str,
+                 recorder: Recorder, emit_drop: Callable[[int], None]) -> None:
+        self.limit_bytes = limit_bytes      # 0 = no byte limit
+        self.limit_tokens = limit_tokens    # 0 = no token limit (upstream: n_ctx, the total context)
+        self.policy = policy
+        self.hit_mode = hit_mode
+        self.recorder = recorder
+        self._emit_drop = emit_drop
+        self.entries: dict[int, CacheEntry] = {}
+        self._next_id = 0
+        self._size_bytes = 0
+        self._n_tokens = 0
+        self.n_evictions = 0
+        self.n_hits = 0
+        self.n_saves = 0
+
+    # --- bookkeeping -------------------------------------------------------------------------------
+    def size_bytes(self) -> int:
+        return self._size_bytes
+
+    def n_tokens(self) -> int:
+        return self._n_tokens
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def _remove(self, e: CacheEntry, now_s: float, reason: str) -> None:
+        del self.entries[e.id]
+        self._size_bytes -= e.size_bytes
+        self._n_tokens -= len(e.tokens)
+        self.policy.on_remove(e)
+        if reason != "hit":  # a moved entry is freed by the cache_load operation itself
+            self._emit_drop(e.id)
+            self.n_evictions += reason.startswith("evict")
+            self.recorder.record(now_s, "cache_drop", entry=e.id, n_tokens=len(e.tokens), reason=reason)
+
+    def _evict_one(self, now_s: float, reason: str) -> None:
+        self._remove(self.policy.victim(list(self.entries.values())), now_s, reason)
+
+    # --- upstream operations -----------------------------------------------------------------------
+    def alloc(self, tokens: list[int], size_bytes: int, now_s: float) -> CacheEntry | None:
+        """Reserve an entry for `tokens` (caller then saves the KV into it); None when skipped."""
+        n = len(tokens)
+        for e in self.entries.values():
+            if common_prefix(e.tokens, tokens) == n:
+                self.recorder.record(now_s, "cache_skip", n_tokens=n, reason="contained", entry=e.id)
+                return None
+        if self.limit_bytes > 0 and size_bytes > self.limit_bytes:
+            self.recorder.record(now_s, "cache_skip", n_tokens=n, reason="exceeds_limit", size_bytes=size_bytes)
+            return None
+        for e in [e for e in self.entries.values() if common_prefix(e.tokens, tokens) == len(e.tokens)]:
+            self._remove(e, now_s, "prefix_of_new")
+        if self.limit_bytes > 0:
+            while self.entries and self._size_bytes + size_bytes > self.limit_bytes:
+                self._evict_one(now_s, "evict_make_room")
+        e = CacheEntry(id=self._next_id, tokens=list(tokens), size_bytes=size_bytes, t_insert_s=now_s,
+                       t_used_s=now_s, seq=self._next_id)
+        self._next_id += 1
+        self.entries[e.id] = e
+        self._size_bytes += size_bytes
+        self._n_tokens += n
+        self.policy.on_insert(e, now_s)
+        self.n_saves += 1
+        return e
+
+    def load(self, slot_tokens: list[int], new_tokens: list[int], now_s: float) -> CacheEntry | None:
+        """Pick the entry to restore for `new_tokens`, or None to keep the slot's own context.
+
+        An entry wins only if both f_keep (share of the entry kept) and f_sim (share of the new prompt
+        covered) are strictly better than the slot's own; entries keeping < 25% are never used.
+        """
+        lcp_best = common_prefix(slot_tokens, new_tokens)
+        f_keep_best = lcp_best / len(slot_tokens) if slot_tokens else -1.0
+        n_new = len(new_tokens)
+        f_sim_best = lcp_best / n_new if n_new else 0.0
+        best = None
+        for e in self.entries.values():
+            lcp = common_prefix(e.tokens, new_tokens)
+            f_keep = lcp / len(e.tokens) if e.tokens else 0.0
+            f_sim = lcp / n_new if n_new else 0.0
+            if f_keep < 0.25:
+                continue
+            if f_keep_best < f_keep and f_sim_best < f_sim:
+                f_keep_best, f_sim_best, best = f_keep, f_sim, e
+        if best is None:
+            self.recorder.record(now_s, "cache_miss", n_tokens=n_new, n_entries=len(self.entries))
+            return None
+        self.n_hits += 1
+        self.recorder.record(now_s, "cache_hit", entry=best.id, n_tokens=len(best.tokens),
+                             f_keep=f_keep_best, f_sim=f_sim_best, mode=self.hit_mode)
+        if self.hit_mode == "move":
+            self._remove(best, now_s, "hit")
+        else:
+            best.n_hits += 1
+            best.t_used_s = now_s
+            self.policy.on_hit(best, now_s)
+        return best
+
+    def update(self, now_s: float) -> None:
+        """Enforce the byte limit, then the token limit raised to limit_bytes / bytes-per-token."""
+        if self.limit_bytes > 0:
+            while self.entries and self._size_bytes > self.limit_bytes:
+                self._evict_one(now_s, "evict_size_limit")
+        size_per_token = max(1.0, self._size_bytes / max(1, self._n_tokens))
+        limit_tokens_cur = (max(self.limit_tokens, self.limit_bytes / size_per_token)
+                            if self.limit_bytes > 0 else self.limit_tokens)
+        if self.limit_tokens > 0:
+            while self.entries and self._n_tokens > limit_tokens_cur:
+                self._evict_one(now_s, "evict_token_limit")

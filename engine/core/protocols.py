@@ -1,0 +1,81 @@
+"""Policy protocols: what the serving core asks each kind of policy. Implementations live in `policies/`.
+
+Each protocol has one job and a docstring contract; upstream llama-server behaviour is each kind's default
+(see `policies/__init__.py` for the registries).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from engine.core.prompt_cache import CacheEntry
+    from engine.core.slot import Slot
+    from engine.core.types import Task
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """A slot choice. `update_cache`: save the slot's prompt to the RAM cache and try to load a better one.
+
+    The slot may be busy (a task that names a busy `id_slot`); the core then defers the task.
+    """
+
+    slot: "Slot"
+    update_cache: bool
+    reason: str           # "id_slot" | "similarity" | "lru" | policy-specific
+    f_sim: float = 0.0
+
+
+class SlotSelector(Protocol):
+    """`get_available_slot`: choose a slot for a task, or None when no slot is idle."""
+
+    def select(self, task: "Task", slots: Sequence["Slot"], similarity: float) -> Selection | None: ...
+
+
+class QueueOrder(Protocol):
+    """`pop_deferred_task`: which deferred task resumes when `released` frees up (index into `deferred`)."""
+
+    def pick_deferred(self, deferred: Sequence["Task"], released: "Slot") -> int: ...
+
+
+class BatchBuilder(Protocol):
+    """How `pre_decode` fills a batch: decode tokens first or not, prompt-token budget, slot order."""
+
+    def include_decodes(self, n_generating: int, n_prompt_pending: int) -> bool: ...
+
+    def prompt_budget(self, n_batch: int, n_decode: int, cont_batching: bool) -> int: ...
+
+    def prompt_order(self, slots: Sequence["Slot"]) -> Iterable["Slot"]: ...
+
+
+class ContextShift(Protocol):
+    """What a full GENERATING slot keeps and discards: returns (n_keep, n_discard) in tokens."""
+
+    def plan(self, n_tokens: int, n_ctx: int, n_keep: int, n_discard: int, n_prompt: int,
+             add_bos: bool) -> tuple[int, int]: ...
+
+
+class EvictionPolicy(Protocol):
+    """Which prompt-cache entry leaves when room is needed. Stateful: one instance per cache."""
+
+    def on_insert(self, entry: "CacheEntry", now_s: float) -> None: ...
+
+    def on_hit(self, entry: "CacheEntry", now_s: float) -> None: ...
+
+    def on_remove(self, entry: "CacheEntry") -> None: ...
+
+    def victim(self, entries: Sequence["CacheEntry"]) -> "CacheEntry": ...
+
+
+@dataclass(frozen=True, slots=True)
+class Policies:
+    """One instance of each kind, handed to `ServerCore`."""
+
+    slot_selector: SlotSelector
+    queue_order: QueueOrder
+    batch_builder: BatchBuilder
+    context_shift: ContextShift
+    eviction: EvictionPolicy

@@ -1,0 +1,623 @@
+"""The serving core: llama-server's task queue, slots, prompt reuse, RAM prompt cache and batch building.
+
+Mirrors `server_context` (`process_single_task`, `get_available_slot`, `update_slots`/`pre_decode`,
+`decode`, `process_token`, `release`). Time is injected: every entry point takes `now_s`. The core never
+touches KV memory: it emits KV operations and forward calls in a `BatchPlan`; a backend executes them.
+
+Loop: ``plan = core.schedule(now); result = backend.execute(plan); core.commit(plan, result, now + dt)``.
+
+Deliberate differences from upstream (also in docs/core.md):
+- A task naming a busy slot is deferred *without* the prompt-cache save/load upstream runs on that busy
+  slot first (REFERENCE 2.2 "latent bug"): saving/loading a running slot would corrupt it.
+- KV cell accounting is done here (the core knows every slot's tokens), so "KV full", idle-slot purges and
+  n_batch halving happen identically in simulation and on the real engine. In unified mode the cells an
+  n_cmpl child copies from its parent stay shared (as llama.cpp's seq_cp shares cells) until either side
+  drops them.
+- Within one step, a slot released by an earlier view of a split batch is not purgeable until the next step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from engine.core.config import ResolvedConfig, ServerConfig
+from engine.core.errors import ErrorType
+from engine.core.metrics import Metrics
+from engine.core.prompt_cache import PromptCache
+from engine.core.protocols import Policies
+from engine.core.recorder import NullRecorder, Recorder
+from engine.core.slot import Slot
+from engine.core.tokens import common_prefix
+from engine.core.types import (
+    STOP_EOS, STOP_LIMIT, STOP_WORD, BatchPlan, Chunk, ForwardCall, KVOp, SlotState, StepResult, Task, TaskError,
+)
+
+IDLE, STARTED, PROCESSING_PROMPT, DONE_PROMPT, GENERATING, WAIT_OTHER = (
+    SlotState.IDLE, SlotState.STARTED, SlotState.PROCESSING_PROMPT, SlotState.DONE_PROMPT,
+    SlotState.GENERATING, SlotState.WAIT_OTHER)
+
+MSG_CTX_EXCEEDED = "Context size has been exceeded."
+
+
+class ServerCore:
+    """One llama-server scheduling state machine. Not thread-safe: one thread (or one SimPy process) drives it."""
+
+    def __init__(self, config: ServerConfig | ResolvedConfig, policies: Policies,
+                 recorder: Recorder | None = None, stream_tokens: bool = False) -> None:
+        self.cfg = config.resolve() if isinstance(config, ServerConfig) else config
+        self.base = self.cfg.base
+        self.policies = policies
+        self.rec = recorder if recorder is not None else NullRecorder()
+        self.stream_tokens = stream_tokens
+        self.slots = [Slot(i, self.cfg.n_ctx_slot) for i in range(self.cfg.n_slots)]
+        self.queue: deque[Task] = deque()          # queue_tasks (new + resumed tasks)
+        self.deferred: list[Task] = []             # queue_tasks_deferred
+        self.metrics = Metrics()
+        self.finished: list[Task] = []             # drained by pop_finished()
+        self.token_events: list[tuple[Task, int]] = []
+        self._ops: list[KVOp | ForwardCall] = []   # KV ops decided outside a batch (launch, cache, cancel)
+        self._next_task_id = 0
+        self._eog = self.base.eog_ids
+        # per slot: id of a cache entry known to contain its current tokens (skips alloc's O(entries) scan)
+        self._saved_in: list[int] = [-1] * len(self.slots)
+        # unified KV: child slot -> [parent slot, leading cells still shared with it] (seq_cp shares cells)
+        self._shared: dict[int, list[int]] = {}
+        self.cache: PromptCache | None = None
+        if self.cfg.cache_enabled:
+            self.cache = PromptCache(self.cfg.cache_limit_bytes, self.cfg.n_ctx, policies.eviction,
+                                     self.base.cache_hit, self.rec, self._emit_cache_drop)
+
+    # ------------------------------------------------------------------ public API
+    def submit(self, task: Task, now_s: float) -> Task:
+        """Post a completion task (`queue_tasks.post`). n_cmpl > 1 creates child tasks sharing its prompt."""
+        if type(task.tokens) is not list:
+            task.tokens = list(task.tokens)
+        task.id = self._new_id()
+        task.t_submit_s = now_s
+        if task.n_cmpl > 1 and not task.children:
+            if task.n_cmpl > len(self.slots):
+                raise ValueError(f"Field 'n_cmpl': Value must be between 1 and {len(self.slots)}")
+            for i in range(task.n_cmpl - 1):
+                child = Task(id=self._new_id(), tokens=task.tokens, n_predict=task.n_predict, id_slot=-1,
+                             cache_prompt=task.cache_prompt, n_keep=task.n_keep, n_discard=task.n_discard,
+                             n_cache_reuse=task.n_cache_reuse, ignore_eos=task.ignore_eos, n_cmpl=task.n_cmpl,
+                             sampling=task.sampling, user=task.user, id_parent=task.id, child_index=i,
+                             t_submit_s=now_s)
+                task.children.append(child)
+        self.queue.append(task)
+        if self.rec.enabled:
+            self.rec.record(now_s, "submit", task=task.id, n_tokens=len(task.tokens), id_slot=task.id_slot)
+        return task
+
+    def cancel(self, task: Task, now_s: float) -> None:
+        """Remove a task (and its children) from every queue and release its slot (`SERVER_TASK_TYPE_CANCEL`)."""
+        targets = [task, *task.children]
+        ids = {t.id for t in targets}
+        self.queue = deque(t for t in self.queue if t.id not in ids)
+        self.deferred = [t for t in self.deferred if t.id not in ids]
+        for t in targets:
+            t.cancelled = True
+        for s in self.slots:
+            if s.task is not None and s.task.id in ids:
+                self._release(s, now_s)
+        for t in targets:
+            if not t.done:
+                self._finish_unslotted(t, now_s)
+        self.rec.record(now_s, "cancel", task=task.id)
+
+    def has_work(self) -> bool:
+        return bool(self.queue) or any(s.state != IDLE for s in self.slots)
+
+    def pop_finished(self) -> list[Task]:
+        out, self.finished = self.finished, []
+        return out
+
+    def pop_token_events(self) -> list[tuple[Task, int]]:
+        out, self.token_events = self.token_events, []
+        return out
+
+    def kv_cells_used(self) -> int:
+        """KV cells in use: every slot's tokens, counting cells shared by seq_cp once (unified KV)."""
+        return sum(len(s.tokens) for s in self.slots) - sum(v[1] for v in self._shared.values())
+
+    def _truncated(self, slot_id: int, keep: int) -> None:
+        """A slot's tokens were cut to `keep`: cells beyond it are no longer shared with anyone."""
+        if not self._shared:
+            return
+        for child, v in list(self._shared.items()):
+            if child == slot_id or v[0] == slot_id:
+                v[1] = min(v[1], keep)
+                if v[1] == 0:
+                    del self._shared[child]
+
+    @property
+    def n_processing(self) -> int:
+        return sum(1 for s in self.slots if s.state != IDLE)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self, now_s: float) -> BatchPlan:
+        """`process_new_tasks` then `update_slots`/`pre_decode`: returns what the backend must run now.
+
+        Every plan with forward calls must be executed and passed to `commit` before the next schedule.
+        """
+        if self._uncommitted is not None:
+            raise RuntimeError("schedule() called before commit() of the previous plan")
+        while self.queue:
+            self._process_single_task(self.queue.popleft(), now_s)
+        return self._build_batch(now_s)
+
+    def _process_single_task(self, task: Task, now_s: float) -> None:
+        if task.cancelled or task.done:
+            return
+        sel = self.policies.slot_selector.select(task, self.slots, self.base.slot_prompt_similarity)
+        if sel is None or sel.slot.is_processing:
+            self._defer(task, now_s, "no idle slot" if sel is None else "slot busy")
+            return
+        slot = sel.slot
+        if self.rec.enabled:
+            self.rec.record(now_s, "select", task=task.id, slot=slot.id, reason=sel.reason,
+                            f_sim=round(sel.f_sim, 6), update_cache=sel.update_cache)
+        if sel.update_cache and self.cache is not None:
+            self._prompt_save(slot, now_s)
+            if not self._prompt_load(slot, task.tokens, now_s):
+                self._prompt_clear(slot)
+            self.cache.update(now_s)
+        if task.is_parent:
+            children = [s for s in self.slots if not s.is_processing and s is not slot][:len(task.children)]
+            if len(children) < len(task.children):
+                self._defer(task, now_s, "not enough idle slots for n_cmpl")
+                return
+            for child_task, cs in zip(task.children, children):
+                self._launch(cs, child_task, now_s, WAIT_OTHER)
+        self._launch(slot, task, now_s, STARTED)
+        if self.base.cache_idle_slots and self.cache is not None:
+            for s in self.slots:
+                if s.is_processing:
+                    continue
+                if self._prompt_save(s, now_s):
+                    self.cache.update(now_s)
+                if self.cfg.kv_unified:
+                    self._prompt_clear(s)
+
+    def _defer(self, task: Task, now_s: float, why: str) -> None:
+        task.n_deferred += 1
+        self.metrics.n_deferrals += 1
+        self.deferred.append(task)
+        if self.rec.enabled:
+            self.rec.record(now_s, "defer", task=task.id, why=why, n_deferred=len(self.deferred))
+
+    def _launch(self, slot: Slot, task: Task, now_s: float, state: SlotState) -> None:
+        slot.task = task
+        slot.state = state
+        slot.n_past = 0
+        slot.i_prompt = 0
+        slot.n_tasks += 1
+        task.slot_id = slot.id
+        task.t_launch_s = now_s
+        if self.rec.enabled:
+            self.rec.record(now_s, "launch", task=task.id, slot=slot.id, state=state.name)
+
+    # --- RAM prompt cache (slot.prompt_save / prompt_load / prompt_clear) ---------------------------
+    def _emit_cache_drop(self, entry_id: int) -> None:
+        self._ops.append(KVOp("cache_drop", entry=entry_id))
+
+    def _prompt_save(self, slot: Slot, now_s: float) -> bool:
+        if not slot.tokens:
+            return False
+        known = self._saved_in[slot.id]
+        if known >= 0 and known in self.cache.entries:   # unchanged tokens, containing entry still cached
+            return False
+        n = len(slot.tokens)
+        entry = self.cache.alloc(slot.tokens, n * self.base.kv_bytes_per_token, now_s)
+        if entry is None:
+            return False
+        self._saved_in[slot.id] = entry.id
+        self._ops.append(KVOp("cache_save", seq=slot.id, entry=entry.id, n_tokens=n))
+        if self.rec.enabled:
+            self.rec.record(now_s, "cache_save", slot=slot.id, entry=entry.id, n_tokens=n,
+                            cache_bytes=self.cache.size_bytes(), n_entries=len(self.cache))
+        return True
+
+    def _prompt_load(self, slot: Slot, tokens: list[int], now_s: float) -> bool:
+        entry = self.cache.load(slot.tokens, tokens, now_s)
+        if entry is not None:
+            keep = self.base.cache_hit == "copy"
+            self._ops.append(KVOp("cache_load", seq=slot.id, entry=entry.id, n_tokens=len(entry.tokens), keep=keep))
+            self._truncated(slot.id, 0)
+            slot.tokens = list(entry.tokens)
+            self._saved_in[slot.id] = entry.id if keep else -1
+        return True   # a failed state copy would return False; the core's bookkeeping cannot fail here
+
+    def _prompt_clear(self, slot: Slot) -> None:
+        if slot.tokens:
+            self._ops.append(KVOp("seq_rm", seq=slot.id, p0=-1, p1=-1))
+            slot.tokens = []
+            self._truncated(slot.id, 0)
+        self._saved_in[slot.id] = -1
+
+    # ------------------------------------------------------------------ batch building (pre_decode)
+    def _build_batch(self, now_s: float) -> BatchPlan:
+        slots = self.slots
+        ops = self._ops   # ops emitted while building (releases, purges, cache drops) land in program order
+        self._ops = ops
+        if not any(s.state != IDLE for s in slots):
+            self._ops = []
+            return BatchPlan(now_s, tuple(ops), 0, 0, {}, {})
+        n_ctx = self.cfg.n_ctx_slot
+        chunks: list[Chunk] = []
+        added = [0] * len(slots)
+        # 1. context shift of full generating slots
+        for s in slots:
+            if s.state == GENERATING and len(s.tokens) + 1 >= n_ctx:
+                self._context_shift(s, ops, now_s)
+        # 2. one decode token per generating slot
+        gen = [s for s in slots if s.state == GENERATING]
+        n_prompt_pending = sum(1 for s in slots if s.state in (STARTED, PROCESSING_PROMPT))
+        n_decode = 0
+        if gen and self.policies.batch_builder.include_decodes(len(gen), n_prompt_pending):
+            for s in gen:
+                pos = len(s.tokens)
+                s.tokens.append(s.sampled)
+                added[s.id] = 1
+                chunks.append(Chunk(s.id, s.task.id, [s.sampled], pos, (s.id,), False))
+            n_decode = len(gen)
+        # 3. prompt chunks
+        n_prompt = 0
+        budget = self.policies.batch_builder.prompt_budget(self.cfg.n_batch, n_decode, self.base.cont_batching)
+        if n_prompt_pending and budget > 0:
+            for s in self.policies.batch_builder.prompt_order(slots):
+                if budget <= 0:
+                    break
+                if s.state == STARTED:
+                    if not self._begin_prompt(s, ops, now_s):
+                        continue
+                if s.state != PROCESSING_PROMPT:
+                    continue
+                task = s.task
+                n_total = len(task.tokens)
+                take = min(budget, n_total - s.i_prompt)
+                pos0 = len(s.tokens)
+                part = task.tokens[s.i_prompt:s.i_prompt + take]
+                s.tokens.extend(part)
+                s.i_prompt += take
+                added[s.id] += take
+                budget -= take
+                n_prompt += take
+                sample_for: tuple[int, ...] = ()
+                if s.i_prompt == n_total:
+                    s.state = DONE_PROMPT
+                    sample_for = (s.id, *(c.slot_id for c in task.children))
+                chunks.append(Chunk(s.id, task.id, part, pos0, sample_for, True))
+        if not chunks:
+            self._ops = []
+            return BatchPlan(now_s, tuple(ops), 0, 0, {}, {})
+        fatal = self._decode_views(chunks, added, ops, now_s)
+        self._ops = []
+        sampling = {}
+        tasks = {}
+        for p in ops:
+            if isinstance(p, ForwardCall):
+                for c in p.chunks:
+                    for sid in c.sample_for:
+                        t = slots[sid].task
+                        tasks[sid] = t
+                        sampling[sid] = t.sampling
+        if self.rec.enabled:
+            self.rec.record(now_s, "batch", n_decode=n_decode, n_prompt=n_prompt,
+                            slots=[c.seq for c in chunks], n_calls=sum(isinstance(p, ForwardCall) for p in ops))
+        plan = BatchPlan(now_s, tuple(ops), n_prompt, n_decode, sampling, tasks)
+        self._uncommitted = plan
+        if fatal:
+            self._pending_fatal = plan
+        return plan
+
+    def _begin_prompt(self, s: Slot, ops: list, now_s: float) -> bool:
+        """STARTED -> PROCESSING_PROMPT: admission checks, n_past from the slot's tokens, KV trimmed."""
+        task = s.task
+        n = len(task.tokens)
+        task.t_start_s = now_s
+        if n == 0:
+            self._release(s, now_s)       # empty prompt: empty final response
+            return False
+        if n >= s.n_ctx:
+            task.error = TaskError(
+                ErrorType.EXCEED_CONTEXT_SIZE,
+                f"request ({n} tokens) exceeds the available context size ({s.n_ctx} tokens), try increasing it",
+                {"n_prompt_tokens": n, "n_ctx": s.n_ctx})
+            self.rec.record(now_s, "reject", task=task.id, slot=s.id, n_tokens=n, n_ctx=s.n_ctx)
+            self._release(s, now_s)
+            return False
+        cache_prompt = self.base.cache_prompt if task.cache_prompt is None else task.cache_prompt
+        if cache_prompt:
+            n_past = common_prefix(s.tokens, task.tokens)
+            n_reuse = self.base.n_cache_reuse if task.n_cache_reuse is None else task.n_cache_reuse
+            if n_reuse > 0 and self.base.can_shift:
+                n_past = self._cache_reuse(s, task.tokens, n_past, n_reuse, ops)
+        else:
+            n_past = 0
+        if n_past == n and n_past > 0:
+            n_past -= 1                   # at least one prompt token is evaluated to get logits
+        task.n_prompt_cached = n_past
+        task.n_prompt_processed = n - n_past
+        self.metrics.n_prompt_tokens_cached_total += n_past
+        if len(s.tokens) > n_past:
+            del s.tokens[n_past:]
+            self._truncated(s.id, n_past)
+            ops.append(KVOp("seq_rm", seq=s.id, p0=n_past, p1=-1))
+        self._saved_in[s.id] = -1
+        s.n_past = n_past
+        s.i_prompt = n_past
+        s.state = PROCESSING_PROMPT
+        if self.rec.enabled:
+            self.rec.record(now_s, "prompt", task=task.id, slot=s.id, n_tokens=n, n_past=n_past)
+        return True
+
+    def _cache_reuse(self, s: Slot, new: list[int], n_past: int, n_reuse: int, ops: list) -> int:
+        """`--cache-reuse`: move matching chunks of the slot's KV left to where the new prompt needs them."""
+        cache = s.tokens
+        head_c = head_p = n_past
+        self._truncated(s.id, n_past)
+        while head_c < len(cache) and head_p < len(new):
+            n_match = 0
+            while (head_c + n_match < len(cache) and head_p + n_match < len(new)
+                   and cache[head_c + n_match] == new[head_p + n_match]):
+                n_match += 1
+            if n_match >= n_reuse:
+                kv_shift = head_p - head_c
+                ops.append(KVOp("seq_rm", seq=s.id, p0=head_p, p1=head_c))
+                ops.append(KVOp("seq_add", seq=s.id, p0=head_c, p1=head_c + n_match, delta=kv_shift))
+                cache[head_p:head_p + n_match] = cache[head_c:head_c + n_match]
+                n_past += n_match
+                head_c += n_match
+                head_p += n_match
+            else:
+                head_c += 1
+        return n_past
+
+    def _context_shift(self, s: Slot, ops: list, now_s: float) -> None:
+        task = s.task
+        if not self.base.ctx_shift:
+            self._fail(s, ErrorType.SERVER, "context shift is disabled", now_s)
+            return
+        if task.is_parent or task.is_child:
+            self._fail(s, ErrorType.SERVER, "context shift cannot be used for shared prompt", now_s)
+            return
+        n_keep_req = self.base.n_keep if task.n_keep is None else task.n_keep
+        n_tokens = len(s.tokens)
+        n_keep, n_discard = self.policies.context_shift.plan(
+            n_tokens, s.n_ctx, n_keep_req, task.n_discard, len(task.tokens), self.base.add_bos_token)
+        ops.append(KVOp("seq_rm", seq=s.id, p0=n_keep, p1=n_keep + n_discard))
+        ops.append(KVOp("seq_add", seq=s.id, p0=n_keep + n_discard, p1=n_tokens, delta=-n_discard))
+        del s.tokens[n_keep:n_keep + n_discard]
+        self._truncated(s.id, n_keep)
+        task.truncated = True
+        self._saved_in[s.id] = -1
+        self.metrics.n_context_shifts += 1
+        self.rec.record(now_s, "context_shift", task=task.id, slot=s.id, n_keep=n_keep, n_discard=n_discard)
+
+    # --- decode(): KV capacity, idle-slot purge, n_batch halving --------------------------------------
+    def _decode_views(self, chunks: list[Chunk], added: list[int], ops: list, now_s: float) -> str:
+        """Cut the batch into llama_decode calls of at most n_batch tokens, checking KV capacity per call.
+
+        Returns the fatal error message ("" if none). A call that does not fit first purges one idle slot
+        (unified KV only), else halves n_batch; a 1-token call that does not fit is fatal.
+        """
+        slots = self.slots
+        cells = [len(s.tokens) - added[s.id] for s in slots]
+        unified = self.cfg.kv_unified
+        cap = self.cfg.n_ctx if unified else self.cfg.n_ctx_slot
+        n_shared = sum(v[1] for v in self._shared.values())
+        used = sum(cells) - n_shared
+        n_total = sum(len(c.tokens) for c in chunks)
+        n_batch_max = self.cfg.n_batch
+        n_batch = n_batch_max
+        busy = sum(1 for s in slots if s.state != IDLE)
+        queue = deque(chunks)
+        off = 0
+        while off < n_total:
+            n = min(n_batch, n_total - off)
+            # take n tokens' worth of chunks (splitting the last one if needed)
+            view: list[Chunk] = []
+            need = n
+            for c in queue:
+                if need == 0:
+                    break
+                k = min(need, len(c.tokens))
+                view.append(c if k == len(c.tokens) else Chunk(c.seq, c.task_id, c.tokens[:k], c.pos0, (), c.is_prompt))
+                need -= k
+            if unified:
+                fits = used + n <= cap
+            else:
+                fits = all(cells[c.seq] + len(c.tokens) <= cap for c in view)
+            if fits:
+                for c in view:
+                    cells[c.seq] += len(c.tokens)
+                    head = queue[0]
+                    if len(c.tokens) == len(head.tokens):
+                        queue.popleft()
+                    else:
+                        k = len(c.tokens)
+                        queue[0] = Chunk(head.seq, head.task_id, head.tokens[k:], head.pos0 + k, head.sample_for,
+                                         head.is_prompt)
+                used += n
+                off += n
+                n_batch = n_batch_max
+                ops.append(ForwardCall(tuple(view), n))
+                self.metrics.n_decode_total += 1
+                self.metrics.n_busy_slots_total += busy
+                if self._after_forward(view, ops, cells):
+                    n_shared = sum(v[1] for v in self._shared.values())
+                    used = sum(cells) - n_shared      # children's copied cells
+                continue
+            if n_batch == 1:
+                self.rec.record(now_s, "decode_fatal", used=used, cap=cap)
+                return MSG_CTX_EXCEEDED
+            purged = self._try_clear_idle_slots(ops, cells, now_s)
+            if purged:
+                n_shared = sum(v[1] for v in self._shared.values())
+                used = sum(cells) - n_shared
+            else:
+                n_batch //= 2
+                self.metrics.n_batch_halvings += 1
+                self.rec.record(now_s, "batch_halved", off=off, n_batch=n_batch, used=used, cap=cap)
+        return ""
+
+    def _after_forward(self, view: list[Chunk], ops: list, cells: list[int]) -> bool:
+        """n_cmpl: once a parent's prompt is decoded, copy its state to its waiting children."""
+        copied = False
+        for c in view:
+            if not c.sample_for or len(c.sample_for) == 1:
+                continue
+            parent = self.slots[c.seq]
+            for sid in c.sample_for[1:]:
+                child = self.slots[sid]
+                ops.append(KVOp("seq_rm", seq=sid, p0=-1, p1=-1))
+                ops.append(KVOp("seq_cp", seq=parent.id, dst=sid, p0=-1, p1=-1))
+                self._truncated(sid, 0)
+                child.tokens = list(parent.tokens)
+                if self.cfg.kv_unified:
+                    self._shared[sid] = [parent.id, len(parent.tokens)]
+                self._saved_in[sid] = -1
+                cells[sid] = len(child.tokens)
+                ct = child.task
+                ct.t_start_s = parent.task.t_start_s
+                ct.n_prompt_cached = parent.task.n_prompt_cached
+                ct.n_prompt_processed = parent.task.n_prompt_processed
+                child.state = DONE_PROMPT
+                copied = True
+        return copied
+
+    def _try_clear_idle_slots(self, ops: list, cells: list[int], now_s: float) -> bool:
+        if not self.cfg.kv_unified:
+            return False
+        for s in self.slots:
+            if s.is_processing or not s.tokens:
+                continue
+            self.rec.record(now_s, "purge_idle_slot", slot=s.id, n_tokens=len(s.tokens))
+            self._prompt_clear(s)            # its seq_rm lands in `ops` (the same list as self._ops)
+            cells[s.id] = 0
+            self.metrics.n_kv_purges += 1
+            return True
+        return False
+
+    # ------------------------------------------------------------------ commit (post_decode)
+    _pending_fatal: BatchPlan | None = None
+    _uncommitted: BatchPlan | None = None
+
+    def commit(self, plan: BatchPlan, result: StepResult, now_s: float) -> None:
+        """Apply sampled tokens (`post_decode` + `process_token`), release finished slots."""
+        if plan is self._uncommitted:
+            self._uncommitted = None
+        slots = self.slots
+        m = self.metrics
+        stream = self.stream_tokens
+        sampled = result.sampled
+        for sid in sorted(sampled):            # post_decode visits slots in id order
+            tok = sampled[sid]
+            s = slots[sid]
+            task = s.task
+            if task is None or task is not plan.tasks.get(sid):
+                continue                       # cancelled while the step ran
+            if s.state == DONE_PROMPT:
+                s.state = GENERATING
+                task.t_prompt_last_s = now_s
+                dt = now_s - task.t_start_s
+                m.n_prompt_tokens_processed_total += task.n_prompt_processed
+                m.n_prompt_tokens_processed += task.n_prompt_processed
+                m.t_prompt_processing_total_s += dt
+                m.t_prompt_processing_s += dt
+            s.sampled = tok
+            task.generated.append(tok)
+            task.t_gen_last_s = now_s
+            if stream:
+                self.token_events.append((task, tok))
+            if self._process_token(s, task, tok):
+                self._release(s, now_s)
+        n_max = max(len(s.tokens) for s in slots)
+        if n_max > m.n_tokens_max:
+            m.n_tokens_max = n_max
+        if self._pending_fatal is plan:
+            self._pending_fatal = None
+            for s in slots:
+                if s.is_processing:
+                    self._fail(s, ErrorType.SERVER, MSG_CTX_EXCEEDED, now_s)
+                    self._prompt_clear(s)
+
+    def _process_token(self, s: Slot, task: Task, tok: int) -> bool:
+        """Stop checks in upstream order; returns True when the task is done."""
+        stop = False
+        if task.text_hook is not None:
+            word = task.text_hook.push(tok)
+            if word is not None:
+                task.stop_type, task.stopping_word = STOP_WORD, word
+                return True
+        if not self.base.ctx_shift and len(s.tokens) + 1 >= s.n_ctx:
+            task.truncated = True
+            task.stop_type = STOP_LIMIT
+            stop = True
+        n_predict = self.base.n_predict if task.n_predict is None or task.n_predict == -1 else task.n_predict
+        if not stop and n_predict != -1 and task.n_decoded >= n_predict:
+            task.stop_type = STOP_LIMIT    # n_predict 0 still yields the first token, as upstream
+            stop = True
+        if tok in self._eog and not task.ignore_eos:
+            task.stop_type = STOP_EOS
+            stop = True
+        return stop
+
+    # ------------------------------------------------------------------ release
+    def _fail(self, s: Slot, etype: ErrorType, message: str, now_s: float) -> None:
+        s.task.error = TaskError(etype, message)
+        self.rec.record(now_s, "error", task=s.task.id, slot=s.id, message=message)
+        self._release(s, now_s)
+
+    def _release(self, s: Slot, now_s: float) -> None:
+        task = s.task
+        s.t_last_used_s = now_s
+        s.state = IDLE
+        s.task = None
+        if task.is_child:
+            self._prompt_clear(s)          # child slots keep no context
+        task.n_tokens_cached = len(s.tokens)
+        m = self.metrics
+        gen_s = max(0.0, task.t_gen_last_s - task.t_prompt_last_s) if task.t_prompt_last_s >= 0 else 0.0
+        m.n_tokens_predicted_total += task.n_decoded
+        m.n_tokens_predicted += task.n_decoded
+        m.t_tokens_generation_total_s += gen_s
+        m.t_tokens_generation_s += gen_s
+        self._finish(task, now_s)
+        if task.is_parent:
+            # children still waiting for the parent's prompt can never start: end them the same way
+            for c in task.children:
+                cs = self.slots[c.slot_id] if c.slot_id >= 0 else None
+                if cs is not None and cs.task is c and cs.state == WAIT_OTHER:
+                    c.error = task.error
+                    self._release(cs, now_s)
+        if self.deferred:
+            i = self.policies.queue_order.pick_deferred(self.deferred, s)
+            self.queue.appendleft(self.deferred.pop(i))
+
+    def _finish(self, task: Task, now_s: float) -> None:
+        task.done = True
+        task.t_end_s = now_s
+        if task.error is None:
+            self.metrics.n_tasks_finished += 1
+        else:
+            self.metrics.n_tasks_errored += 1
+        self.finished.append(task)
+        if self.rec.enabled:
+            self.rec.record(now_s, "finish", task=task.id, slot=task.slot_id, stop=task.stop_type,
+                            n_gen=task.n_decoded, error=task.error.message if task.error else None)
+
+    def _finish_unslotted(self, task: Task, now_s: float) -> None:
+        task.done = True
+        task.t_end_s = now_s
+
+    def _new_id(self) -> int:
+        i = self._next_task_id
+        self._next_task_id += 1
+        return i
+
+    def slots_of(self, states: Iterable[SlotState]) -> list[Slot]:
+        st = set(states)
+        return [s for s in self.slots if s.state in st]

@@ -1,0 +1,107 @@
+"""The numpy engine's library API: load a GGUF model, tokenize, run batched forward passes over a KV store.
+
+Example:
+    model = load("SmolLM2-135M-Instruct.Q4_1.gguf", n_threads=2)
+    kv = model.new_kv(n_seq=4, n_ctx_seq=1024)
+    ids = model.tokenize("Hello")
+    [logits] = model.forward_batch(kv, [(0, ids, 0, True)])      # [1, n_vocab]
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+from threadpoolctl import ThreadpoolController
+
+from engine.model.gguf_loader import FileSummary, GGUFError, HParams, Weights, load_gguf
+from engine.model.kv import KVCacheFull, KVStore
+from engine.model.llama import BatchChunk, Rope, forward_batch
+
+__all__ = ["BatchChunk", "GGUFError", "KVCacheFull", "KVStore", "Model", "load"]
+
+
+class Model:
+    """A loaded model: hyperparameters, float32 weights, tokenizer and a BLAS thread setting."""
+
+    def __init__(self, path: str, hparams: HParams, weights: Weights, summary: FileSummary,
+                 tokenizer: Any, tokenizer_error: str | None, n_threads: int | None):
+        self.path = path
+        self.hparams = hparams
+        self.weights = weights
+        self.summary = summary
+        self.rope = Rope(hparams, weights.rope_freqs)
+        self._tokenizer = tokenizer
+        self._tokenizer_error = tokenizer_error
+        self._controller = ThreadpoolController()
+        self.n_threads_requested = n_threads
+        with self.compute_threads():
+            blas = self._controller.select(user_api="blas").info()
+        # the BLAS thread count in force during compute (max over loaded BLAS libraries; 0 = none found)
+        self.n_threads = max((int(lib["num_threads"]) for lib in blas), default=0)
+        self.blas_info = blas
+
+    # --- tokenizer ------------------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            raise RuntimeError(f"no tokenizer for {self.path}: {self._tokenizer_error}")
+        return self._tokenizer
+
+    def tokenize(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        return self.tokenizer.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.detokenize(ids)
+
+    # --- compute --------------------------------------------------------------------------------------
+
+    @contextmanager
+    def compute_threads(self) -> Iterator[None]:
+        """BLAS limited to `n_threads` (threadpoolctl) for the duration; no limit when n_threads is None."""
+        if self.n_threads_requested is None:
+            yield
+            return
+        with self._controller.limit(limits=self.n_threads_requested, user_api="blas"):
+            yield
+
+    def new_kv(self, n_seq: int, n_ctx_seq: int, unified: bool = False,
+               dtype: np.dtype | type = np.float32) -> KVStore:
+        """KV cells for `n_seq` sequences: `n_ctx_seq` each, or (unified) a pool of n_seq * n_ctx_seq."""
+        hp = self.hparams
+        return KVStore(n_seq, n_ctx_seq, hp.n_layer, hp.n_head_kv, hp.head_dim, self.rope,
+                       unified=unified, dtype=dtype)
+
+    def forward_batch(self, kv: KVStore, chunks: Sequence[BatchChunk | tuple]) -> list[np.ndarray]:
+        """Run chunks (seq_id, token_ids, pos0, want_logits) as one batch; per chunk [n_rows, n_vocab] logits."""
+        with self.compute_threads():
+            return forward_batch(self.weights, self.hparams, self.rope, kv, chunks)
+
+    def forward_logits(self, ids: Sequence[int]) -> np.ndarray:
+        """Logits of every position of `ids` in a fresh context: [len(ids), n_vocab]."""
+        ids = list(ids)
+        kv = self.new_kv(1, max(1, len(ids)))
+        [logits] = self.forward_batch(kv, [BatchChunk(0, ids, 0, range(len(ids)))])
+        return logits
+
+
+def _build_tokenizer(reader: Any, path: str) -> tuple[Any, str | None]:
+    try:
+        from engine.model.tokenizer import Tokenizer   # written separately; optional until it exists
+    except ModuleNotFoundError as e:
+        if e.name != "engine.model.tokenizer":
+            raise
+        return None, "engine.model.tokenizer is not available"
+    return Tokenizer.from_gguf(reader, path), None
+
+
+def load(path: str | os.PathLike[str], n_threads: int | None = None) -> Model:
+    """Load a GGUF model (weights dequantized to float32 once); `n_threads` limits BLAS during compute."""
+    path = os.fspath(path)
+    loaded = load_gguf(path, n_workers=n_threads or 2)
+    tokenizer, error = _build_tokenizer(loaded.reader, path)
+    return Model(path, loaded.hparams, loaded.weights, loaded.summary, tokenizer, error, n_threads)

@@ -1,0 +1,1 @@
+"""slotlab package."""

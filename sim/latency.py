@@ -1,0 +1,466 @@
+"""Latency models of the simulated backend: how long one `backend.execute(plan)` call takes.
+
+One execute() mirrors one pass of llama-server's `update_slots` after scheduling: host prompt-cache copies,
+K re-rotation of shifted cells, then one or more `llama_decode` calls on the batch. The simulated backend
+counts that work as a `StepCost`; a `LatencyModel` turns it into seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+DEFAULT_CALIBRATION_PATH = Path(__file__).with_name("data") / "default_calibration.json"
+CALIBRATION_KIND = "parametric"
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """What one backend.execute() call does, as counted by the simulated backend.
+
+    `kv_read_tokens` is optional: Σ over sequences of the KV cells its attention reads (once per layer):
+    a decode token at context c reads c+1 cells, a prefill chunk of length L at pos0 reads pos0+L cells
+    (a chunk's queries share one pass over its KV). `step_cost_from_chunks` fills it exactly; when it is
+    None, `kv_read_tokens_or_estimate()` derives it from the other fields (exact for decode-only steps
+    and for a single prefill chunk; see docs/latency_models.md).
+    """
+
+    n_prefill_tokens: int  # prompt tokens evaluated this step
+    n_decode_tokens: int  # decode tokens this step (one per generating sequence)
+    n_seqs: int  # sequences (chunks) in the batch
+    attn_ctx_tokens: int  # Σ over every token of the KV length it attends to (see module docs)
+    n_forward_calls: int = 1  # llama_decode calls (a batch may be split when n_batch halves)
+    kv_copy_bytes: int = 0  # bytes moved between slot KV and the host-RAM prompt cache / seq_cp
+    kv_shift_tokens: int = 0  # cached tokens whose K was re-rotated (context shift / cache reuse)
+    kv_read_tokens: int | None = None  # Σ over sequences of KV cells read per layer; None → estimate
+
+    @property
+    def n_tokens(self) -> int:
+        return self.n_prefill_tokens + self.n_decode_tokens
+
+    def kv_read_tokens_or_estimate(self) -> float:
+        """KV cells read per layer; if not counted, assume the batch's sequences have equal length.
+
+        With T tokens in n sequences of equal length T/n, Σ(pos0+L) = attn_ctx·n/T + (T−n)/2.
+        """
+        if self.kv_read_tokens is not None:
+            return float(self.kv_read_tokens)
+        n_tokens = self.n_prefill_tokens + self.n_decode_tokens
+        if n_tokens <= 0 or self.n_seqs <= 0:
+            return 0.0
+        return self.attn_ctx_tokens * self.n_seqs / n_tokens + (n_tokens - self.n_seqs) / 2
+
+
+def step_cost_from_chunks(
+    prefill_chunks: Iterable[tuple[int, int]] = (),
+    decode_n_past: Iterable[int] = (),
+    *,
+    n_forward_calls: int = 1,
+    kv_copy_bytes: int = 0,
+    kv_shift_tokens: int = 0,
+) -> StepCost:
+    """StepCost of a batch from its prompt chunks `(pos0, n_tokens)` and its decoding sequences' n_past.
+
+    A decode token of a sequence with n_past cached cells sits at position n_past and attends n_past+1.
+    """
+    n_prefill = n_seqs = attn_ctx = kv_read = 0
+    for pos0, n_tokens in prefill_chunks:
+        n_prefill += n_tokens
+        n_seqs += 1
+        attn_ctx += n_tokens * pos0 + n_tokens * (n_tokens + 1) // 2
+        kv_read += pos0 + n_tokens
+    n_decode = 0
+    for n_past in decode_n_past:
+        n_decode += 1
+        attn_ctx += n_past + 1
+        kv_read += n_past + 1
+    return StepCost(
+        n_prefill_tokens=n_prefill,
+        n_decode_tokens=n_decode,
+        n_seqs=n_seqs + n_decode,
+        attn_ctx_tokens=attn_ctx,
+        n_forward_calls=n_forward_calls,
+        kv_copy_bytes=kv_copy_bytes,
+        kv_shift_tokens=kv_shift_tokens,
+        kv_read_tokens=kv_read,
+    )
+
+
+@runtime_checkable
+class LatencyModel(Protocol):
+    """Predicts the wall time of one backend.execute() call.
+
+    Contract: `decode_only_times_s(n, ctx0, k)[i] == step_time_s(StepCost(0, n, n, ctx0 + i*n))` for
+    every i < k (k decode-only steps of n sequences, every context growing by one per step), computed
+    without a Python loop over steps — the simulator's fast-forward calls it with k in the thousands.
+    """
+
+    def step_time_s(self, cost: StepCost) -> float: ...
+
+    def decode_only_times_s(self, n_seqs: int, attn_ctx0: int, k: int) -> list[float]: ...
+
+    def describe(self) -> dict: ...
+
+
+def check_decode_only_args(n_seqs: int, attn_ctx0: int, k: int) -> None:
+    if n_seqs < 1:
+        raise ValueError(f"decode_only_times_s: n_seqs must be >= 1, got {n_seqs}")
+    if attn_ctx0 < n_seqs:
+        raise ValueError(f"decode_only_times_s: attn_ctx0 must be >= n_seqs ({n_seqs}), got {attn_ctx0}")
+    if k < 0:
+        raise ValueError(f"decode_only_times_s: k must be >= 0, got {k}")
+
+
+def decode_only_cost(n_seqs: int, attn_ctx_tokens: int) -> StepCost:
+    """The StepCost of one decode-only step, as `decode_only_times_s` assumes it."""
+    return StepCost(n_prefill_tokens=0, n_decode_tokens=n_seqs, n_seqs=n_seqs, attn_ctx_tokens=attn_ctx_tokens)
+
+
+def _check_non_negative(owner: str, name: str, value: float) -> None:
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{owner}: {name} must be a finite number >= 0, got {value!r}")
+
+
+# --- constant -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ConstantLatency:
+    """t = step_s + per_token_s · (n_prefill + n_decode). For tests and parity runs."""
+
+    step_s: float
+    per_token_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_non_negative("ConstantLatency", "step_s", self.step_s)
+        _check_non_negative("ConstantLatency", "per_token_s", self.per_token_s)
+
+    def step_time_s(self, cost: StepCost) -> float:
+        return self.step_s + self.per_token_s * (cost.n_prefill_tokens + cost.n_decode_tokens)
+
+    def decode_only_times_s(self, n_seqs: int, attn_ctx0: int, k: int) -> list[float]:
+        check_decode_only_args(n_seqs, attn_ctx0, k)
+        return [self.step_s + self.per_token_s * n_seqs] * k
+
+    def describe(self) -> dict:
+        return {"kind": "constant", "step_s": self.step_s, "per_token_s": self.per_token_s}
+
+
+# --- parametric -----------------------------------------------------------------------------------
+
+COEFFICIENT_NAMES = (
+    "a_s",
+    "b_prefill_s",
+    "c_decode_s",
+    "d_attn_s",
+    "e_copy_s_per_byte",
+    "f_shift_s_per_token",
+    "g_call_s",
+)
+MEASURED_ON_FIELDS = ("machine", "cpu", "threads", "engine", "model", "date", "notes")
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredOn:
+    """Where and how a calibration was measured (or, for a derived one, what it was derived from)."""
+
+    machine: str
+    cpu: str
+    threads: int | None  # BLAS/compute threads; None when not applicable (GPU, derived)
+    engine: str
+    model: str
+    date: str  # ISO 8601
+    notes: str
+
+    @classmethod
+    def from_dict(cls, data: object, where: str = "measured_on") -> MeasuredOn:
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: field 'measured_on' must be a JSON object, got {type(data).__name__}")
+        for name in MEASURED_ON_FIELDS:
+            if name not in data:
+                raise ValueError(f"{where}: missing field 'measured_on.{name}'")
+        for name in MEASURED_ON_FIELDS:
+            value = data[name]
+            if name == "threads":
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                    raise ValueError(f"{where}: field 'measured_on.threads' must be an integer >= 1 or null, "
+                                     f"got {value!r}")
+            elif not isinstance(value, str):
+                raise ValueError(f"{where}: field 'measured_on.{name}' must be a string, got {value!r}")
+        unknown = sorted(set(data) - set(MEASURED_ON_FIELDS))
+        if unknown:
+            raise ValueError(f"{where}: unknown field 'measured_on.{unknown[0]}' (expected {MEASURED_ON_FIELDS})")
+        return cls(**{name: data[name] for name in MEASURED_ON_FIELDS})
+
+
+@dataclass(frozen=True, slots=True)
+class ParametricLatency:
+    """t = a + b·n_prefill + c·n_decode + d·attn_ctx + e·kv_copy_bytes + f·kv_shift + g·(n_calls−1).
+
+    All coefficients in seconds per unit, all >= 0. `measured_on` and `source` document the calibration
+    and do not take part in equality.
+    """
+
+    a_s: float
+    b_prefill_s: float
+    c_decode_s: float
+    d_attn_s: float
+    e_copy_s_per_byte: float = 0.0
+    f_shift_s_per_token: float = 0.0
+    g_call_s: float = 0.0
+    measured_on: MeasuredOn | None = field(default=None, compare=False)
+    source: str | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in COEFFICIENT_NAMES:
+            _check_non_negative("ParametricLatency", name, getattr(self, name))
+
+    def coefficients(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in COEFFICIENT_NAMES}
+
+    def step_time_s(self, cost: StepCost) -> float:
+        return (
+            self.a_s
+            + self.b_prefill_s * cost.n_prefill_tokens
+            + self.c_decode_s * cost.n_decode_tokens
+            + self.d_attn_s * cost.attn_ctx_tokens
+            + self.e_copy_s_per_byte * cost.kv_copy_bytes
+            + self.f_shift_s_per_token * cost.kv_shift_tokens
+            + self.g_call_s * max(cost.n_forward_calls - 1, 0)
+        )
+
+    def decode_only_times_s(self, n_seqs: int, attn_ctx0: int, k: int) -> list[float]:
+        check_decode_only_args(n_seqs, attn_ctx0, k)
+        # Same left-to-right sum as step_time_s (the zero terms add exactly 0.0), so results are bit-equal.
+        base = self.a_s + self.b_prefill_s * 0 + self.c_decode_s * n_seqs
+        attn_ctx = attn_ctx0 + n_seqs * np.arange(k, dtype=np.int64)  # [k]
+        return (base + self.d_attn_s * attn_ctx).tolist()
+
+    def describe(self) -> dict:
+        return {
+            "kind": "parametric",
+            "coefficients": self.coefficients(),
+            "measured_on": None if self.measured_on is None else asdict(self.measured_on),
+            "source": self.source,
+        }
+
+
+def _require_number(where: str, name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where}: field '{name}' must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{where}: field '{name}' must be finite, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{where}: field '{name}' must be >= 0 (a negative coefficient), got {value!r}")
+    return float(value)
+
+
+def load_calibration(path: str | Path) -> ParametricLatency:
+    """Read a parametric calibration file (format in docs/latency_models.md); ValueError names file and field."""
+    where = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"{where}: cannot read calibration file: {exc}") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: top level must be a JSON object, got {type(data).__name__}")
+    for name in ("kind", "coefficients", "measured_on"):
+        if name not in data:
+            raise ValueError(f"{where}: missing field '{name}'")
+    if data["kind"] != CALIBRATION_KIND:
+        raise ValueError(f"{where}: field 'kind' must be {CALIBRATION_KIND!r}, got {data['kind']!r}")
+    coefficients = data["coefficients"]
+    if not isinstance(coefficients, dict):
+        raise ValueError(f"{where}: field 'coefficients' must be a JSON object")
+    for name in COEFFICIENT_NAMES:
+        if name not in coefficients:
+            raise ValueError(f"{where}: missing field 'coefficients.{name}'")
+    unknown = sorted(set(coefficients) - set(COEFFICIENT_NAMES))
+    if unknown:
+        raise ValueError(f"{where}: unknown field 'coefficients.{unknown[0]}' (expected {COEFFICIENT_NAMES})")
+    values = {name: _require_number(where, f"coefficients.{name}", coefficients[name]) for name in COEFFICIENT_NAMES}
+    measured_on = MeasuredOn.from_dict(data["measured_on"], where)
+    return ParametricLatency(**values, measured_on=measured_on, source=where)
+
+
+def save_calibration(
+    model: ParametricLatency,
+    path: str | Path,
+    measured_on: MeasuredOn | Mapping[str, object],
+    fit: FitResult | None = None,
+) -> None:
+    """Write `model` as a calibration file that `load_calibration` reads back to an equal model."""
+    if not isinstance(measured_on, MeasuredOn):
+        measured_on = MeasuredOn.from_dict(dict(measured_on), "save_calibration")
+    data: dict[str, object] = {
+        "kind": CALIBRATION_KIND,
+        "coefficients": model.coefficients(),
+        "measured_on": asdict(measured_on),
+    }
+    if fit is not None:
+        data["fit"] = fit.stats()
+    Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+# --- fitting --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FitResult:
+    """A fitted ParametricLatency and how well it reproduces the rows it was fitted on."""
+
+    model: ParametricLatency
+    r2: float  # coefficient of determination on elapsed_s (unweighted)
+    mape: float  # mean |pred − elapsed| / elapsed, a fraction
+    max_ape: float  # worst |pred − elapsed| / elapsed, a fraction
+    rmse_s: float
+    n_rows: int
+    method: str  # which non-negative least-squares solver ran
+    weighting: str  # "relative" (rows weighted by 1/elapsed) or "absolute"
+
+    def stats(self) -> dict[str, object]:
+        return {name.name: getattr(self, name.name) for name in fields(self) if name.name != "model"}
+
+
+def cost_features(cost: StepCost) -> list[float]:
+    """The regressors of ParametricLatency, in COEFFICIENT_NAMES order."""
+    return [
+        1.0,
+        cost.n_prefill_tokens,
+        cost.n_decode_tokens,
+        cost.attn_ctx_tokens,
+        cost.kv_copy_bytes,
+        cost.kv_shift_tokens,
+        max(cost.n_forward_calls - 1, 0),
+    ]
+
+
+def _nnls_by_elimination(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with x >= 0: refit without the most negative coefficient until none is negative.
+
+    Not the exact Lawson–Hanson optimum in every case, but exact whenever the unconstrained optimum of the
+    surviving columns is non-negative, which is the case for calibration data with a physical model.
+    """
+    free = list(range(a.shape[1]))
+    x = np.zeros(a.shape[1])
+    while free:
+        sol, *_ = np.linalg.lstsq(a[:, free], y, rcond=None)
+        if (sol >= 0).all():
+            x[free] = sol
+            break
+        free.pop(int(np.argmin(sol)))
+    return x
+
+
+def _solve_nnls(a: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, str]:
+    try:
+        from scipy.optimize import nnls  # optional dependency; the fallback is the same problem
+    except ImportError:
+        return _nnls_by_elimination(a, y), "numpy.linalg.lstsq + clip (negatives fixed at 0, rest refit)"
+    x, _ = nnls(a, y)
+    return x, "scipy.optimize.nnls"
+
+
+def fit_parametric(rows: Iterable[tuple[StepCost, float]], *, weighting: str = "relative") -> FitResult:
+    """Fit non-negative ParametricLatency coefficients to measured `(StepCost, elapsed_s)` rows.
+
+    weighting="relative" minimises Σ((pred−t)/t)² so that short decode steps (most steps, and what TPOT is
+    made of) count as much as long prefills; "absolute" minimises Σ(pred−t)².
+    Uses scipy.optimize.nnls when scipy is importable, else numpy lstsq with clipping (see FitResult.method).
+    """
+    if weighting not in ("relative", "absolute"):
+        raise ValueError(f"fit_parametric: weighting must be 'relative' or 'absolute', got {weighting!r}")
+    rows = list(rows)
+    if not rows:
+        raise ValueError("fit_parametric: no rows")
+    x = np.array([cost_features(cost) for cost, _ in rows], dtype=np.float64)  # [n_rows, 7]
+    t = np.array([elapsed for _, elapsed in rows], dtype=np.float64)  # [n_rows]
+    if not np.all(np.isfinite(t)) or np.any(t <= 0):
+        raise ValueError("fit_parametric: every elapsed_s must be a finite number > 0")
+    w = 1.0 / t if weighting == "relative" else np.ones_like(t)  # [n_rows]
+    # Regressors span ~10 orders of magnitude (1 vs bytes): scale columns to unit max for conditioning.
+    scale = np.abs(x).max(axis=0)  # [7]
+    scale[scale == 0] = 1.0
+    coef_scaled, method = _solve_nnls((x / scale) * w[:, None], t * w)
+    coef = np.maximum(coef_scaled / scale, 0.0)  # [7]; nnls can return -0.0
+    model = ParametricLatency(**dict(zip(COEFFICIENT_NAMES, coef.tolist())))
+    pred = x @ coef  # [n_rows]
+    ss_res = float(np.sum((pred - t) ** 2))
+    ss_tot = float(np.sum((t - t.mean()) ** 2))
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
+    ape = np.abs(pred - t) / t  # [n_rows]
+    return FitResult(
+        model=model,
+        r2=r2,
+        mape=float(ape.mean()),
+        max_ape=float(ape.max()),
+        rmse_s=math.sqrt(ss_res / len(t)),
+        n_rows=len(t),
+        method=method,
+        weighting=weighting,
+    )
+
+
+# --- registry -------------------------------------------------------------------------------------
+
+
+def _constant_from_arg(arg: str) -> LatencyModel:
+    parts = arg.split(":") if arg else []
+    if not 1 <= len(parts) <= 2:
+        raise ValueError(f"latency model 'constant:{arg}': expected constant:STEP_S[:PER_TOKEN_S]")
+    try:
+        values = [float(p) for p in parts]
+    except ValueError as exc:
+        raise ValueError(f"latency model 'constant:{arg}': not a number ({exc})") from exc
+    return ConstantLatency(*values)
+
+
+def _default_from_arg(arg: str) -> LatencyModel:
+    if arg:
+        raise ValueError(f"latency model 'default:{arg}': 'default' takes no argument")
+    return load_calibration(DEFAULT_CALIBRATION_PATH)
+
+
+def _parametric_from_arg(arg: str) -> LatencyModel:
+    if not arg:
+        raise ValueError("latency model 'parametric': expected parametric:PATH.json")
+    return load_calibration(arg)
+
+
+def _roofline_from_arg(arg: str) -> LatencyModel:
+    from sim.roofline import roofline_from_spec  # sim.roofline imports this module at load time
+
+    return roofline_from_spec(arg)
+
+
+LATENCY_MODELS: dict[str, Callable[[str], LatencyModel]] = {
+    "constant": _constant_from_arg,  # constant:STEP_S[:PER_TOKEN_S]
+    "default": _default_from_arg,  # default (the shipped sim/data/default_calibration.json)
+    "parametric": _parametric_from_arg,  # parametric:PATH.json
+    "roofline": _roofline_from_arg,  # roofline:MODEL_PRESET_OR_GGUF[:WEIGHTS_DTYPE[:KV_DTYPE]]@HW_PRESET
+}
+LATENCY_MODEL_SYNTAX = (
+    "constant:STEP_S[:PER_TOKEN_S]",
+    "default",
+    "parametric:PATH.json",
+    "roofline:MODEL_PRESET_OR_GGUF[:WEIGHTS_DTYPE[:KV_DTYPE]]@HW_PRESET",
+)
+
+
+def get_latency_model(spec: str) -> LatencyModel:
+    """Build a latency model from a spec string such as "constant:0.01" or "roofline:llama-2-7b@a100-80gb"."""
+    name, _, arg = spec.strip().partition(":")
+    factory = LATENCY_MODELS.get(name)
+    if factory is None:
+        raise ValueError(f"unknown latency model {spec!r}; choices: {', '.join(LATENCY_MODEL_SYNTAX)}")
+    return factory(arg)

@@ -1,0 +1,273 @@
+"""Latency models: step costs, constant and parametric models, calibration files, fitting, the registry."""
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sim.latency import (
+    DEFAULT_CALIBRATION_PATH,
+    ConstantLatency,
+    LatencyModel,
+    MeasuredOn,
+    ParametricLatency,
+    StepCost,
+    _nnls_by_elimination,
+    decode_only_cost,
+    fit_parametric,
+    get_latency_model,
+    load_calibration,
+    save_calibration,
+    step_cost_from_chunks,
+)
+from sim.roofline import HW_PRESETS, MODEL_PRESETS, RooflineLatency, model_preset
+
+MEASURED_ON = MeasuredOn(machine="test box", cpu="test cpu", threads=2, engine="numpy", model="tiny",
+                         date="2025-01-01", notes="unit test")
+PARAMETRIC = ParametricLatency(a_s=0.02, b_prefill_s=1e-3, c_decode_s=2e-3, d_attn_s=5e-7,
+                               e_copy_s_per_byte=1e-10, f_shift_s_per_token=4e-6, g_call_s=0.03)
+
+
+# --- StepCost -------------------------------------------------------------------------------------
+
+
+def test_step_cost_from_chunks_counts_tokens_and_attention_context():
+    cost = step_cost_from_chunks(prefill_chunks=[(10, 4)], decode_n_past=[7, 0])
+    # chunk of 4 at pos0 10: 4·10 + 4·5/2 = 50; decode tokens at n_past 7 and 0 attend 8 and 1
+    assert cost == StepCost(n_prefill_tokens=4, n_decode_tokens=2, n_seqs=3, attn_ctx_tokens=59,
+                            kv_read_tokens=14 + 8 + 1)
+
+
+def test_kv_read_estimate_is_exact_for_decode_only_and_single_chunk():
+    decode = step_cost_from_chunks(decode_n_past=[5, 100, 3000])
+    chunk = step_cost_from_chunks(prefill_chunks=[(123, 64)])
+    for exact in (decode, chunk):
+        uncounted = StepCost(exact.n_prefill_tokens, exact.n_decode_tokens, exact.n_seqs, exact.attn_ctx_tokens)
+        assert uncounted.kv_read_tokens_or_estimate() == exact.kv_read_tokens
+
+
+# --- constant -------------------------------------------------------------------------------------
+
+
+def test_constant_model_charges_step_plus_per_token():
+    model = ConstantLatency(step_s=0.01, per_token_s=0.001)
+    assert model.step_time_s(StepCost(30, 2, 3, 999)) == pytest.approx(0.01 + 0.032)
+
+
+def test_constant_model_rejects_negative_time():
+    with pytest.raises(ValueError, match="step_s"):
+        ConstantLatency(step_s=-0.01)
+
+
+# --- parametric -----------------------------------------------------------------------------------
+
+
+def test_parametric_model_is_the_linear_formula():
+    cost = StepCost(n_prefill_tokens=100, n_decode_tokens=4, n_seqs=5, attn_ctx_tokens=7000,
+                    n_forward_calls=3, kv_copy_bytes=10**6, kv_shift_tokens=50)
+    expected = 0.02 + 1e-3 * 100 + 2e-3 * 4 + 5e-7 * 7000 + 1e-10 * 10**6 + 4e-6 * 50 + 0.03 * 2
+    assert PARAMETRIC.step_time_s(cost) == pytest.approx(expected, rel=1e-12)
+
+
+def test_parametric_model_charges_calls_only_beyond_the_first():
+    no_call = StepCost(0, 0, 0, 0, n_forward_calls=0)
+    assert PARAMETRIC.step_time_s(no_call) == PARAMETRIC.a_s
+
+
+def test_parametric_model_rejects_negative_coefficient():
+    with pytest.raises(ValueError, match="d_attn_s"):
+        ParametricLatency(a_s=0.0, b_prefill_s=0.0, c_decode_s=0.0, d_attn_s=-1e-9)
+
+
+# --- calibration files ----------------------------------------------------------------------------
+
+
+def test_calibration_round_trips_through_json(tmp_path):
+    path = tmp_path / "cal.json"
+    save_calibration(PARAMETRIC, path, MEASURED_ON)
+    loaded = load_calibration(path)
+    assert loaded == PARAMETRIC
+    assert loaded.measured_on == MEASURED_ON
+    assert loaded.source == str(path)
+
+
+def test_calibration_file_records_fit_stats(tmp_path):
+    rows = [(StepCost(p, d, 1 + d, 10 * p + d), 0.01 + 1e-3 * p + 2e-3 * d) for p in (0, 8, 64) for d in (0, 1, 8)]
+    fit = fit_parametric(rows)
+    path = tmp_path / "cal.json"
+    save_calibration(fit.model, path, MEASURED_ON, fit)
+    assert json.loads(path.read_text())["fit"]["n_rows"] == 9
+
+
+def _good_calibration() -> dict:
+    return {"kind": "parametric", "coefficients": PARAMETRIC.coefficients(),
+            "measured_on": {"machine": "m", "cpu": "c", "threads": 2, "engine": "e", "model": "x",
+                            "date": "2025-01-01", "notes": ""}}
+
+
+def _without(data: dict, dotted: str) -> dict:
+    outer, _, inner = dotted.partition(".")
+    if inner:
+        del data[outer][inner]
+    else:
+        del data[outer]
+    return data
+
+
+def _with(data: dict, dotted: str, value: object) -> dict:
+    outer, _, inner = dotted.partition(".")
+    data[outer][inner] = value
+    return data
+
+
+BAD_CALIBRATIONS = {
+    "not json": ("{ not json", "not valid JSON"),
+    "top level list": ("[]", "top level"),
+    "missing coefficients": (_without(_good_calibration(), "coefficients"), "'coefficients'"),
+    "missing coefficient": (_without(_good_calibration(), "coefficients.d_attn_s"), "'coefficients.d_attn_s'"),
+    "negative coefficient": (_with(_good_calibration(), "coefficients.c_decode_s", -1e-3), "'coefficients.c_decode_s'"),
+    "string coefficient": (_with(_good_calibration(), "coefficients.a_s", "0.1"), "'coefficients.a_s'"),
+    "unknown coefficient": (_with(_good_calibration(), "coefficients.z_s", 0.1), "'coefficients.z_s'"),
+    "missing measured_on": (_without(_good_calibration(), "measured_on"), "'measured_on'"),
+    "missing measured_on field": (_without(_good_calibration(), "measured_on.date"), "'measured_on.date'"),
+    "bad threads": (_with(_good_calibration(), "measured_on.threads", "two"), "'measured_on.threads'"),
+    "wrong kind": ({**_good_calibration(), "kind": "roofline"}, "'kind'"),
+}
+
+
+@pytest.mark.parametrize("content, field", BAD_CALIBRATIONS.values(), ids=BAD_CALIBRATIONS.keys())
+def test_bad_calibration_file_raises_value_error_naming_file_and_field(tmp_path, content, field):
+    path = tmp_path / "bad.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    with pytest.raises(ValueError) as excinfo:
+        load_calibration(path)
+    assert str(path) in str(excinfo.value)
+    assert field in str(excinfo.value)
+
+
+def test_missing_calibration_file_raises_value_error(tmp_path):
+    with pytest.raises(ValueError, match="cannot read"):
+        load_calibration(tmp_path / "absent.json")
+
+
+def test_shipped_default_calibration_loads_and_says_where_it_comes_from():
+    model = load_calibration(DEFAULT_CALIBRATION_PATH)
+    assert model.c_decode_s > 0 and model.a_s > 0
+    assert model.measured_on is not None and model.measured_on.notes
+
+
+# --- fitting --------------------------------------------------------------------------------------
+
+
+def _synthetic_rows(truth: ParametricLatency, rng: np.random.Generator, n_rows: int = 200):
+    rows = []
+    for _ in range(n_rows):
+        prefill = [(int(rng.integers(0, 2000)), int(rng.integers(1, 512))) for _ in range(rng.integers(0, 3))]
+        decode = rng.integers(0, 4000, size=rng.integers(0 if prefill else 1, 32)).tolist()
+        cost = step_cost_from_chunks(prefill, decode, n_forward_calls=int(rng.integers(1, 4)),
+                                     kv_copy_bytes=int(rng.choice([0, rng.integers(0, 10**8)])),
+                                     kv_shift_tokens=int(rng.choice([0, rng.integers(0, 4000)])))
+        rows.append((cost, truth.step_time_s(cost)))
+    return rows
+
+
+def test_fit_recovers_known_coefficients_from_exact_data():
+    fit = fit_parametric(_synthetic_rows(PARAMETRIC, np.random.default_rng(0)))
+    for name, value in PARAMETRIC.coefficients().items():
+        assert getattr(fit.model, name) == pytest.approx(value, rel=1e-6), name
+    assert fit.r2 == pytest.approx(1.0) and fit.mape < 1e-9
+
+
+def test_fit_keeps_coefficients_non_negative_on_noisy_data():
+    truth = ParametricLatency(a_s=0.03, b_prefill_s=1e-3, c_decode_s=0.0, d_attn_s=0.0)
+    rng = np.random.default_rng(1)
+    rows = [(cost, t * rng.uniform(0.8, 1.2)) for cost, t in _synthetic_rows(truth, rng)]
+    fit = fit_parametric(rows)
+    assert all(v >= 0 for v in fit.model.coefficients().values())
+    assert fit.model.b_prefill_s == pytest.approx(1e-3, rel=0.1)
+
+
+def test_numpy_fallback_solver_fixes_negative_coefficients_at_zero():
+    a = np.array([[1.0, 0.0], [1.0, 1.0], [1.0, 2.0]])
+    y = np.array([3.0, 2.0, 1.0])  # unconstrained slope −1 → constrained: slope 0, intercept mean(y)
+    assert _nnls_by_elimination(a, y) == pytest.approx([2.0, 0.0])
+
+
+# --- decode fast-forward, for every model ---------------------------------------------------------
+
+
+DECODE_MODELS = {
+    "constant": ConstantLatency(0.01, 1e-4),
+    "parametric": PARAMETRIC,
+    "default": load_calibration(DEFAULT_CALIBRATION_PATH),
+    **{f"roofline-{m}@{hw}": RooflineLatency(MODEL_PRESETS[m], HW_PRESETS[hw])
+       for m in MODEL_PRESETS for hw in ("cpu-2core", "a100-80gb", "l4")},
+    "roofline-smollm2-f32@cpu-2core": RooflineLatency(model_preset("smollm2-135m", weights_dtype="f32",
+                                                                   kv_dtype="f32"), HW_PRESETS["cpu-2core"]),
+}
+
+
+@pytest.mark.parametrize("model", DECODE_MODELS.values(), ids=DECODE_MODELS.keys())
+@settings(max_examples=40, deadline=None)
+@given(n_seqs=st.integers(1, 128), extra_ctx=st.integers(0, 2_000_000), k=st.integers(0, 60))
+def test_decode_only_times_equal_repeated_step_times(model, n_seqs, extra_ctx, k):
+    attn_ctx0 = n_seqs + extra_ctx
+    expected = [model.step_time_s(decode_only_cost(n_seqs, attn_ctx0 + i * n_seqs)) for i in range(k)]
+    assert model.decode_only_times_s(n_seqs, attn_ctx0, k) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("model", DECODE_MODELS.values(), ids=DECODE_MODELS.keys())
+def test_decode_only_times_reject_fewer_attended_cells_than_sequences(model):
+    with pytest.raises(ValueError, match="attn_ctx0"):
+        model.decode_only_times_s(4, 3, 10)
+
+
+@pytest.mark.parametrize("model", DECODE_MODELS.values(), ids=DECODE_MODELS.keys())
+def test_every_model_is_a_latency_model_with_json_description(model):
+    assert isinstance(model, LatencyModel)
+    json.dumps(model.describe())
+
+
+# --- registry -------------------------------------------------------------------------------------
+
+
+def test_get_latency_model_parses_constant():
+    assert get_latency_model("constant:0.01") == ConstantLatency(0.01)
+    assert get_latency_model("constant:0.01:0.002") == ConstantLatency(0.01, 0.002)
+
+
+def test_get_latency_model_default_is_the_shipped_calibration():
+    assert get_latency_model("default") == load_calibration(DEFAULT_CALIBRATION_PATH)
+
+
+def test_get_latency_model_parses_parametric_path(tmp_path):
+    path = tmp_path / "cal.json"
+    save_calibration(PARAMETRIC, path, MEASURED_ON)
+    assert get_latency_model(f"parametric:{path}") == PARAMETRIC
+
+
+def test_get_latency_model_parses_roofline_model_and_hardware():
+    model = get_latency_model("roofline:llama-2-7b@a100-80gb")
+    assert model == RooflineLatency(MODEL_PRESETS["llama-2-7b"], HW_PRESETS["a100-80gb"])
+
+
+def test_get_latency_model_unknown_name_lists_choices():
+    with pytest.raises(ValueError, match="constant:STEP_S.*default.*parametric:PATH.*roofline:"):
+        get_latency_model("table:foo.csv")
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("constant:fast", "not a number"),
+    ("constant:", "constant:STEP_S"),
+    ("default:x", "no argument"),
+    ("parametric:", "parametric:PATH"),
+    ("roofline:llama-2-7b", "roofline:MODEL"),
+    ("roofline:llama-2-7b@tpu-v5", "a100-80gb"),
+    ("roofline:gpt-5@a100-80gb", "llama-2-7b"),
+    ("roofline:llama-2-7b:f8@a100-80gb", "llama-2-7b"),
+])
+def test_get_latency_model_bad_argument_raises_value_error(spec, message):
+    with pytest.raises(ValueError, match=message):
+        get_latency_model(spec)
