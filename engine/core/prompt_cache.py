@@ -42,6 +42,9 @@ class PromptCache:
         self.recorder = recorder
         self._emit_drop = emit_drop
         self.entries: dict[int, CacheEntry] = {}
+        # entries by first token: any entry with a non-zero common prefix with a prompt starts with the same
+        # token, so alloc/load only need to look at one bucket (exact, and O(bucket) instead of O(entries))
+        self._by_first: dict[int, dict[int, CacheEntry]] = {}
         self._next_id = 0
         self._size_bytes = 0
         self._n_tokens = 0
@@ -61,6 +64,10 @@ class PromptCache:
 
     def _remove(self, e: CacheEntry, now_s: float, reason: str) -> None:
         del self.entries[e.id]
+        bucket = self._by_first[e.tokens[0]]
+        del bucket[e.id]
+        if not bucket:
+            del self._by_first[e.tokens[0]]
         self._size_bytes -= e.size_bytes
         self._n_tokens -= len(e.tokens)
         self.policy.on_remove(e)
@@ -74,16 +81,17 @@ class PromptCache:
 
     # --- upstream operations -----------------------------------------------------------------------
     def alloc(self, tokens: list[int], size_bytes: int, now_s: float) -> CacheEntry | None:
-        """Reserve an entry for `tokens` (caller then saves the KV into it); None when skipped."""
+        """Reserve an entry for `tokens` (non-empty; the caller then saves the KV into it); None when skipped."""
         n = len(tokens)
-        for e in self.entries.values():
+        bucket = self._by_first.get(tokens[0], {})
+        for e in bucket.values():
             if common_prefix(e.tokens, tokens) == n:
                 self.recorder.record(now_s, "cache_skip", n_tokens=n, reason="contained", entry=e.id)
                 return None
         if self.limit_bytes > 0 and size_bytes > self.limit_bytes:
             self.recorder.record(now_s, "cache_skip", n_tokens=n, reason="exceeds_limit", size_bytes=size_bytes)
             return None
-        for e in [e for e in self.entries.values() if common_prefix(e.tokens, tokens) == len(e.tokens)]:
+        for e in [e for e in bucket.values() if common_prefix(e.tokens, tokens) == len(e.tokens)]:
             self._remove(e, now_s, "prefix_of_new")
         if self.limit_bytes > 0:
             while self.entries and self._size_bytes + size_bytes > self.limit_bytes:
@@ -92,6 +100,7 @@ class PromptCache:
                        t_used_s=now_s, seq=self._next_id)
         self._next_id += 1
         self.entries[e.id] = e
+        self._by_first.setdefault(e.tokens[0], {})[e.id] = e
         self._size_bytes += size_bytes
         self._n_tokens += n
         self.policy.on_insert(e, now_s)
@@ -109,7 +118,7 @@ class PromptCache:
         n_new = len(new_tokens)
         f_sim_best = lcp_best / n_new if n_new else 0.0
         best = None
-        for e in self.entries.values():
+        for e in (self._by_first.get(new_tokens[0], {}) if new_tokens else {}).values():
             lcp = common_prefix(e.tokens, new_tokens)
             f_keep = lcp / len(e.tokens) if e.tokens else 0.0
             f_sim = lcp / n_new if n_new else 0.0

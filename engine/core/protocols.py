@@ -36,9 +36,11 @@ class SlotSelector(Protocol):
 
 
 class QueueOrder(Protocol):
-    """`pop_deferred_task`: which deferred task resumes when `released` frees up (index into `deferred`)."""
+    """`pop_deferred_task`: which deferred task resumes when `released` frees up (index into `deferred`).
 
-    def pick_deferred(self, deferred: Sequence["Task"], released: "Slot") -> int: ...
+    `any_named` is False when no deferred task names a slot (id_slot), so policies can skip that scan."""
+
+    def pick_deferred(self, deferred: Sequence["Task"], released: "Slot", any_named: bool = True) -> int: ...
 
 
 class BatchBuilder(Protocol):

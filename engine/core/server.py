@@ -58,6 +58,8 @@ class ServerCore:
         self.token_events: list[tuple[Task, int]] = []
         self._ops: list[KVOp | ForwardCall] = []   # KV ops decided outside a batch (launch, cache, cancel)
         self._next_task_id = 0
+        self._n_busy = 0                           # slots not IDLE
+        self._n_named_deferred = 0                 # deferred tasks that name a slot (id_slot >= 0)
         self._eog = self.base.eog_ids
         # per slot: id of a cache entry known to contain its current tokens (skips alloc's O(entries) scan)
         self._saved_in: list[int] = [-1] * len(self.slots)
@@ -96,6 +98,7 @@ class ServerCore:
         ids = {t.id for t in targets}
         self.queue = deque(t for t in self.queue if t.id not in ids)
         self.deferred = [t for t in self.deferred if t.id not in ids]
+        self._n_named_deferred = sum(1 for t in self.deferred if t.id_slot >= 0)
         for t in targets:
             t.cancelled = True
         for s in self.slots:
@@ -107,7 +110,7 @@ class ServerCore:
         self.rec.record(now_s, "cancel", task=task.id)
 
     def has_work(self) -> bool:
-        return bool(self.queue) or any(s.state != IDLE for s in self.slots)
+        return bool(self.queue) or self._n_busy > 0
 
     def pop_finished(self) -> list[Task]:
         out, self.finished = self.finished, []
@@ -133,7 +136,7 @@ class ServerCore:
 
     @property
     def n_processing(self) -> int:
-        return sum(1 for s in self.slots if s.state != IDLE)
+        return self._n_busy
 
     # ------------------------------------------------------------------ schedule
     def schedule(self, now_s: float) -> BatchPlan:
@@ -184,12 +187,15 @@ class ServerCore:
         task.n_deferred += 1
         self.metrics.n_deferrals += 1
         self.deferred.append(task)
+        if task.id_slot >= 0:
+            self._n_named_deferred += 1
         if self.rec.enabled:
             self.rec.record(now_s, "defer", task=task.id, why=why, n_deferred=len(self.deferred))
 
     def _launch(self, slot: Slot, task: Task, now_s: float, state: SlotState) -> None:
         slot.task = task
         slot.state = state
+        self._n_busy += 1
         slot.n_past = 0
         slot.i_prompt = 0
         slot.n_tasks += 1
@@ -241,7 +247,7 @@ class ServerCore:
         slots = self.slots
         ops = self._ops   # ops emitted while building (releases, purges, cache drops) land in program order
         self._ops = ops
-        if not any(s.state != IDLE for s in slots):
+        if not self._n_busy:
             self._ops = []
             return BatchPlan(now_s, tuple(ops), 0, 0, {}, {})
         n_ctx = self.cfg.n_ctx_slot
@@ -252,15 +258,22 @@ class ServerCore:
             if s.state == GENERATING and len(s.tokens) + 1 >= n_ctx:
                 self._context_shift(s, ops, now_s)
         # 2. one decode token per generating slot
-        gen = [s for s in slots if s.state == GENERATING]
-        n_prompt_pending = sum(1 for s in slots if s.state in (STARTED, PROCESSING_PROMPT))
+        gen = []
+        n_prompt_pending = 0
+        for s in slots:
+            st = s.state
+            if st == GENERATING:
+                gen.append(s)
+            elif st == STARTED or st == PROCESSING_PROMPT:
+                n_prompt_pending += 1
         n_decode = 0
         if gen and self.policies.batch_builder.include_decodes(len(gen), n_prompt_pending):
             for s in gen:
-                pos = len(s.tokens)
-                s.tokens.append(s.sampled)
-                added[s.id] = 1
-                chunks.append(Chunk(s.id, s.task.id, [s.sampled], pos, (s.id,), False))
+                toks = s.tokens
+                sid = s.id
+                chunks.append(Chunk(sid, s.task.id, (s.sampled,), len(toks), (sid,), False))
+                toks.append(s.sampled)
+                added[sid] = 1
             n_decode = len(gen)
         # 3. prompt chunks
         n_prompt = 0
@@ -297,7 +310,7 @@ class ServerCore:
         sampling = {}
         tasks = {}
         for p in ops:
-            if isinstance(p, ForwardCall):
+            if type(p) is ForwardCall:
                 for c in p.chunks:
                     for sid in c.sample_for:
                         t = slots[sid].task
@@ -404,15 +417,28 @@ class ServerCore:
         (unified KV only), else halves n_batch; a 1-token call that does not fit is fatal.
         """
         slots = self.slots
-        cells = [len(s.tokens) - added[s.id] for s in slots]
         unified = self.cfg.kv_unified
         cap = self.cfg.n_ctx if unified else self.cfg.n_ctx_slot
-        n_shared = sum(v[1] for v in self._shared.values())
-        used = sum(cells) - n_shared
-        n_total = sum(len(c.tokens) for c in chunks)
+        n_total = sum(added)
         n_batch_max = self.cfg.n_batch
+        busy = self._n_busy
+        n_shared = sum(v[1] for v in self._shared.values()) if self._shared else 0
+        if n_total <= n_batch_max:
+            # common case: one llama_decode call; fits if the cells after it are within capacity
+            if unified:
+                fits = sum(len(s.tokens) for s in slots) - n_shared <= cap
+            else:
+                fits = all(len(s.tokens) <= cap for s in slots)
+            if fits:
+                ops.append(ForwardCall(tuple(chunks), n_total))
+                self.metrics.n_decode_total += 1
+                self.metrics.n_busy_slots_total += busy
+                if any(len(c.sample_for) > 1 for c in chunks):
+                    self._after_forward(chunks, ops, [len(s.tokens) for s in slots])
+                return ""
+        cells = [len(s.tokens) - added[s.id] for s in slots]
+        used = sum(cells) - n_shared
         n_batch = n_batch_max
-        busy = sum(1 for s in slots if s.state != IDLE)
         queue = deque(chunks)
         off = 0
         while off < n_total:
@@ -509,6 +535,7 @@ class ServerCore:
         """Apply sampled tokens (`post_decode` + `process_token`), release finished slots."""
         if plan is self._uncommitted:
             self._uncommitted = None
+        self._last_commit_s = now_s
         slots = self.slots
         m = self.metrics
         stream = self.stream_tokens
@@ -556,14 +583,94 @@ class ServerCore:
             task.truncated = True
             task.stop_type = STOP_LIMIT
             stop = True
-        n_predict = self.base.n_predict if task.n_predict is None or task.n_predict == -1 else task.n_predict
-        if not stop and n_predict != -1 and task.n_decoded >= n_predict:
+        n_predict = task.n_predict
+        if n_predict is None or n_predict == -1:
+            n_predict = self.base.n_predict
+        if not stop and n_predict != -1 and len(task.generated) >= n_predict:
             task.stop_type = STOP_LIMIT    # n_predict 0 still yields the first token, as upstream
             stop = True
         if tok in self._eog and not task.ignore_eos:
             task.stop_type = STOP_EOS
             stop = True
         return stop
+
+    # ------------------------------------------------------------------ exact fast-forward
+    def decode_horizon(self) -> tuple[int, list[Slot]]:
+        """How many upcoming steps are certain to be plain decode steps with no event in them or in their
+        commits: no queued task, no pending KV op, every busy slot GENERATING with no text hook, and no stop,
+        context shift or KV-capacity event within them (EOS excepted: the caller rules it out, since it knows
+        the tokens). Returns (k, generating slots); k = 0 when the next step must run normally."""
+        if self.queue or self._ops or self._uncommitted is not None or self._pending_fatal is not None:
+            return 0, []
+        gen = []
+        for s in self.slots:
+            st = s.state
+            if st == IDLE:
+                continue
+            if st != GENERATING or s.task.text_hook is not None:
+                return 0, []
+            gen.append(s)
+        if not gen or len(gen) > self.cfg.n_batch:
+            return 0, []
+        if not self.policies.batch_builder.include_decodes(len(gen), 0):
+            return 0, []
+        base = self.base
+        k = 1 << 62
+        for s in gen:
+            task = s.task
+            n_left = len(s.tokens)
+            # context: shift at schedule when len+1 >= n_ctx; stop at commit when len+1 >= n_ctx (shift off)
+            k = min(k, s.n_ctx - n_left - (1 if base.ctx_shift else 2))
+            n_predict = base.n_predict if task.n_predict is None or task.n_predict == -1 else task.n_predict
+            if n_predict != -1:
+                k = min(k, n_predict - task.n_decoded - 1)
+        if self.cfg.kv_unified:
+            k = min(k, (self.cfg.n_ctx - self.kv_cells_used()) // len(gen))
+        return max(k, 0), gen
+
+    def fast_forward(self, gen: list[Slot], tokens: dict[int, list[int]], end_times_s: list[float],
+                     arrivals: dict[int, list[Task]] | None = None) -> None:
+        """Apply k = len(end_times_s) decode steps at once, exactly as k schedule/commit rounds would.
+
+        `gen` and k must come from `decode_horizon`; `tokens[slot]` holds the k tokens sampled for each slot.
+        `arrivals[j]`: tasks submitted at the start of step j; only allowed while every slot is busy, when
+        `process_new_tasks` can do nothing but defer them (so they do not change the stretch).
+        """
+        k = len(end_times_s)
+        if arrivals and self._n_busy < len(self.slots):
+            raise RuntimeError("fast_forward with arrivals needs every slot busy")
+        m = self.metrics
+        busy = len(gen)
+        rec = self.rec.enabled
+        t_end = end_times_s[-1]
+        for s in gen:
+            task = s.task
+            new = tokens[s.id]
+            s.tokens.append(s.sampled)
+            s.tokens.extend(new[:-1])
+            s.sampled = new[-1]
+            task.generated.extend(new)
+            task.t_gen_last_s = t_end
+            if self.stream_tokens:
+                self.token_events.extend((task, t) for t in new)
+        m.n_decode_total += k
+        m.n_busy_slots_total += busy * k
+        n_max = max(len(s.tokens) for s in self.slots)
+        if n_max > m.n_tokens_max:
+            m.n_tokens_max = n_max
+        ids = [s.id for s in gen]
+        for j in range(k):
+            start = end_times_s[j - 1] if j else self._last_commit_s
+            if arrivals and j in arrivals:
+                for t in arrivals[j]:
+                    self.submit(t, start)
+                while self.queue:
+                    self._process_single_task(self.queue.popleft(), start)
+                assert not self._ops, "deferring a task emitted KV operations"
+            if rec:
+                self.rec.record(start, "batch", n_decode=busy, n_prompt=0, slots=ids, n_calls=1)
+
+    _last_commit_s: float = 0.0
 
     # ------------------------------------------------------------------ release
     def _fail(self, s: Slot, etype: ErrorType, message: str, now_s: float) -> None:
@@ -575,6 +682,7 @@ class ServerCore:
         task = s.task
         s.t_last_used_s = now_s
         s.state = IDLE
+        self._n_busy -= 1
         s.task = None
         if task.is_child:
             self._prompt_clear(s)          # child slots keep no context
@@ -594,8 +702,11 @@ class ServerCore:
                     c.error = task.error
                     self._release(cs, now_s)
         if self.deferred:
-            i = self.policies.queue_order.pick_deferred(self.deferred, s)
-            self.queue.appendleft(self.deferred.pop(i))
+            i = self.policies.queue_order.pick_deferred(self.deferred, s, self._n_named_deferred > 0)
+            t = self.deferred.pop(i)
+            if t.id_slot >= 0:
+                self._n_named_deferred -= 1
+            self.queue.appendleft(t)
 
     def _finish(self, task: Task, now_s: float) -> None:
         task.done = True

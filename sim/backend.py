@@ -1,0 +1,68 @@
+"""Simulated execution backend: charges each batch plan's time from a latency model, samples stand-in tokens.
+
+KV cell accounting lives in the serving core (so "KV full", purges and n_batch halving happen here exactly as
+on the real engine); this backend only turns a plan into a `StepCost` and the cost into seconds.
+"""
+
+from __future__ import annotations
+
+from engine.core.types import BatchPlan, ForwardCall, StepResult
+from sim.latency import LatencyModel, StepCost, decode_only_cost
+
+
+class SimBackend:
+    """`execute(plan)`: predicted elapsed seconds and, per sampling slot, the task's next stand-in token.
+
+    A task's tokens come from `task.user.reply` (precomputed, deterministic): index k = the k-th generated
+    token. Past its end the sequence repeats, so the backend never runs dry.
+    """
+
+    def __init__(self, latency: LatencyModel, kv_bytes_per_token: int) -> None:
+        self.latency = latency
+        self.kv_bytes_per_token = kv_bytes_per_token
+
+    def cost(self, plan: BatchPlan) -> StepCost:
+        n_prefill = n_decode = n_seqs = attn = kv_read = n_calls = 0
+        copy_tokens = shift_tokens = 0
+        for p in plan.program:
+            if type(p) is ForwardCall:
+                n_calls += 1
+                for c in p.chunks:
+                    n = len(c.tokens)
+                    n_seqs += 1
+                    if c.is_prompt:
+                        n_prefill += n
+                        attn += n * c.pos0 + n * (n + 1) // 2
+                    else:
+                        n_decode += 1
+                        attn += c.pos0 + 1
+                    kv_read += c.pos0 + n
+            else:
+                k = p.kind
+                if k == "cache_save" or k == "cache_load":
+                    copy_tokens += p.n_tokens
+                elif k == "seq_add":
+                    shift_tokens += max(0, p.p1 - p.p0)
+        if n_prefill == 0 and n_calls == 1 and not copy_tokens and not shift_tokens:
+            return decode_only_cost(n_decode, attn)   # the exact cost fast-forward uses
+        return StepCost(n_prefill, n_decode, n_seqs, attn, n_calls,
+                        copy_tokens * self.kv_bytes_per_token, shift_tokens, kv_read)
+
+    def execute(self, plan: BatchPlan) -> StepResult:
+        if not plan.tasks and not any(type(p) is ForwardCall for p in plan.program):
+            return StepResult(0.0, {})   # KV bookkeeping only (drops, clears): charged nothing
+        elapsed = self.latency.step_time_s(self.cost(plan))
+        sampled = {}
+        for sid, task in plan.tasks.items():
+            reply = task.user.reply
+            sampled[sid] = reply[task.n_decoded % len(reply)]
+        return StepResult(elapsed, sampled)
+
+    @staticmethod
+    def tokens_for(task, k: int) -> list[int]:
+        """The next k stand-in tokens of a task (what k further execute() calls would sample)."""
+        reply = task.user.reply
+        n = task.n_decoded
+        if n + k <= len(reply):
+            return reply[n:n + k]
+        return [reply[(n + i) % len(reply)] for i in range(k)]

@@ -1,0 +1,340 @@
+"""SimPy discrete-event driver: one server process runs the core loop, client processes submit requests.
+
+Time is integer nanoseconds inside SimPy (sums are exact, so fast-forwarding k steps lands on exactly the
+time k single steps would) and seconds at the core's interface. An arrival at time t is seen by a step
+that starts at t: the server yields a low-priority zero-delay event before draining its inbox.
+
+Open-loop arrivals (a trace) are a sorted timestamp list the server process merges itself, rather than one
+SimPy timeout per request: fast-forward can then run through arrivals that find every slot busy (they can
+only be deferred, so they do not change the decode stretch). Closed-loop sessions are SimPy processes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import simpy
+from simpy.events import NORMAL
+
+from engine.core import Recorder, ServerConfig, ServerCore, Task
+from policies import make_policies
+from sim.backend import SimBackend
+from sim.latency import LatencyModel
+from traces import ChatWorkload, PromptMaterializer, TokenSpace, Trace
+from traces.tokens import DOMAIN_REPLY, stream_key
+
+NS = 1_000_000_000
+LATE = NORMAL + 1          # SimPy priority after every normal event of the same instant
+TIMELINE_MAX = 20_000
+
+
+@dataclass(slots=True)
+class SimRequest:
+    """What the simulator knows about a submitted request (carried in Task.user)."""
+
+    index: int
+    arrival_ns: int
+    n_output_target: int
+    reply: list[int]
+    session_id: str | None = None
+    turn: int = 0
+    done: simpy.Event | None = None
+
+
+@dataclass(slots=True)
+class SimResult:
+    requests: list[dict[str, Any]]
+    timeline: list[dict[str, Any]]
+    metrics: Any
+    run: dict[str, Any]
+    cache_stats: dict[str, Any]
+    config: dict[str, Any]
+    recorder: Recorder | None = None
+    sessions_ended_early: list[str] = field(default_factory=list)
+
+
+def _s(ns: int) -> float:
+    return ns / NS
+
+
+class Simulation:
+    """Replays a workload (open-loop `Trace` or closed-loop `ChatWorkload`) through one `ServerCore`."""
+
+    def __init__(self, server_config: ServerConfig, latency: LatencyModel, *, seed: int = 0,
+                 fast_forward: bool = True, recorder: Recorder | None = None,
+                 progress: Callable[[int, int], None] | None = None, vocab_size: int = 49152) -> None:
+        self.config = server_config
+        self.resolved = server_config.resolve()
+        self.latency = latency
+        self.seed = seed
+        self.fast_forward = fast_forward
+        self.recorder = recorder
+        self.progress = progress
+        self.env = simpy.Environment()
+        self.core = ServerCore(self.resolved, make_policies(server_config.policies), recorder)
+        self.backend = SimBackend(latency, server_config.kv_bytes_per_token)
+        self.space = TokenSpace(vocab_size, frozenset(server_config.eog_ids))
+        self.materializer = PromptMaterializer(self.space, seed)
+        self._inbox: list[Task] = []
+        self._wakeup: simpy.Event | None = None
+        self._rows: list[dict[str, Any]] = []
+        self._timeline: list[dict[str, Any]] = []
+        self._tl_stride = 1
+        self._n_steps = 0
+        self._n_ff_steps = 0
+        self._n_total = 0
+        self._n_done = 0
+        self._arrivals: list[tuple[int, Any]] = []   # open loop: (arrival_ns, TraceRequest), sorted
+        self._arr_i = 0
+
+    # ------------------------------------------------------------------ clients
+    def submit(self, tokens: list[int], n_output: int, *, index: int, session_id: str | None = None,
+               turn: int = 0) -> simpy.Event:
+        """Submit a request now; the returned event fires with the finished Task."""
+        env = self.env
+        key = stream_key(self.seed, DOMAIN_REPLY, index)
+        reply = self.materializer.tokens(key, max(1, n_output))
+        req = SimRequest(index, env.now, n_output, reply, session_id, turn, env.event())
+        task = Task(id=-1, tokens=tokens, n_predict=n_output, user=req)
+        self._inbox.append(task)
+        if self._wakeup is not None and not self._wakeup.triggered:
+            self._wakeup.succeed()
+        return req.done
+
+    def _next_arrival_ns(self) -> float:
+        return self._arrivals[self._arr_i][0] if self._arr_i < len(self._arrivals) else math.inf
+
+    def _take_arrivals(self, until_ns: int) -> list[Task]:
+        """Open-loop requests arriving at or before `until_ns`, as tasks (arrival time = trace time)."""
+        out = []
+        arr = self._arrivals
+        mat = self.materializer
+        while self._arr_i < len(arr) and arr[self._arr_i][0] <= until_ns:
+            t_ns, r = arr[self._arr_i]
+            self._arr_i += 1
+            reply = mat.tokens(stream_key(self.seed, DOMAIN_REPLY, r.index), max(1, r.n_output))
+            req = SimRequest(r.index, t_ns, r.n_output, reply, r.session_id, 0, self.env.event())
+            out.append(Task(id=-1, tokens=mat.prompt(r), n_predict=r.n_output, user=req))
+        return out
+
+    def _session(self, wl: ChatWorkload, sess, index0: int):
+        env = self.env
+        space = self.space
+        start = round(sess.start_s * NS)
+        if start > env.now:
+            yield env.timeout(start - env.now)
+        replies: list[list[int]] = []
+        for k, turn in enumerate(sess.turns):
+            if k > 0 and turn.think_s > 0:
+                yield env.timeout(round(turn.think_s * NS))
+            prompt = wl.prompt_tokens(sess.session_id, k, space, replies)
+            task = yield self.submit(prompt, turn.n_output, index=index0 + k, session_id=sess.session_id, turn=k)
+            if task.error is not None:
+                self._ended_early.append(sess.session_id)   # the user gives up on this conversation
+                self._n_total -= len(sess.turns) - k - 1
+                return
+            replies.append(task.generated[:turn.n_output] if turn.n_output > 0 else task.generated)
+
+    # ------------------------------------------------------------------ server
+    def _late(self) -> simpy.Event:
+        ev = self.env.event()
+        ev._ok = True
+        ev._value = None
+        self.env.schedule(ev, priority=LATE)
+        return ev
+
+    def _server(self):
+        env = self.env
+        core = self.core
+        backend = self.backend
+        while True:
+            if not self._inbox and not core.has_work():
+                if self._n_done >= self._n_total:
+                    return
+                t_arr = self._next_arrival_ns()
+                if t_arr < math.inf:
+                    if t_arr > env.now:
+                        yield env.timeout(t_arr - env.now)
+                else:
+                    self._wakeup = env.event()
+                    yield self._wakeup
+                    self._wakeup = None
+            yield self._late()                      # let arrivals of this very instant in
+            now_s = _s(env.now)
+            if self._arr_i < len(self._arrivals):
+                self._inbox.extend(self._take_arrivals(env.now))
+            if self._inbox:
+                for t in self._inbox:
+                    core.submit(t, now_s)
+                self._inbox = []
+            plan = core.schedule(now_s)
+            res = backend.execute(plan)
+            dt = round(res.elapsed_s * NS)
+            if dt > 0:
+                yield env.timeout(dt)
+            now_s = _s(env.now)
+            core.commit(plan, res, now_s)
+            self._n_steps += 1
+            self._finish_tasks()
+            self._sample_timeline(env.now)
+            if self.fast_forward:
+                yield from self._try_fast_forward()
+
+    def _try_fast_forward(self):
+        env = self.env
+        core = self.core
+        if self._inbox:
+            return
+        k, gen = core.decode_horizon()
+        if k < 2:
+            return
+        t_client = env.peek()                        # next client (closed-loop) event; math.inf if none
+        if t_client <= env.now:
+            return
+        all_busy = core.n_processing == len(core.slots)
+        t_arr = self._next_arrival_ns()
+        n = len(gen)
+        attn0 = sum(len(s.tokens) + 1 for s in gen)
+        times = self.latency.decode_only_times_s(n, attn0, k)
+        ends: list[int] = []
+        arrivals: dict[int, list[Task]] = {}
+        t = env.now
+        for j, dt_s in enumerate(times):
+            if t >= t_client:                        # this step would start at/after a client event
+                break
+            if t_arr <= t:                           # open-loop arrivals seen by the step starting at t
+                if not all_busy:
+                    break
+                arrivals[j] = self._take_arrivals(t)
+                t_arr = self._next_arrival_ns()
+            t += round(dt_s * NS)
+            ends.append(t)
+        if len(ends) < 2:
+            # give back what was taken: the normal loop will pull them again
+            if arrivals:
+                self._arr_i -= sum(len(v) for v in arrivals.values())
+            return
+        kk = len(ends)
+        tokens = {s.id: SimBackend.tokens_for(s.task, kk) for s in gen}
+        eog = self.config.eog_ids
+        if eog and any(tok in eog for toks in tokens.values() for tok in toks):
+            self._arr_i -= sum(len(v) for v in arrivals.values())
+            return                                   # an EOS inside the stretch: step normally
+        yield env.timeout(ends[-1] - env.now)
+        core.fast_forward(gen, tokens, [_s(e) for e in ends], arrivals)
+        self._n_steps += kk
+        self._n_ff_steps += kk
+        self._sample_timeline(env.now)
+
+    def _finish_tasks(self) -> None:
+        for task in self.core.pop_finished():
+            req: SimRequest = task.user
+            if task.is_child:
+                continue
+            self._rows.append(self._row(task, req))
+            self._n_done += 1
+            if self.progress is not None:
+                self.progress(self._n_done, self._n_total)
+            req.done.succeed(task)
+
+    def _row(self, task: Task, req: SimRequest) -> dict[str, Any]:
+        arrival = _s(req.arrival_ns)
+        first = task.t_prompt_last_s
+        n_out = task.n_decoded
+        err = task.error
+        return {
+            "request": req.index, "session_id": req.session_id, "turn": req.turn,
+            "arrival_s": arrival,
+            "launch_s": task.t_launch_s if task.t_launch_s >= 0 else math.nan,
+            "first_token_s": first if first >= 0 else math.nan,
+            "end_s": task.t_end_s,
+            "slot": task.slot_id,
+            "n_prompt": len(task.tokens), "n_cached": task.n_prompt_cached,
+            "n_processed": task.n_prompt_processed if err is None else 0,
+            "n_output": n_out, "n_output_target": req.n_output_target,
+            "queue_s": task.t_launch_s - arrival if task.t_launch_s >= 0 else math.nan,
+            "ttft_s": first - arrival if first >= 0 else math.nan,
+            "tpot_s": (task.t_gen_last_s - first) / (n_out - 1) if n_out > 1 and first >= 0 else math.nan,
+            "e2e_s": task.t_end_s - arrival,
+            "finish": "error" if err is not None else task.stop_type,
+            "error": err.message if err is not None else None,
+            "n_deferred": task.n_deferred, "truncated": task.truncated,
+        }
+
+    def _sample_timeline(self, now_ns: int) -> None:
+        if self._n_steps % self._tl_stride:
+            return
+        core = self.core
+        cache = core.cache
+        m = core.metrics
+        self._timeline.append({
+            "t_s": _s(now_ns), "busy_slots": core.n_processing, "deferred": len(core.deferred),
+            "queued": len(core.queue) + len(self._inbox),
+            "cache_bytes": cache.size_bytes() if cache else 0, "cache_entries": len(cache) if cache else 0,
+            "cum_prompt_cached": m.n_prompt_tokens_cached_total,
+            "cum_prompt_processed": m.n_prompt_tokens_processed_total,
+        })
+        if len(self._timeline) >= TIMELINE_MAX:
+            self._timeline = self._timeline[::2]
+            self._tl_stride *= 2
+
+    # ------------------------------------------------------------------ run
+    def run(self, workload: Trace | ChatWorkload) -> SimResult:
+        env = self.env
+        self._ended_early: list[str] = []
+        if isinstance(workload, ChatWorkload):
+            index0 = 0
+            for sess in workload.sessions:
+                env.process(self._session(workload, sess, index0))
+                index0 += len(sess.turns)
+            self._n_total = workload.n_turns
+            kind = "closed_loop_chat"
+        elif isinstance(workload, Trace):
+            reqs = sorted(workload.requests, key=lambda r: (r.arrival_s, r.index))
+            self._arrivals = [(round(r.arrival_s * NS), r) for r in reqs]
+            self._n_total = len(reqs)
+            kind = "open_loop_trace"
+        else:
+            raise TypeError(f"workload must be a traces.Trace or traces.ChatWorkload, got {type(workload).__name__}")
+        wall0 = time.perf_counter()
+        server = env.process(self._server())
+        env.run(until=server)
+        wall = time.perf_counter() - wall0
+        core = self.core
+        rows = sorted(self._rows, key=lambda r: r["request"])
+        n_err = sum(1 for r in rows if r["finish"] == "error")
+        cache = core.cache
+        return SimResult(
+            requests=rows,
+            timeline=self._timeline,
+            metrics=core.metrics,
+            run={"workload": kind, "n_requests": len(rows), "n_finished": len(rows) - n_err, "n_errors": n_err,
+                 "wall_s": wall, "sim_s": _s(env.now), "steps": self._n_steps,
+                 "requests_per_wall_s": len(rows) / wall if wall > 0 else math.inf,
+                 "steps_per_wall_s": self._n_steps / wall if wall > 0 else math.inf,
+                 "fast_forward": self.fast_forward, "ff_steps": self._n_ff_steps,
+                 "sessions_ended_early": len(self._ended_early)},
+            cache_stats={"evictions": cache.n_evictions if cache else 0, "hits": cache.n_hits if cache else 0,
+                         "saves": cache.n_saves if cache else 0},
+            config=self.describe(),
+            recorder=self.recorder,
+            sessions_ended_early=self._ended_early,
+        )
+
+    def describe(self) -> dict[str, Any]:
+        r = self.resolved
+        base = {f: getattr(self.config, f) for f in self.config.__dataclass_fields__}
+        base["eog_ids"] = sorted(base["eog_ids"])
+        base["policies"] = {f: getattr(self.config.policies, f) for f in self.config.policies.__dataclass_fields__}
+        return {
+            "server": base,
+            "resolved": {"n_slots": r.n_slots, "kv_unified": r.kv_unified, "n_ctx": r.n_ctx,
+                         "n_ctx_slot": r.n_ctx_slot, "n_batch": r.n_batch, "n_ubatch": r.n_ubatch},
+            "latency": self.latency.describe(),
+            "seed": self.seed,
+            "fast_forward": self.fast_forward,
+        }

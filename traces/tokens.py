@@ -1,0 +1,135 @@
+"""Deterministic stand-in token ids for traces that carry only lengths or prefix-block hashes.
+
+Every token is a pure function of (seed, stream key, position) through SplitMix64 counters, vectorised in
+numpy: equal block hashes give equal token blocks (so prefix sharing survives), nothing is cached and
+nothing depends on the order in which prompts are materialised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from traces.schema import TraceRequest
+
+MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15           # SplitMix64 increment
+_M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+# Stream domains: keep token streams of different purposes apart even for equal numbers.
+DOMAIN_BLOCK, DOMAIN_UNIQUE, DOMAIN_SYSTEM, DOMAIN_USER, DOMAIN_REPLY = 1, 2, 3, 4, 5
+
+
+@dataclass(frozen=True, slots=True)
+class TokenSpace:
+    """Token ids to draw from: [0, vocab_size) minus `reserved` (special / EOS ids that a synthetic
+    prompt must never contain). Defaults match SmolLM2 (49,152 ids)."""
+
+    vocab_size: int = 49152
+    reserved: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < 1:
+            raise ValueError(f"TokenSpace: vocab_size must be >= 1, got {self.vocab_size}")
+        if self.n_allowed < 1:
+            raise ValueError("TokenSpace: every id is reserved, nothing left to draw from")
+
+    @property
+    def n_allowed(self) -> int:
+        return self.vocab_size - sum(1 for r in self.reserved if 0 <= r < self.vocab_size)
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64 finaliser on a Python int (64-bit wrap-around)."""
+    z = ((z ^ (z >> 30)) * _M1) & MASK64
+    z = ((z ^ (z >> 27)) * _M2) & MASK64
+    return z ^ (z >> 31)
+
+
+def _mix64_np(z: np.ndarray) -> np.ndarray:
+    """`_mix64` on a uint64 array (numpy uint64 arithmetic wraps modulo 2**64)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(_M1)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(_M2)
+    return z ^ (z >> np.uint64(31))
+
+
+def stream_key(*parts: int) -> int:
+    """Fold integers (any sign, taken modulo 2**64) into one 64-bit stream key."""
+    k = 0
+    for p in parts:
+        k = _mix64(((k ^ (p & MASK64)) + _GOLDEN) & MASK64)
+    return k
+
+
+def _as_u64(values: tuple[int, ...]) -> np.ndarray:
+    try:
+        return np.array(values, dtype=np.int64).view(np.uint64)
+    except OverflowError:
+        return np.array([v & MASK64 for v in values], dtype=np.uint64)
+
+
+class PromptMaterializer:
+    """Turns trace requests into token-id lists for one (TokenSpace, seed).
+
+    Stateless apart from its configuration, so one instance may be shared freely; `reserved` ids are
+    skipped by an order-preserving remap of [0, n_allowed) onto the allowed ids.
+    """
+
+    __slots__ = ("space", "seed", "_n_allowed", "_gaps")
+
+    def __init__(self, space: TokenSpace, seed: int) -> None:
+        self.space = space
+        self.seed = int(seed)
+        self._n_allowed = space.n_allowed
+        reserved = sorted(r for r in space.reserved if 0 <= r < space.vocab_size)
+        # allowed ids below reserved[j] = reserved[j] - j; searchsorted on it counts the reserved ids to skip
+        self._gaps = np.array(reserved, dtype=np.int64) - np.arange(len(reserved), dtype=np.int64)
+
+    def _ids(self, keys: np.ndarray, positions: np.ndarray) -> list[int]:
+        z = _mix64_np(keys + (positions + np.uint64(1)) * np.uint64(_GOLDEN))   # [n] uint64
+        x = (z % np.uint64(self._n_allowed)).astype(np.int64)                    # [n] in [0, n_allowed)
+        if len(self._gaps):
+            x += np.searchsorted(self._gaps, x, side="right")
+        return x.tolist()
+
+    def tokens(self, key: int, n: int, start: int = 0) -> list[int]:
+        """Positions start .. start+n-1 of the token stream `key` (see `stream_key`)."""
+        if n <= 0:
+            return []
+        positions = np.arange(start, start + n, dtype=np.uint64)
+        return self._ids(np.full(n, key & MASK64, dtype=np.uint64), positions)
+
+    def block(self, block_hash: int, block_size: int) -> list[int]:
+        """The tokens of one prefix block; a pure function of (seed, block_hash)."""
+        return self.tokens(stream_key(self.seed, DOMAIN_BLOCK, block_hash), block_size)
+
+    def prompt(self, req: TraceRequest) -> list[int]:
+        """`n_prompt` token ids for a request: its real tokens, else its blocks, else a unique stream.
+
+        Blocks cover the prompt in order and the last is cut at `n_prompt`; if the hashes cover fewer
+        than `n_prompt` tokens the rest comes from the request's unique stream (seed, index).
+        """
+        if req.prompt_tokens is not None:
+            return list(req.prompt_tokens)
+        n = req.n_prompt
+        unique_key = stream_key(self.seed, DOMAIN_UNIQUE, req.index)
+        if not req.block_hashes or req.block_size <= 0:
+            return self.tokens(unique_key, n)
+        bs = req.block_size
+        n_blocks = min(len(req.block_hashes), -(-n // bs))
+        n_hashed = min(n, n_blocks * bs)
+        prefix = stream_key(self.seed, DOMAIN_BLOCK)
+        hashes = _as_u64(req.block_hashes[:n_blocks])                            # [n_blocks]
+        block_keys = _mix64_np(((np.uint64(prefix) ^ hashes) + np.uint64(_GOLDEN)))  # = stream_key(.., h)
+        keys = np.repeat(block_keys, bs)[:n_hashed]                               # [n_hashed]
+        positions = np.tile(np.arange(bs, dtype=np.uint64), n_blocks)[:n_hashed]  # [n_hashed]
+        out = self._ids(keys, positions)
+        if n_hashed < n:
+            out += self.tokens(unique_key, n - n_hashed, start=n_hashed)
+        return out
+
+
+def materialize_prompt(req: TraceRequest, space: TokenSpace, seed: int) -> list[int]:
+    """Token ids for one request; see `PromptMaterializer.prompt` (use that class for many requests)."""
+    return PromptMaterializer(space, seed).prompt(req)
