@@ -38,6 +38,7 @@ EVICTIONS: dict[str, Callable[[], Any]] = {
     "lru": eviction.Lru,
     "lfu": eviction.Lfu,
     "gdsf": eviction.Gdsf,
+    "largest": eviction.LargestFirst,
 }
 
 REGISTRIES = {

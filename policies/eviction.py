@@ -74,3 +74,10 @@ class Gdsf:
         v = min(entries, key=lambda e: (e.priority, e.seq))
         self.clock = v.priority
         return v
+
+
+class LargestFirst(_NoHooks):
+    """Evict the entry with the most bytes first (ties: oldest): frees room with the fewest evictions."""
+
+    def victim(self, entries: Sequence[CacheEntry]) -> CacheEntry:
+        return max(entries, key=lambda e: (e.size_bytes, -e.seq))

@@ -136,6 +136,8 @@ class Simulation:
             if task.error is not None:
                 self._ended_early.append(sess.session_id)   # the user gives up on this conversation
                 self._n_total -= len(sess.turns) - k - 1
+                if self._wakeup is not None and not self._wakeup.triggered:
+                    self._wakeup.succeed()           # the server may be waiting for turns that never come
                 return
             replies.append(task.generated[:turn.n_output] if turn.n_output > 0 else task.generated)
 

@@ -221,3 +221,11 @@ def test_cache_disabled_with_zero_cache_ram():
 def test_eviction_policy_is_chosen_by_name():
     core = make_core(n_ctx=4096, policies=PolicyNames(eviction="lru"), cache_hit="copy")
     assert type(core.cache.policy).__name__ == "Lru" and core.cache.hit_mode == "copy"
+
+
+def test_largest_first_evicts_biggest_entry():
+    c, drops = cache(limit_bytes=300, policy="largest")
+    big = c.alloc([1] * 150, 150, 0.0)
+    c.alloc([2] * 100, 100, 1.0)
+    c.alloc([3] * 100, 100, 2.0)
+    assert drops == [big.id]

@@ -1,0 +1,126 @@
+"""SimPy driver: open/closed loop, determinism, and exact fast-forward (same results as single steps)."""
+
+import math
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.core import PolicyNames, Recorder, ServerConfig
+from sim.driver import Simulation
+from sim.latency import ConstantLatency, ParametricLatency
+from traces import (ChatSession, ChatWorkload, ConstantLength, PoissonArrivals, Trace, TraceRequest, Turn,
+                    UniformLength, open_loop)
+
+
+def small_chat(seed=0, n_users=6):
+    sessions = tuple(
+        ChatSession(f"u{i}", start_s=0.3 * i, system_prompt_id=i % 2,
+                    turns=tuple(Turn(n_user=20 + 5 * k, n_output=10 + 3 * k, think_s=0.0 if k == 0 else 0.5)
+                                for k in range(3)))
+        for i in range(n_users))
+    return ChatWorkload(sessions, (120, 80), seed)
+
+
+def param_latency():
+    return ParametricLatency(a_s=0.004, b_prefill_s=2e-5, c_decode_s=1e-4, d_attn_s=1e-8)
+
+
+def test_open_loop_trace_serves_every_request():
+    tr = open_loop(30, PoissonArrivals(5.0), UniformLength(10, 200), UniformLength(1, 40), seed=1)
+    r = Simulation(ServerConfig(n_ctx=4096, n_parallel=2), ConstantLatency(0.01)).run(tr)
+    assert r.run["n_requests"] == 30 and r.run["n_errors"] == 0
+    for row in r.requests:
+        assert row["n_output"] == max(1, row["n_output_target"])
+        assert row["ttft_s"] >= 0 and row["e2e_s"] >= row["ttft_s"]
+
+
+def test_request_arriving_at_a_step_start_is_seen_by_that_step():
+    reqs = [TraceRequest(0, 0.0, 10, 5), TraceRequest(1, 0.02, 10, 5)]
+    tr = Trace(reqs, "native", "test")
+    r = Simulation(ServerConfig(n_ctx=4096, n_parallel=2), ConstantLatency(0.01), fast_forward=False).run(tr)
+    second = r.requests[1]
+    assert second["launch_s"] == 0.02 and second["queue_s"] == 0.0
+
+
+def test_closed_loop_next_turn_extends_previous_prompt_and_reply():
+    wl = small_chat()
+    r = Simulation(ServerConfig(n_ctx=8192, n_parallel=2, cache_ram_mib=-1), ConstantLatency(0.01)).run(wl)
+    rows = [x for x in r.requests if x["session_id"] == "u0"]
+    assert [x["turn"] for x in rows] == [0, 1, 2]
+    for a, b in zip(rows, rows[1:]):
+        assert b["n_prompt"] == a["n_prompt"] + a["n_output"] + (b["n_prompt"] - a["n_prompt"] - a["n_output"])
+        assert b["arrival_s"] >= a["end_s"] + 0.5 - 1e-9          # think time after the reply
+    assert sum(x["n_cached"] for x in r.requests) > 0               # multi-turn prefixes are reused
+
+
+def test_closed_loop_session_ends_at_first_error():
+    wl = ChatWorkload((ChatSession("u", 0.0, 0, (Turn(100, 10, 0.0), Turn(300, 10, 1.0), Turn(5, 5, 1.0))),),
+                      (50,), 0)
+    r = Simulation(ServerConfig(n_ctx=256, n_parallel=1), ConstantLatency(0.01)).run(wl)
+    assert [x["finish"] for x in r.requests] == ["limit", "error"]
+    assert r.sessions_ended_early == ["u"]
+
+
+def test_same_seed_same_results():
+    wl = small_chat()
+    runs = [Simulation(ServerConfig(n_ctx=8192, n_parallel=2), param_latency(), seed=3).run(wl).requests
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def _compare_ff(cfg, workload, latency):
+    rec_a, rec_b = Recorder(), Recorder()
+    a = Simulation(cfg, latency, fast_forward=False, recorder=rec_a).run(workload)
+    b = Simulation(cfg, latency, fast_forward=True, recorder=rec_b).run(workload)
+    return a, b, rec_a, rec_b
+
+
+def _same(x, y):
+    return x == y or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y))
+
+
+def assert_identical(a, b, rec_a, rec_b):
+    assert len(a.requests) == len(b.requests)
+    for ra, rb in zip(a.requests, b.requests):
+        assert all(_same(ra[k], rb[k]) for k in ra), (ra, rb)
+    assert a.run["sim_s"] == b.run["sim_s"] and a.run["steps"] == b.run["steps"]
+    assert rec_a.events == rec_b.events
+    ma, mb = a.metrics, b.metrics
+    assert (ma.n_decode_total, ma.n_tokens_predicted_total, ma.n_busy_slots_total, ma.n_deferrals) == \
+           (mb.n_decode_total, mb.n_tokens_predicted_total, mb.n_busy_slots_total, mb.n_deferrals)
+
+
+def test_fast_forward_is_used_and_changes_nothing_on_chat():
+    a, b, ra, rb = _compare_ff(ServerConfig(n_ctx=8192, n_parallel=2), small_chat(), param_latency())
+    assert b.run["ff_steps"] > 0
+    assert_identical(a, b, ra, rb)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n_parallel=st.sampled_from([-1, 1, 2, 4]), n_ctx=st.sampled_from([512, 1024, 4096]),
+       rate=st.floats(0.5, 50), ctx_shift=st.booleans(), seed=st.integers(0, 1000),
+       batch=st.sampled_from(["decode_first", "prefill_first", "token_budget:64"]),
+       step=st.sampled_from([0.01, 0.0123]))
+def test_fast_forward_equals_single_stepping_on_random_open_loop(n_parallel, n_ctx, rate, ctx_shift, seed,
+                                                                 batch, step):
+    tr = open_loop(25, PoissonArrivals(rate), UniformLength(5, 300), UniformLength(1, 120), seed=seed)
+    cfg = ServerConfig(n_parallel=n_parallel, n_ctx=n_ctx, ctx_shift=ctx_shift,
+                       policies=PolicyNames(batch_building=batch))
+    latency = ParametricLatency(a_s=step, b_prefill_s=1e-5, c_decode_s=3e-4, d_attn_s=1e-7)
+    assert_identical(*_compare_ff(cfg, tr, latency))
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n_users=st.integers(1, 8), n_parallel=st.sampled_from([-1, 1, 3]), seed=st.integers(0, 100),
+       evict=st.sampled_from(["fifo", "lru"]), hit=st.sampled_from(["move", "copy"]))
+def test_fast_forward_equals_single_stepping_on_random_chat(n_users, n_parallel, seed, evict, hit):
+    cfg = ServerConfig(n_parallel=n_parallel, n_ctx=4096, cache_ram_mib=1, kv_bytes_per_token=1024,
+                       policies=PolicyNames(eviction=evict), cache_hit=hit)
+    assert_identical(*_compare_ff(cfg, small_chat(seed, n_users), param_latency()))
+
+
+def test_saturated_open_loop_fast_forwards_through_deferred_arrivals():
+    tr = open_loop(60, PoissonArrivals(50.0), ConstantLength(20), ConstantLength(100), seed=0)
+    a, b, ra, rb = _compare_ff(ServerConfig(n_ctx=8192, n_parallel=2), tr, ConstantLatency(0.01))
+    assert b.run["ff_steps"] > 0.8 * b.run["steps"]
+    assert_identical(a, b, ra, rb)
