@@ -138,10 +138,13 @@ def chat_sessions(n_users: int, turns_per_user: int | tuple[int, int], think_tim
     return ChatWorkload(tuple(sessions), tuple(system_lengths), seed)
 
 
+# The workload of `slotlab simulate` with no arguments (docs/traces.md says why these numbers).
+DEFAULT_CHAT = {"n_users": 32, "turns_per_user": (4, 8), "think_time_s": 30.0, "system_prompt_pool": 4,
+                "system_prompt_len": (200, 500), "user_tokens": (20, 120), "output_tokens": (30, 150),
+                "start_spread_s": 120.0}
+
+
 def default_chat_workload(seed: int = 0) -> ChatWorkload:
-    """The workload of `slotlab simulate` with no arguments (see docs/traces.md for why these numbers):
-    64 users, 4-8 turns each, 4 shared system prompts of 300-800 tokens, think time 5 s (mean,
-    exponential), user turns 30-200 tokens, replies 50-300 tokens, users arriving over 30 s."""
-    return chat_sessions(n_users=64, turns_per_user=(4, 8), think_time_s=5.0, system_prompt_pool=4,
-                         system_prompt_len=(300, 800), user_tokens=(30, 200), output_tokens=(50, 300),
-                         start_spread_s=30.0, seed=seed)
+    """32 users, 4-8 turns each, 4 shared system prompts of 200-500 tokens, think time 30 s (mean,
+    exponential), user turns 20-120 tokens, replies 30-150 tokens, users arriving over 120 s."""
+    return chat_sessions(**DEFAULT_CHAT, seed=seed)

@@ -1,0 +1,254 @@
+"""Results directories of `slotlab` runs: per-request and timeline tables, the one-row summary, config and run
+info; `write_run` writes one, `load_results` reads one back (DESIGN §8).
+
+Frames are built here, once, from the plain rows the simulator collected (no pandas in the simulation loop).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+# Per-request columns in file order (the driver's row keys; any extra key it adds is kept after these).
+REQUEST_COLUMNS = (
+    "request", "session_id", "turn", "arrival_s", "launch_s", "first_token_s", "end_s", "slot",
+    "n_prompt", "n_cached", "n_processed", "n_output", "n_output_target",
+    "queue_s", "ttft_s", "tpot_s", "e2e_s", "finish", "error", "n_deferred", "truncated",
+)
+TIMELINE_COLUMNS = (
+    "t_s", "busy_slots", "deferred", "queued", "cache_bytes", "cache_entries",
+    "cum_prompt_cached", "cum_prompt_processed",
+)
+# Integer columns that may be missing for some rows (errors, open-loop requests): nullable Int64 then.
+_INT_COLUMNS = ("request", "turn", "slot", "n_prompt", "n_cached", "n_processed", "n_output", "n_output_target",
+                "n_deferred")
+LATENCY_METRICS = ("ttft", "tpot", "e2e", "queue")
+PERCENTILES = (50, 90, 99)
+
+FILES = {
+    "config": "config.json",
+    "run": "run.json",
+    "summary": "summary.csv",
+    "requests": "requests.parquet",
+    "requests_csv": "requests.csv",
+    "timeline": "timeline.parquet",
+}
+
+
+# --- frames ----------------------------------------------------------------------------------------
+
+
+def requests_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+    """The per-request table: known columns first (in REQUEST_COLUMNS order), then any extra driver keys."""
+    df = pd.DataFrame.from_records(list(rows)) if rows else pd.DataFrame(columns=list(REQUEST_COLUMNS))
+    extra = [c for c in df.columns if c not in REQUEST_COLUMNS]
+    for c in REQUEST_COLUMNS:
+        if c not in df.columns:
+            df[c] = None
+    df = df[list(REQUEST_COLUMNS) + extra]
+    for c in _INT_COLUMNS:
+        df[c] = pd.to_numeric(df[c], errors="coerce")
+        df[c] = df[c].astype("int64") if df[c].notna().all() else df[c].astype("Int64")
+    for c in ("arrival_s", "launch_s", "first_token_s", "end_s", "queue_s", "ttft_s", "tpot_s", "e2e_s"):
+        df[c] = pd.to_numeric(df[c], errors="coerce").astype("float64")
+    df["truncated"] = df["truncated"].fillna(False).astype(bool)
+    for c in ("session_id", "finish", "error"):
+        df[c] = df[c].astype(object).where(df[c].notna(), None)
+    return df
+
+
+def timeline_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+    """The step timeline (one row per sampled step), in TIMELINE_COLUMNS order."""
+    df = pd.DataFrame.from_records(list(rows)) if rows else pd.DataFrame(columns=list(TIMELINE_COLUMNS))
+    for c in TIMELINE_COLUMNS:
+        if c not in df.columns:
+            df[c] = 0
+    df = df[list(TIMELINE_COLUMNS) + [c for c in df.columns if c not in TIMELINE_COLUMNS]]
+    df["t_s"] = df["t_s"].astype("float64")
+    for c in TIMELINE_COLUMNS[1:]:
+        df[c] = df[c].astype("int64")
+    return df
+
+
+# --- summary ---------------------------------------------------------------------------------------
+
+
+def _stats(values: pd.Series) -> dict[str, float]:
+    """Mean and P50/P90/P99 (numpy's linear interpolation) of the finite values; NaN when there are none."""
+    v = values.to_numpy(dtype="float64", na_value=np.nan)
+    v = v[np.isfinite(v)]
+    if v.size == 0:
+        return {"mean": math.nan, **{f"p{p}": math.nan for p in PERCENTILES}}
+    q = np.percentile(v, PERCENTILES)
+    return {"mean": float(v.mean()), **{f"p{p}": float(x) for p, x in zip(PERCENTILES, q)}}
+
+
+def _counter(source: Any, name: str, default: int = 0) -> int:
+    """A counter from a Metrics object or a plain dict (tests and reloaded runs use dicts)."""
+    if source is None:
+        return default
+    if isinstance(source, Mapping):
+        return int(source.get(name, default))
+    return int(getattr(source, name, default))
+
+
+def summarize(requests: pd.DataFrame, *, sim_s: float | None = None, cache_stats: Mapping[str, int] | None = None,
+              metrics: Any = None) -> dict[str, Any]:
+    """The summary row of a run.
+
+    Latency statistics cover finished requests (finish != "error"); TPOT only requests with > 1 output token
+    (its NaNs are skipped). Throughput is over `sim_s` (simulated seconds; default: first arrival to last
+    end). Hit rate = cached / (cached + processed) prompt tokens over all requests.
+    """
+    ok = requests[requests["finish"] != "error"]
+    row: dict[str, Any] = {
+        "n_requests": int(len(requests)),
+        "n_finished": int(len(ok)),
+        "n_errors": int(len(requests) - len(ok)),
+    }
+    for m in LATENCY_METRICS:
+        st = _stats(ok[f"{m}_s"])
+        row[f"{m}_mean_s"] = st["mean"]
+        for p in PERCENTILES:
+            row[f"{m}_p{p}_s"] = st[f"p{p}"]
+    if sim_s is None:
+        ends, arrivals = requests["end_s"].dropna(), requests["arrival_s"].dropna()
+        sim_s = float(ends.max() - arrivals.min()) if len(ends) and len(arrivals) else 0.0
+    n_output = int(ok["n_output"].sum())
+    n_cached, n_processed = int(requests["n_cached"].sum()), int(requests["n_processed"].sum())
+    row["sim_s"] = float(sim_s)
+    row["throughput_rps"] = len(ok) / sim_s if sim_s > 0 else math.nan
+    row["output_tokens_per_s"] = n_output / sim_s if sim_s > 0 else math.nan
+    row["n_output_tokens"] = n_output
+    row["n_prompt_cached"] = n_cached
+    row["n_prompt_processed"] = n_processed
+    row["prompt_cache_hit_rate"] = n_cached / (n_cached + n_processed) if n_cached + n_processed else math.nan
+    cache_stats = cache_stats or {}
+    row["evictions"] = int(cache_stats.get("evictions", 0))
+    row["cache_hits"] = int(cache_stats.get("hits", 0))
+    row["cache_saves"] = int(cache_stats.get("saves", 0))
+    row["context_shifts"] = _counter(metrics, "n_context_shifts")
+    row["deferrals"] = _counter(metrics, "n_deferrals", default=int(requests["n_deferred"].sum()))
+    row["n_truncated"] = int(requests["truncated"].sum())
+    return row
+
+
+# --- writing ---------------------------------------------------------------------------------------
+
+
+def _json_default(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (frozenset, set)):
+        return sorted(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return repr(obj)
+
+
+def _clean_floats(obj: Any) -> Any:
+    """NaN/inf are not JSON: write them as null."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _clean_floats(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean_floats(v) for v in obj]
+    return obj
+
+
+def write_json(path: Path, data: Any) -> None:
+    # dumps/loads once to turn dataclasses etc. into plain JSON values, then NaN/inf -> null (strict JSON)
+    text = json.dumps(_clean_floats(json.loads(json.dumps(data, default=_json_default))), indent=2,
+                      allow_nan=False)
+    path.write_text(text + "\n", encoding="utf-8")
+
+
+def new_results_dir(experiment: str, root: str | Path = "results") -> Path:
+    """`root/<experiment>/<YYYYmmdd-HHMMSS>/`, suffixed -2, -3, ... when that second is taken; created."""
+    base = Path(root) / experiment / time.strftime("%Y%m%d-%H%M%S")
+    path, k = base, 1
+    while path.exists():
+        k += 1
+        path = base.with_name(f"{base.name}-{k}")
+    path.mkdir(parents=True)
+    return path
+
+
+def metrics_dict(metrics: Any) -> dict[str, Any]:
+    if metrics is None:
+        return {}
+    if isinstance(metrics, Mapping):
+        return dict(metrics)
+    return {f.name: getattr(metrics, f.name) for f in dataclasses.fields(metrics)}
+
+
+def write_run(out_dir: str | Path, result: Any, config: Mapping[str, Any], *, csv: bool = False,
+              plots: bool = True, n_slots: int | None = None) -> dict[str, Any]:
+    """Write a run's results directory from a `SimResult` and return its summary row.
+
+    `config` is what the caller knows about the run (command line, versions, workload); the driver's own
+    `result.config` is stored under its "sim" key.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    requests = requests_frame(result.requests)
+    timeline = timeline_frame(result.timeline)
+    run = dict(result.run)
+    summary = summarize(requests, sim_s=run.get("sim_s"), cache_stats=result.cache_stats, metrics=result.metrics)
+    write_json(out / FILES["config"], {**config, "sim": result.config})
+    write_json(out / FILES["run"], {**run, "cache_stats": dict(result.cache_stats),
+                                    "metrics": metrics_dict(result.metrics)})
+    pd.DataFrame([summary]).to_csv(out / FILES["summary"], index=False)
+    requests.to_parquet(out / FILES["requests"], index=False)
+    if csv:
+        requests.to_csv(out / FILES["requests_csv"], index=False)
+    timeline.to_parquet(out / FILES["timeline"], index=False)
+    if plots:
+        from experiments.plots import plot_run  # matplotlib only when plots are wanted
+
+        plot_run(out, requests, timeline, n_slots=n_slots, title=config.get("label"))
+    return summary
+
+
+# --- reading ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Results:
+    """One results directory, read back."""
+
+    path: Path
+    config: dict[str, Any]
+    run: dict[str, Any]
+    summary: dict[str, Any]
+    requests: pd.DataFrame
+    timeline: pd.DataFrame
+
+
+def load_results(path: str | Path) -> Results:
+    """Read a results directory written by `write_run` (requests from parquet, else from requests.csv)."""
+    p = Path(path)
+    if not (p / FILES["summary"]).exists():
+        raise FileNotFoundError(f"{p}: not a slotlab results directory (no {FILES['summary']})")
+    config = json.loads((p / FILES["config"]).read_text(encoding="utf-8"))
+    run = json.loads((p / FILES["run"]).read_text(encoding="utf-8"))
+    summary = pd.read_csv(p / FILES["summary"]).iloc[0].to_dict()
+    if (p / FILES["requests"]).exists():
+        requests = pd.read_parquet(p / FILES["requests"])
+    else:
+        requests = pd.read_csv(p / FILES["requests_csv"])
+    timeline = pd.read_parquet(p / FILES["timeline"]) if (p / FILES["timeline"]).exists() \
+        else timeline_frame([])
+    return Results(p, config, run, summary, requests, timeline)
