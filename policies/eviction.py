@@ -6,7 +6,8 @@ the same victims (a hit removes the entry, so recency never refreshes); they dif
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Mapping
 
 from engine.core.prompt_cache import CacheEntry
 
@@ -27,22 +28,34 @@ class _NoHooks:
 class Fifo(_NoHooks):
     """Upstream: the oldest inserted entry leaves first."""
 
-    def victim(self, entries: Sequence[CacheEntry]) -> CacheEntry:
-        return min(entries, key=lambda e: e.seq)
+    def victim(self, entries: Mapping[int, CacheEntry]) -> CacheEntry:
+        return next(iter(entries.values()))      # insertion order: the front is the oldest
 
 
-class Lru(_NoHooks):
-    """The least recently used entry (inserted or hit) leaves first."""
+class Lru:
+    """The least recently used entry (inserted or hit) leaves first. O(1): entries kept in recency order."""
 
-    def victim(self, entries: Sequence[CacheEntry]) -> CacheEntry:
-        return min(entries, key=lambda e: (e.t_used_s, e.seq))
+    def __init__(self) -> None:
+        self._order: OrderedDict[int, CacheEntry] = OrderedDict()
+
+    def on_insert(self, entry: CacheEntry, now_s: float) -> None:
+        self._order[entry.id] = entry
+
+    def on_hit(self, entry: CacheEntry, now_s: float) -> None:
+        self._order.move_to_end(entry.id)
+
+    def on_remove(self, entry: CacheEntry) -> None:
+        del self._order[entry.id]
+
+    def victim(self, entries: Mapping[int, CacheEntry]) -> CacheEntry:
+        return next(iter(self._order.values()))
 
 
 class Lfu(_NoHooks):
     """The least frequently hit entry leaves first; ties go to the oldest."""
 
-    def victim(self, entries: Sequence[CacheEntry]) -> CacheEntry:
-        return min(entries, key=lambda e: (e.n_hits, e.seq))
+    def victim(self, entries: Mapping[int, CacheEntry]) -> CacheEntry:
+        return min(entries.values(), key=lambda e: (e.n_hits, e.seq))
 
 
 class Gdsf:
@@ -70,8 +83,8 @@ class Gdsf:
     def on_remove(self, entry: CacheEntry) -> None:
         pass
 
-    def victim(self, entries: Sequence[CacheEntry]) -> CacheEntry:
-        v = min(entries, key=lambda e: (e.priority, e.seq))
+    def victim(self, entries: Mapping[int, CacheEntry]) -> CacheEntry:
+        v = min(entries.values(), key=lambda e: (e.priority, e.seq))
         self.clock = v.priority
         return v
 
@@ -79,5 +92,5 @@ class Gdsf:
 class LargestFirst(_NoHooks):
     """Evict the entry with the most bytes first (ties: oldest): frees room with the fewest evictions."""
 
-    def victim(self, entries: Sequence[CacheEntry]) -> CacheEntry:
-        return max(entries, key=lambda e: (e.size_bytes, -e.seq))
+    def victim(self, entries: Mapping[int, CacheEntry]) -> CacheEntry:
+        return max(entries.values(), key=lambda e: (e.size_bytes, -e.seq))

@@ -192,7 +192,7 @@ class Simulation:
         if self._inbox:
             return
         k, gen = core.decode_horizon()
-        if k < 2:
+        if k < 1:
             return
         t_client = env.peek()                        # next client (closed-loop) event; math.inf if none
         if t_client <= env.now:
@@ -215,7 +215,7 @@ class Simulation:
                 t_arr = self._next_arrival_ns()
             t += round(dt_s * NS)
             ends.append(t)
-        if len(ends) < 2:
+        if not ends:
             # give back what was taken: the normal loop will pull them again
             if arrivals:
                 self._arr_i -= sum(len(v) for v in arrivals.values())
@@ -223,13 +223,14 @@ class Simulation:
         kk = len(ends)
         tokens = {s.id: SimBackend.tokens_for(s.task, kk) for s in gen}
         eog = self.config.eog_ids
-        if eog and any(tok in eog for toks in tokens.values() for tok in toks):
+        if eog and any(tok in eog for toks in tokens.values() for tok in toks[:-1]):
             self._arr_i -= sum(len(v) for v in arrivals.values())
             return                                   # an EOS inside the stretch: step normally
         yield env.timeout(ends[-1] - env.now)
         core.fast_forward(gen, tokens, [_s(e) for e in ends], arrivals)
         self._n_steps += kk
         self._n_ff_steps += kk
+        self._finish_tasks()
         self._sample_timeline(env.now)
 
     def _finish_tasks(self) -> None:

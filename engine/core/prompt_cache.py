@@ -77,7 +77,7 @@ class PromptCache:
             self.recorder.record(now_s, "cache_drop", entry=e.id, n_tokens=len(e.tokens), reason=reason)
 
     def _evict_one(self, now_s: float, reason: str) -> None:
-        self._remove(self.policy.victim(list(self.entries.values())), now_s, reason)
+        self._remove(self.policy.victim(self.entries), now_s, reason)
 
     # --- upstream operations -----------------------------------------------------------------------
     def alloc(self, tokens: list[int], size_bytes: int, now_s: float) -> CacheEntry | None:

@@ -6,7 +6,7 @@ Each protocol has one job and a docstring contract; upstream llama-server behavi
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -69,7 +69,9 @@ class EvictionPolicy(Protocol):
 
     def on_remove(self, entry: "CacheEntry") -> None: ...
 
-    def victim(self, entries: Sequence["CacheEntry"]) -> "CacheEntry": ...
+    def victim(self, entries: Mapping[int, "CacheEntry"]) -> "CacheEntry":
+        """The entry to evict; `entries` is id -> entry in insertion order (oldest first), never empty."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)

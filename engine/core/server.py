@@ -596,10 +596,10 @@ class ServerCore:
 
     # ------------------------------------------------------------------ exact fast-forward
     def decode_horizon(self) -> tuple[int, list[Slot]]:
-        """How many upcoming steps are certain to be plain decode steps with no event in them or in their
-        commits: no queued task, no pending KV op, every busy slot GENERATING with no text hook, and no stop,
-        context shift or KV-capacity event within them (EOS excepted: the caller rules it out, since it knows
-        the tokens). Returns (k, generating slots); k = 0 when the next step must run normally."""
+        """How many upcoming steps are certain to be plain decode steps: no queued task, no pending KV op,
+        every busy slot GENERATING with no text hook, no context shift or KV-capacity event, and no stop
+        before the commit of the last of them (which may end tasks). EOS is the caller's to rule out, since
+        it knows the tokens. Returns (k, generating slots); k = 0 when the next step must run normally."""
         if self.queue or self._ops or self._uncommitted is not None or self._pending_fatal is not None:
             return 0, []
         gen = []
@@ -619,11 +619,13 @@ class ServerCore:
         for s in gen:
             task = s.task
             n_left = len(s.tokens)
-            # context: shift at schedule when len+1 >= n_ctx; stop at commit when len+1 >= n_ctx (shift off)
-            k = min(k, s.n_ctx - n_left - (1 if base.ctx_shift else 2))
+            # step j runs with len = n_left + j before it: a shift at its schedule when len+1 >= n_ctx, or (shift
+            # off) a stop at its commit when len+2 >= n_ctx -- both first at j = n_ctx - n_left - 1 (shift)
+            # or n_ctx - n_left - 2 (stop, allowed as the last step)
+            k = min(k, s.n_ctx - n_left - 1)
             n_predict = base.n_predict if task.n_predict is None or task.n_predict == -1 else task.n_predict
             if n_predict != -1:
-                k = min(k, n_predict - task.n_decoded - 1)
+                k = min(k, n_predict - task.n_decoded)   # the stop lands in the last step's commit
         if self.cfg.kv_unified:
             k = min(k, (self.cfg.n_ctx - self.kv_cells_used()) // len(gen))
         return max(k, 0), gen
@@ -632,9 +634,10 @@ class ServerCore:
                      arrivals: dict[int, list[Task]] | None = None) -> None:
         """Apply k = len(end_times_s) decode steps at once, exactly as k schedule/commit rounds would.
 
-        `gen` and k must come from `decode_horizon`; `tokens[slot]` holds the k tokens sampled for each slot.
-        `arrivals[j]`: tasks submitted at the start of step j; only allowed while every slot is busy, when
-        `process_new_tasks` can do nothing but defer them (so they do not change the stretch).
+        `gen` and k (at most) must come from `decode_horizon`; `tokens[slot]` holds the k tokens sampled for
+        each slot (no EOG before the last). The last step's commit runs the stop checks and releases, as
+        `commit` would. `arrivals[j]`: tasks submitted at the start of step j; only allowed while every slot
+        is busy, when `process_new_tasks` can do nothing but defer them (so they do not change the stretch).
         """
         k = len(end_times_s)
         if arrivals and self._n_busy < len(self.slots):
@@ -655,9 +658,6 @@ class ServerCore:
                 self.token_events.extend((task, t) for t in new)
         m.n_decode_total += k
         m.n_busy_slots_total += busy * k
-        n_max = max(len(s.tokens) for s in self.slots)
-        if n_max > m.n_tokens_max:
-            m.n_tokens_max = n_max
         ids = [s.id for s in gen]
         for j in range(k):
             start = end_times_s[j - 1] if j else self._last_commit_s
@@ -669,6 +669,12 @@ class ServerCore:
                 assert not self._ops, "deferring a task emitted KV operations"
             if rec:
                 self.rec.record(start, "batch", n_decode=busy, n_prompt=0, slots=ids, n_calls=1)
+        for s in gen:                      # the last step's commit: stop checks in slot order
+            if self._process_token(s, s.task, s.sampled):
+                self._release(s, t_end)
+        n_max = max(len(s.tokens) for s in self.slots)
+        if n_max > m.n_tokens_max:
+            m.n_tokens_max = n_max
 
     _last_commit_s: float = 0.0
 
