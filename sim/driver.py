@@ -17,10 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import simpy
 from simpy.events import NORMAL
 
 from engine.core import Recorder, ServerConfig, ServerCore, Task
+from engine.core.types import Backend
 from policies import make_policies
 from sim.backend import SimBackend
 from sim.latency import LatencyModel
@@ -64,20 +66,29 @@ def _s(ns: int) -> float:
 class Simulation:
     """Replays a workload (open-loop `Trace` or closed-loop `ChatWorkload`) through one `ServerCore`."""
 
-    def __init__(self, server_config: ServerConfig, latency: LatencyModel, *, seed: int = 0,
+    def __init__(self, server_config: ServerConfig, latency: LatencyModel | None, *, seed: int = 0,
                  fast_forward: bool = True, recorder: Recorder | None = None,
-                 progress: Callable[[int, int], None] | None = None, vocab_size: int = 49152) -> None:
+                 progress: Callable[[int, int], None] | None = None, vocab_size: int = 49152,
+                 backend: Backend | None = None, reserved_tokens: frozenset[int] = frozenset(),
+                 task_defaults: dict[str, Any] | None = None) -> None:
+        """`backend=None` simulates with `latency`. Any other backend (e.g. the numpy engine) is driven by
+        the same loop, the simulated clock advancing by the elapsed seconds it reports; fast-forward is
+        then off. `reserved_tokens` never appear in materialized prompts (a real model's special tokens);
+        `task_defaults` are extra Task fields for every request (e.g. ignore_eos, sampling)."""
         self.config = server_config
         self.resolved = server_config.resolve()
         self.latency = latency
         self.seed = seed
-        self.fast_forward = fast_forward
+        self.fast_forward = fast_forward and backend is None
+        self.task_defaults = task_defaults or {}
         self.recorder = recorder
         self.progress = progress
         self.env = simpy.Environment()
         self.core = ServerCore(self.resolved, make_policies(server_config.policies), recorder)
-        self.backend = SimBackend(latency, server_config.kv_bytes_per_token)
-        self.space = TokenSpace(vocab_size, frozenset(server_config.eog_ids))
+        if backend is None and latency is None:
+            raise ValueError("Simulation needs a latency model or a backend")
+        self.backend = backend if backend is not None else SimBackend(latency, server_config.kv_bytes_per_token)
+        self.space = TokenSpace(vocab_size, frozenset(server_config.eog_ids) | reserved_tokens)
         self.materializer = PromptMaterializer(self.space, seed)
         self._inbox: list[Task] = []
         self._wakeup: simpy.Event | None = None
@@ -99,7 +110,7 @@ class Simulation:
         key = stream_key(self.seed, DOMAIN_REPLY, index)
         reply = self.materializer.tokens(key, max(1, n_output))
         req = SimRequest(index, env.now, n_output, reply, session_id, turn, env.event())
-        task = Task(id=-1, tokens=tokens, n_predict=n_output, user=req)
+        task = Task(id=-1, tokens=tokens, n_predict=n_output, user=req, **self.task_defaults)
         self._inbox.append(task)
         if self._wakeup is not None and not self._wakeup.triggered:
             self._wakeup.succeed()
@@ -118,7 +129,7 @@ class Simulation:
             self._arr_i += 1
             reply = mat.tokens(stream_key(self.seed, DOMAIN_REPLY, r.index), max(1, r.n_output))
             req = SimRequest(r.index, t_ns, r.n_output, reply, r.session_id, 0, self.env.event())
-            out.append(Task(id=-1, tokens=mat.prompt(r), n_predict=r.n_output, user=req))
+            out.append(Task(id=-1, tokens=mat.prompt(r), n_predict=r.n_output, user=req, **self.task_defaults))
         return out
 
     def _session(self, wl: ChatWorkload, sess, index0: int):
@@ -165,7 +176,8 @@ class Simulation:
                     self._wakeup = env.event()
                     yield self._wakeup
                     self._wakeup = None
-            yield self._late()                      # let arrivals of this very instant in
+            if env.peek() <= env.now:
+                yield self._late()                  # let client events of this very instant run first
             now_s = _s(env.now)
             if self._arr_i < len(self._arrivals):
                 self._inbox.extend(self._take_arrivals(env.now))
@@ -201,25 +213,23 @@ class Simulation:
         t_arr = self._next_arrival_ns()
         n = len(gen)
         attn0 = sum(len(s.tokens) + 1 for s in gen)
-        times = self.latency.decode_only_times_s(n, attn0, k)
-        ends: list[int] = []
+        now = env.now
+        # step durations in ns exactly as single steps round them (round-half-even, like Python's round)
+        dts = np.rint(np.asarray(self.latency.decode_only_times_s(n, attn0, k)) * NS).astype(np.int64)
+        ends = now + np.cumsum(dts)                  # [k] end of each step
+        starts = ends - dts                          # [k] start of each step
+        kk = int(np.searchsorted(starts, t_client, "left"))        # steps starting before a client event
+        if not all_busy:                             # an arrival would get a slot: stop before it
+            kk = min(kk, int(np.searchsorted(starts, t_arr, "left")))
         arrivals: dict[int, list[Task]] = {}
-        t = env.now
-        for j, dt_s in enumerate(times):
-            if t >= t_client:                        # this step would start at/after a client event
-                break
-            if t_arr <= t:                           # open-loop arrivals seen by the step starting at t
-                if not all_busy:
-                    break
-                arrivals[j] = self._take_arrivals(t)
-                t_arr = self._next_arrival_ns()
-            t += round(dt_s * NS)
-            ends.append(t)
-        if not ends:
-            # give back what was taken: the normal loop will pull them again
-            if arrivals:
-                self._arr_i -= sum(len(v) for v in arrivals.values())
+        if kk and all_busy and t_arr <= starts[kk - 1]:
+            # arrivals during the stretch can only be deferred: hand each to the step that first sees it
+            for task in self._take_arrivals(int(starts[kk - 1])):
+                j = int(np.searchsorted(starts, task.user.arrival_ns, "left"))
+                arrivals.setdefault(j, []).append(task)
+        if kk == 0:
             return
+        ends = ends[:kk].tolist()
         kk = len(ends)
         tokens = {s.id: SimBackend.tokens_for(s.task, kk) for s in gen}
         eog = self.config.eog_ids
@@ -337,7 +347,8 @@ class Simulation:
             "server": base,
             "resolved": {"n_slots": r.n_slots, "kv_unified": r.kv_unified, "n_ctx": r.n_ctx,
                          "n_ctx_slot": r.n_ctx_slot, "n_batch": r.n_batch, "n_ubatch": r.n_ubatch},
-            "latency": self.latency.describe(),
+            "latency": self.latency.describe() if self.latency is not None else None,
+            "backend": type(self.backend).__name__,
             "seed": self.seed,
             "fast_forward": self.fast_forward,
         }
