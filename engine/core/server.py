@@ -120,6 +120,24 @@ class ServerCore:
         out, self.token_events = self.token_events, []
         return out
 
+    def take_pending_ops(self) -> list[KVOp]:
+        """KV operations decided outside a step (releases, cancels, cache drops) that would lead the next
+        plan. A front end that reads or replaces a slot's KV between steps (slot save/restore) applies them
+        first; they are then not repeated in the next plan."""
+        if self._uncommitted is not None:
+            raise RuntimeError("take_pending_ops() between schedule() and commit()")
+        ops, self._ops = self._ops, []
+        return ops
+
+    def set_slot_tokens(self, slot_id: int, tokens: list[int]) -> None:
+        """Declare that an idle slot's KV now holds `tokens` (slot restore / erase done by the front end)."""
+        s = self.slots[slot_id]
+        if s.is_processing:
+            raise RuntimeError(f"slot {slot_id} is processing; its tokens can change only when idle")
+        self._truncated(slot_id, 0)
+        self._saved_in[slot_id] = -1
+        s.tokens = list(tokens)
+
     def kv_cells_used(self) -> int:
         """KV cells in use: every slot's tokens, counting cells shared by seq_cp once (unified KV)."""
         return sum(len(s.tokens) for s in self.slots) - sum(v[1] for v in self._shared.values())

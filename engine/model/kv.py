@@ -1,0 +1,309 @@
+"""Per-sequence KV storage with llama.cpp position semantics.
+
+Mirrors `llama_kv_cache` (`seq_rm`, `seq_add`, `seq_cp`, `clear`, `seq_pos_min/max`) and
+`llama_state_seq_get_data` / `llama_state_seq_set_data` for one sequence.
+
+Storage: each sequence owns arrays `k`, `v` of shape [n_layer, n_head_kv, capacity, head_dim] holding its
+cells compacted in position order (cell i has position `pos[i]`, sorted non-decreasing). Head-major layout
+so that attention reads `k[l, :, :n]` as n_head_kv contiguous [n, head_dim] matrices for BLAS. Capacity
+grows by doubling up to the sequence limit. Non-unified: each sequence may hold `n_ctx_seq` cells.
+Unified: all sequences share one pool of `n_ctx = n_seq * n_ctx_seq` cells (only the accounting differs;
+`seq_cp` copies count as new cells, where llama.cpp shares them).
+
+K is stored after RoPE, so `seq_add` re-rotates the shifted cells' K by the position delta.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+# State blob (all little-endian):
+#   header  "<4sIIIIII": magic b"SLKV", version, n_tokens, n_layer, n_head_kv, head_dim, dtype (0 f32, 1 f16)
+#   pos     int32 [n_tokens]
+#   k       dtype [n_layer, n_head_kv, n_tokens, head_dim]
+#   v       dtype [n_layer, n_head_kv, n_tokens, head_dim]
+KV_STATE_MAGIC = b"SLKV"
+KV_STATE_VERSION = 1
+_HEADER = struct.Struct("<4sIIIIII")
+_DTYPE_CODE = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}
+_CODE_DTYPE = {code: dt.newbyteorder("<") for dt, code in _DTYPE_CODE.items()}
+_MIN_CAPACITY = 64
+
+
+class KVCacheFull(RuntimeError):
+    """No room for the tokens (llama_decode returning 1: "could not find a KV slot")."""
+
+
+class Rotator(Protocol):
+    def rerotate(self, k: np.ndarray, delta: int) -> None:
+        """Rotate post-RoPE keys `k` [..., head_dim] in place as if their positions moved by `delta`."""
+
+
+@dataclass(slots=True)
+class SeqKV:
+    k: np.ndarray       # [n_layer, n_head_kv, capacity, head_dim]
+    v: np.ndarray       # [n_layer, n_head_kv, capacity, head_dim]
+    pos: np.ndarray     # [capacity] int32; cells 0..n-1 used, positions sorted (non-decreasing)
+    n: int = 0
+
+
+class KVStore:
+    """KV cells of `n_seq` sequences (ids 0..n_seq-1)."""
+
+    def __init__(self, n_seq: int, n_ctx_seq: int, n_layer: int, n_head_kv: int, head_dim: int,
+                 rotator: Rotator, unified: bool = False, dtype: np.dtype | type = np.float32):
+        if n_seq <= 0 or n_ctx_seq <= 0:
+            raise ValueError(f"n_seq ({n_seq}) and n_ctx_seq ({n_ctx_seq}) must be positive")
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in _DTYPE_CODE:
+            raise ValueError(f"KV dtype must be float32 or float16, got {self.dtype}")
+        self.n_seq, self.n_ctx_seq, self.unified = n_seq, n_ctx_seq, unified
+        self.n_ctx = n_seq * n_ctx_seq
+        self.n_layer, self.n_head_kv, self.head_dim = n_layer, n_head_kv, head_dim
+        self.rotator = rotator
+        self._seqs = [self._new_seq(0) for _ in range(n_seq)]
+
+    # --- accounting -----------------------------------------------------------------------------------
+
+    @property
+    def bytes_per_token(self) -> int:
+        """State bytes one cached token costs: its position (int32) plus K and V over all layers."""
+        return 4 + 2 * self.n_layer * self.n_head_kv * self.head_dim * self.dtype.itemsize
+
+    @property
+    def n_cells_used(self) -> int:
+        return sum(s.n for s in self._seqs)
+
+    def seq_limit(self, seq: int) -> int:
+        """Most cells `seq` could hold right now (its own cap; in unified mode what the pool leaves)."""
+        s = self._seq(seq)
+        if self.unified:
+            return self.n_ctx - self.n_cells_used + s.n
+        return self.n_ctx_seq
+
+    def n_tokens(self, seq: int) -> int:
+        return self._seq(seq).n
+
+    def pos_min(self, seq: int) -> int:
+        """`llama_memory_seq_pos_min`: smallest position of `seq`, -1 when empty."""
+        s = self._seq(seq)
+        return int(s.pos[0]) if s.n else -1
+
+    def pos_max(self, seq: int) -> int:
+        """`llama_memory_seq_pos_max`: largest position of `seq`, -1 when empty."""
+        s = self._seq(seq)
+        return int(s.pos[s.n - 1]) if s.n else -1
+
+    def positions(self, seq: int) -> np.ndarray:
+        s = self._seq(seq)
+        return s.pos[:s.n].copy()                              # [n] int32
+
+    # --- llama.cpp memory operations ------------------------------------------------------------------
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
+        """Remove cells with p0 <= pos < p1 (p0 < 0: from 0; p1 < 0: to the end); seq < 0: every sequence."""
+        for s in self._targets(seq):
+            lo, hi = self._index_range(s, p0, p1)
+            if lo < hi:
+                self._delete(s, lo, hi)
+        return True
+
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        """Shift positions in [p0, p1) by `delta` and re-rotate their K; cells moved below 0 are removed."""
+        if delta == 0:
+            return
+        for s in self._targets(seq):
+            lo, hi = self._index_range(s, p0, p1)
+            if lo >= hi:
+                continue
+            s.pos[lo:hi] += delta
+            k = s.k[:, :, lo:hi]                               # [n_layer, n_head_kv, hi-lo, head_dim]
+            if self.dtype == np.float32:
+                self.rotator.rerotate(k, delta)
+            else:
+                k32 = k.astype(np.float32)
+                self.rotator.rerotate(k32, delta)
+                k[...] = k32
+            n_neg = int(np.count_nonzero(s.pos[lo:hi] < 0))
+            if n_neg:                                          # positions are sorted: the negatives lead
+                self._delete(s, lo, lo + n_neg)
+            self._restore_order(s)
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Copy src's cells in [p0, p1) to dst, replacing dst's cells in that range."""
+        if src == dst:
+            return
+        s, d = self._seq(src), self._seq(dst)
+        lo, hi = self._index_range(s, p0, p1)
+        n_copy = hi - lo
+        dlo, dhi = self._index_range(d, p0, p1)
+        n_new = d.n - (dhi - dlo) + n_copy
+        limit = self.n_ctx - self.n_cells_used + d.n if self.unified else self.n_ctx_seq
+        if n_new > limit:
+            raise KVCacheFull(f"seq_cp {src}->{dst}: {n_new} cells do not fit (limit {limit})")
+        k = np.concatenate([d.k[:, :, :dlo], s.k[:, :, lo:hi], d.k[:, :, dhi:d.n]], axis=2)
+        v = np.concatenate([d.v[:, :, :dlo], s.v[:, :, lo:hi], d.v[:, :, dhi:d.n]], axis=2)
+        pos = np.concatenate([d.pos[:dlo], s.pos[lo:hi], d.pos[dhi:d.n]])
+        self._replace(dst, k, v, pos)
+
+    def clear(self) -> None:
+        """`llama_memory_clear`: every sequence empty (buffers are released)."""
+        self._seqs = [self._new_seq(0) for _ in range(self.n_seq)]
+
+    # --- state (slot save / host-RAM prompt cache) -------------------------------------------------------
+
+    def state_size(self, seq: int) -> int:
+        return _HEADER.size + self._seq(seq).n * self.bytes_per_token
+
+    def state_save(self, seq: int) -> bytes:
+        """One sequence's cells as bytes (layout at the top of this module)."""
+        s = self._seq(seq)
+        n = s.n
+        parts = [
+            _HEADER.pack(KV_STATE_MAGIC, KV_STATE_VERSION, n, self.n_layer, self.n_head_kv, self.head_dim,
+                         _DTYPE_CODE[self.dtype]),
+            s.pos[:n].astype("<i4").tobytes(),
+            np.ascontiguousarray(s.k[:, :, :n], dtype=self.dtype.newbyteorder("<")).tobytes(),
+            np.ascontiguousarray(s.v[:, :, :n], dtype=self.dtype.newbyteorder("<")).tobytes(),
+        ]
+        return b"".join(parts)
+
+    def state_load(self, seq: int, data: bytes) -> None:
+        """Replace `seq`'s cells with a `state_save` blob; any mismatch raises before anything changes."""
+        self._seq(seq)
+        if len(data) < _HEADER.size:
+            raise ValueError(f"KV state too short: {len(data)} bytes < header {_HEADER.size}")
+        magic, version, n, n_layer, n_head_kv, head_dim, code = _HEADER.unpack_from(data, 0)
+        if magic != KV_STATE_MAGIC:
+            raise ValueError(f"KV state has bad magic {magic!r}, expected {KV_STATE_MAGIC!r}")
+        if version != KV_STATE_VERSION:
+            raise ValueError(f"KV state version {version} is not supported (expected {KV_STATE_VERSION})")
+        if (n_layer, n_head_kv, head_dim) != (self.n_layer, self.n_head_kv, self.head_dim):
+            raise ValueError(f"KV state shape (n_layer, n_head_kv, head_dim) = {(n_layer, n_head_kv, head_dim)} "
+                             f"does not match this model {(self.n_layer, self.n_head_kv, self.head_dim)}")
+        if code not in _CODE_DTYPE:
+            raise ValueError(f"KV state has unknown dtype code {code}")
+        dt = _CODE_DTYPE[code]
+        n_kv = n_layer * n_head_kv * n * head_dim
+        expected = _HEADER.size + 4 * n + 2 * n_kv * dt.itemsize
+        if len(data) != expected:
+            raise ValueError(f"KV state is {len(data)} bytes, header says {expected}")
+        off = _HEADER.size
+        pos = np.frombuffer(data, dtype="<i4", count=n, offset=off).astype(np.int32)
+        if n and (pos[0] < 0 or np.any(np.diff(pos) < 0)):
+            raise ValueError("KV state positions are not non-negative and sorted")
+        limit = self.n_ctx - self.n_cells_used + self._seqs[seq].n if self.unified else self.n_ctx_seq
+        if n > limit:
+            raise KVCacheFull(f"KV state of {n} tokens does not fit sequence {seq} (limit {limit})")
+        off += 4 * n
+        shape = (n_layer, n_head_kv, n, head_dim)
+        k = np.frombuffer(data, dtype=dt, count=n_kv, offset=off).reshape(shape)
+        v = np.frombuffer(data, dtype=dt, count=n_kv, offset=off + n_kv * dt.itemsize).reshape(shape)
+        self._replace(seq, k, v, pos)
+
+    # --- used by the forward pass -----------------------------------------------------------------------
+
+    def prepare_append(self, items: list[tuple[int, int, int]]) -> list[SeqKV]:
+        """Check and make room for appending (seq, pos0, n_new) for each item; nothing changes on error.
+
+        llama.cpp requires a sequence's positions to stay consecutive: a non-empty sequence continues at
+        pos_max + 1. Returns each item's SeqKV; the caller writes cells n..n+n_new-1 then calls
+        `commit_append`.
+        """
+        seen = set()
+        total_new = 0
+        for seq, pos0, n_new in items:
+            s = self._seq(seq)
+            if seq in seen:
+                raise ValueError(f"sequence {seq} appears twice in one batch")
+            seen.add(seq)
+            if n_new <= 0:
+                raise ValueError(f"empty chunk for sequence {seq}")
+            if pos0 < 0 or (s.n and pos0 != int(s.pos[s.n - 1]) + 1):
+                raise ValueError(f"sequence {seq}: chunk starts at position {pos0}, but the KV holds up to "
+                                 f"position {self.pos_max(seq)}; positions must stay consecutive")
+            if not self.unified and s.n + n_new > self.n_ctx_seq:
+                raise KVCacheFull(f"sequence {seq}: {s.n} + {n_new} cells exceed n_ctx_seq {self.n_ctx_seq}")
+            total_new += n_new
+        if self.unified and self.n_cells_used + total_new > self.n_ctx:
+            raise KVCacheFull(f"{self.n_cells_used} + {total_new} cells exceed the unified n_ctx {self.n_ctx}")
+        out = []
+        for seq, _pos0, n_new in items:
+            s = self._seqs[seq]
+            self._reserve(s, s.n + n_new)
+            out.append(s)
+        return out
+
+    @staticmethod
+    def commit_append(s: SeqKV, pos0: int, n_new: int) -> None:
+        s.pos[s.n:s.n + n_new] = np.arange(pos0, pos0 + n_new, dtype=np.int32)
+        s.n += n_new
+
+    # --- internals ------------------------------------------------------------------------------------
+
+    def _seq(self, seq: int) -> SeqKV:
+        if not 0 <= seq < self.n_seq:
+            raise ValueError(f"sequence id {seq} out of range [0, {self.n_seq})")
+        return self._seqs[seq]
+
+    def _targets(self, seq: int) -> list[SeqKV]:
+        return list(self._seqs) if seq < 0 else [self._seq(seq)]
+
+    def _new_seq(self, capacity: int) -> SeqKV:
+        shape = (self.n_layer, self.n_head_kv, capacity, self.head_dim)
+        return SeqKV(k=np.zeros(shape, self.dtype), v=np.zeros(shape, self.dtype),
+                     pos=np.zeros(capacity, np.int32))
+
+    def _reserve(self, s: SeqKV, n_cells: int) -> None:
+        cap = s.pos.shape[0]
+        if n_cells <= cap:
+            return
+        new_cap = max(_MIN_CAPACITY, cap)
+        while new_cap < n_cells:
+            new_cap *= 2
+        grown = self._new_seq(new_cap)
+        grown.k[:, :, :s.n] = s.k[:, :, :s.n]
+        grown.v[:, :, :s.n] = s.v[:, :, :s.n]
+        grown.pos[:s.n] = s.pos[:s.n]
+        s.k, s.v, s.pos = grown.k, grown.v, grown.pos
+
+    @staticmethod
+    def _index_range(s: SeqKV, p0: int, p1: int) -> tuple[int, int]:
+        """Cell index range [lo, hi) of positions p0 <= pos < p1 (positions are sorted)."""
+        pos = s.pos[:s.n]
+        lo = 0 if p0 < 0 else int(np.searchsorted(pos, p0, side="left"))
+        hi = s.n if p1 < 0 else int(np.searchsorted(pos, p1, side="left"))
+        return lo, max(lo, hi)
+
+    @staticmethod
+    def _delete(s: SeqKV, lo: int, hi: int) -> None:
+        n_tail = s.n - hi
+        if n_tail:                                             # overlapping slice copies are safe in numpy
+            s.k[:, :, lo:lo + n_tail] = s.k[:, :, hi:s.n]
+            s.v[:, :, lo:lo + n_tail] = s.v[:, :, hi:s.n]
+            s.pos[lo:lo + n_tail] = s.pos[hi:s.n]
+        s.n -= hi - lo
+
+    @staticmethod
+    def _restore_order(s: SeqKV) -> None:
+        """Re-sort cells by position after a shift moved a range past its neighbours (rare)."""
+        pos = s.pos[:s.n]
+        if s.n < 2 or np.all(np.diff(pos) >= 0):
+            return
+        order = np.argsort(pos, kind="stable")
+        s.k[:, :, :s.n] = s.k[:, :, order]
+        s.v[:, :, :s.n] = s.v[:, :, order]
+        s.pos[:s.n] = pos[order]
+
+    def _replace(self, seq: int, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> None:
+        n = pos.shape[0]
+        s = self._new_seq(max(_MIN_CAPACITY, n))
+        s.k[:, :, :n] = k
+        s.v[:, :, :n] = v
+        s.pos[:n] = pos
+        s.n = n
+        self._seqs[seq] = s

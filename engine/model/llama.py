@@ -1,0 +1,315 @@
+"""Llama / Qwen2 forward pass over a batch of chunks from several sequences (mirrors `llm_build_llama` /
+`llm_build_qwen2` of llama.cpp, driven like one `llama_decode` call).
+
+Dense ops (embeddings, norms, QKV/O, SwiGLU FFN, output head) run once on all tokens of the batch
+concatenated, so each weight matrix is streamed once per step; attention runs per chunk against that
+sequence's KV cells. Everything is float32.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
+
+import numpy as np
+
+from engine.model import gguf_loader
+from engine.model.gguf_loader import HParams, Linear, Weights
+from engine.model.kv import KVStore
+
+_ATTN_SCORE_BUDGET = 1 << 22      # max floats of one attention score block: bounds memory on long chunks
+_ATTN_QUERY_BLOCK = 128           # query rows per block: later blocks skip keys past their last query
+_ROPE_TABLE_MIN = 4096
+_SPLIT_MIN_MACS = 1 << 19         # smaller products are not worth a thread hand-off (~20 µs)
+_SPLIT_ALIGN = 16                 # column split points on 64-byte boundaries
+_ELEMENTWISE_ROWS = 64            # rows per task when element-wise work is split over threads
+
+
+class BatchChunk(NamedTuple):
+    """Tokens of one sequence at positions pos0 .. pos0+len-1 (a slot's part of a `llama_batch`).
+
+    want_logits: True = the last token's row, False = none, or a sequence of row indices in the chunk.
+    """
+
+    seq_id: int
+    token_ids: Sequence[int]
+    pos0: int
+    want_logits: bool | Sequence[int] = True
+
+
+class Matmul:
+    """y = x @ W.T for a `Linear`: picks the layout by row count and splits the product column-wise over
+    `n_threads` threads (the caller plus n_threads - 1 workers; numpy releases the GIL inside BLAS).
+
+    Meant to run with BLAS itself single-threaded: on a machine whose 2 cores are shared, OpenBLAS's own
+    threads spin-wait and a step can take 10x longer when another process holds a core, while a thread
+    here that does not get a core just finishes its share later.
+    """
+
+    def __init__(self, n_threads: int = 1):
+        self.n_threads = max(1, int(n_threads))
+        self._pool = (ThreadPoolExecutor(self.n_threads - 1, thread_name_prefix="slotlab-matmul")
+                      if self.n_threads > 1 else None)
+
+    def __call__(self, lin: Linear, x: np.ndarray) -> np.ndarray:
+        """x [M, n_in] -> [M, n_out] float32."""
+        m = x.shape[0]
+        n_in, n_out = lin.t.shape
+        split = self._pool is not None and m * n_in * n_out >= _SPLIT_MIN_MACS
+        n_blk = lin.blocks.shape[0]
+        if 1 < m <= gguf_loader.SMALL_M_MAX and n_blk > 1:
+            out = np.empty((n_blk, m, lin.blocks.shape[2]), np.float32)       # [n_blk, M, n_cols]
+            self._run(lambda a, b: np.matmul(x, lin.blocks[a:b], out=out[a:b]), n_blk, 1, split)
+            return out.transpose(1, 0, 2).reshape(m, n_out)                    # [M, n_out]
+        if not split:
+            return x @ lin.t                                                   # [M, n_out]
+        out = np.empty((m, n_out), np.float32)                                 # [M, n_out]
+        self._run(lambda a, b: np.matmul(x, lin.t[:, a:b], out=out[:, a:b]), n_out, _SPLIT_ALIGN, split)
+        return out
+
+    def _run(self, part: Callable[[int, int], object], n: int, align: int, split: bool) -> None:
+        """part(a, b) over [0, n) cut into n_threads aligned ranges; the caller runs the first."""
+        if not split:
+            part(0, n)
+            return
+        cuts = [0] + [min(n, round(n * i / self.n_threads / align) * align) for i in range(1, self.n_threads)] + [n]
+        futures = [self._pool.submit(part, cuts[i], cuts[i + 1]) for i in range(1, self.n_threads)
+                   if cuts[i] < cuts[i + 1]]
+        part(cuts[0], cuts[1])
+        for f in futures:
+            f.result()
+
+    def parallel(self, tasks: list[Callable[[], object]]) -> None:
+        """Run independent tasks on the threads, each thread taking the next task left (give them
+        largest first for balance)."""
+        if self._pool is None or len(tasks) == 1:
+            for task in tasks:
+                task()
+            return
+        queue = deque(tasks)
+
+        def drain() -> None:
+            while True:
+                try:
+                    task = queue.popleft()                 # deque.popleft is atomic: no lock needed
+                except IndexError:
+                    return
+                task()
+        futures = [self._pool.submit(drain) for _ in range(1, min(self.n_threads, len(tasks)))]
+        drain()
+        for f in futures:
+            f.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+
+class Rope:
+    """Rotary embedding with precomputed cos/sin tables (GGML rope modes NORM and NEOX).
+
+    Pair i of a head (i < n_rot/2) is rotated by angle p * freq_scale * base^(-2i/n_rot) [/ freq_factor_i];
+    NORM pairs dims (2i, 2i+1), NEOX pairs (i, i + n_rot/2); dims >= n_rot pass through.
+    """
+
+    def __init__(self, hp: HParams, freq_factors: np.ndarray | None = None):
+        self.n_rot, self.mode = hp.n_rot, hp.rope_type
+        half = hp.n_rot // 2
+        inv_freq = hp.rope_freq_base ** (-np.arange(half, dtype=np.float64) * 2.0 / hp.n_rot)
+        if freq_factors is not None:
+            inv_freq = inv_freq / freq_factors.astype(np.float64)
+        self.inv_freq = inv_freq * hp.rope_freq_scale                # [n_rot/2] radians per position
+        self._cos = np.empty((0, half), np.float32)
+        self._sin = np.empty((0, half), np.float32)
+        self._grow(max(hp.n_ctx_train, _ROPE_TABLE_MIN))
+
+    def _grow(self, n_pos: int) -> None:
+        angles = np.outer(np.arange(n_pos, dtype=np.float64), self.inv_freq)   # [n_pos, n_rot/2]
+        self._cos = np.cos(angles).astype(np.float32)
+        self._sin = np.sin(angles).astype(np.float32)
+
+    def cos_sin(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin of each position's angles: ([T, n_rot/2], [T, n_rot/2]) float32."""
+        top = int(pos.max()) + 1 if pos.size else 0
+        if top > self._cos.shape[0]:
+            self._grow(max(top, 2 * self._cos.shape[0]))
+        return self._cos[pos], self._sin[pos]
+
+    def apply(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
+        """Rotate x [..., head_dim] in place; cos/sin broadcast against x[..., :n_rot/2]."""
+        if self.mode == "norm":
+            x0, x1 = x[..., 0:self.n_rot:2], x[..., 1:self.n_rot:2]
+        else:
+            half = self.n_rot // 2
+            x0, x1 = x[..., :half], x[..., half:self.n_rot]
+        r0 = x0 * cos - x1 * sin
+        r1 = x0 * sin + x1 * cos
+        x0[...] = r0
+        x1[...] = r1
+
+    def rerotate(self, k: np.ndarray, delta: int) -> None:
+        """Keys rotated at p become keys rotated at p + delta: one extra rotation by delta (float32)."""
+        angles = delta * self.inv_freq                               # [n_rot/2]
+        self.apply(k, np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32))
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """x [T, D] / sqrt(mean(x^2) + eps) * w [D]."""
+    ms = np.einsum("td,td->t", x, x) / np.float32(x.shape[1])      # [T]
+    return x * (1.0 / np.sqrt(ms + np.float32(eps)))[:, None] * w  # [T, D]
+
+
+def _swiglu(gu: np.ndarray, n_ff: int, mm: Matmul) -> np.ndarray:
+    """silu(gate) * up for gu [T, 2 * n_ff] -> [T, n_ff]; long batches split by rows over mm's threads."""
+    n_tokens = gu.shape[0]
+    h = np.empty((n_tokens, n_ff), np.float32)                                       # [T, n_ff]
+
+    def rows(a: int, b: int) -> None:
+        g, u, hh = gu[a:b, :n_ff], gu[a:b, n_ff:], h[a:b]                            # [b-a, n_ff] each
+        np.negative(g, out=hh)
+        np.exp(hh, out=hh)
+        hh += 1.0
+        np.divide(g, hh, out=hh)                                                     # silu(g) = g / (1 + e^-g)
+        hh *= u
+
+    step = _ELEMENTWISE_ROWS
+    if n_tokens <= step or mm.n_threads == 1:
+        rows(0, n_tokens)
+    else:
+        mm.parallel([lambda a=a: rows(a, min(n_tokens, a + step)) for a in range(0, n_tokens, step)])
+    return h
+
+
+def _logit_rows(want: bool | Sequence[int], n: int) -> list[int]:
+    if want is True:
+        return [n - 1]
+    if want is False or want is None:
+        return []
+    rows = [int(i) + n if int(i) < 0 else int(i) for i in want]
+    if any(not 0 <= i < n for i in rows):
+        raise ValueError(f"logit rows {list(want)} out of range for a chunk of {n} tokens")
+    return rows
+
+
+def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_old: int, mm: Matmul | None = None) -> np.ndarray:
+    """Causal attention of one chunk's queries against its sequence's cells.
+
+    q [m, n_head, head_dim] (pre-scaled), k/v [n_head_kv, >= n_old + m, head_dim] with the chunk's cells at
+    n_old .. n_old+m-1 (all earlier cells have smaller positions, so they are all visible).
+    Query blocks of a long chunk run on `mm`'s threads. Returns [m, n_head * head_dim].
+    """
+    m, n_head, head_dim = q.shape
+    n_head_kv = k.shape[0]
+    n_gqa = n_head // n_head_kv                          # query head h reads kv head h // n_gqa
+    qg = q.reshape(m, n_head_kv, n_gqa, head_dim).transpose(1, 2, 0, 3)   # [n_head_kv, n_gqa, m, head_dim]
+    if m == 1:
+        s = qg.reshape(n_head_kv, n_gqa, head_dim) @ k[:, :n_old + 1].transpose(0, 2, 1)  # [n_head_kv, n_gqa, L]
+        s -= s.max(axis=-1, keepdims=True)
+        np.exp(s, out=s)
+        s /= s.sum(axis=-1, keepdims=True)
+        o = s @ v[:, :n_old + 1]                                          # [n_head_kv, n_gqa, head_dim]
+        return o.reshape(1, n_head * head_dim)
+    out = np.empty((n_head_kv, n_gqa, m, head_dim), np.float32)          # [n_head_kv, n_gqa, m, head_dim]
+    block = max(1, min(m, _ATTN_QUERY_BLOCK, _ATTN_SCORE_BUDGET // (n_head * (n_old + m))))
+    causal = np.triu(np.full((m, m), -np.inf, np.float32), k=1)         # [m, m] key j > query i masked
+
+    def query_block(a: int) -> None:
+        b = min(m, a + block)
+        n_keys = n_old + b
+        qb = qg[:, :, a:b].reshape(n_head_kv, n_gqa * (b - a), head_dim)  # [n_head_kv, n_gqa*(b-a), head_dim]
+        s = qb @ k[:, :n_keys].transpose(0, 2, 1)                        # [n_head_kv, n_gqa*(b-a), n_keys]
+        s4 = s.reshape(n_head_kv, n_gqa, b - a, n_keys)                  # [n_head_kv, n_gqa, b-a, n_keys]
+        s4[..., n_old:] += causal[a:b, :b]
+        s -= s.max(axis=-1, keepdims=True)
+        np.exp(s, out=s)
+        s /= s.sum(axis=-1, keepdims=True)
+        out[:, :, a:b] = (s @ v[:, :n_keys]).reshape(n_head_kv, n_gqa, b - a, head_dim)
+
+    starts = list(range(0, m, block))
+    if mm is None or len(starts) == 1:
+        for a in starts:
+            query_block(a)
+    else:
+        mm.parallel([lambda a=a: query_block(a) for a in reversed(starts)])   # costliest (most keys) first
+    return out.transpose(2, 0, 1, 3).reshape(m, n_head * head_dim)      # [m, n_head * head_dim]
+
+
+def forward_batch(w: Weights, hp: HParams, rope: Rope, kv: KVStore, chunks: Sequence[BatchChunk | tuple],
+                  matmul: Matmul | None = None) -> list[np.ndarray]:
+    """One decode step: append every chunk's tokens to its sequence's KV and return, per chunk, the logits
+    rows it asked for as a float32 array [n_rows, n_vocab] (n_rows may be 0).
+
+    Raises ValueError (bad ids, positions, duplicate sequence) or KVCacheFull before any KV cell changes.
+    """
+    chunks = [BatchChunk(*c) for c in chunks]
+    mm = matmul or Matmul(1)
+    if not chunks:
+        return []
+    ids = [np.asarray(c.token_ids, dtype=np.int64).reshape(-1) for c in chunks]
+    for c, t in zip(chunks, ids):
+        if t.size and (t.min() < 0 or t.max() >= hp.n_vocab):
+            raise ValueError(f"sequence {c.seq_id}: token id out of range [0, {hp.n_vocab})")
+    seqs = kv.prepare_append([(int(c.seq_id), int(c.pos0), int(t.size)) for c, t in zip(chunks, ids)])
+    sizes = [int(t.size) for t in ids]
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    n_olds = [s.n for s in seqs]
+    rows = [_logit_rows(c.want_logits, n) for c, n in zip(chunks, sizes)]
+
+    tokens = np.concatenate(ids)                                                     # [T]
+    pos = np.concatenate([np.arange(c.pos0, c.pos0 + n) for c, n in zip(chunks, sizes)])  # [T]
+    n_tokens = tokens.shape[0]
+    n_head, n_head_kv, head_dim = hp.n_head, hp.n_head_kv, hp.head_dim
+    n_qk = (n_head + n_head_kv) * head_dim
+    cos, sin = rope.cos_sin(pos)                                                     # [T, n_rot/2] each
+    cos, sin = cos[:, None, :], sin[:, None, :]                                      # [T, 1, n_rot/2]
+    kv_f16 = kv.dtype != np.float32
+
+    x = w.tok_embd[tokens]                                                           # [T, D]
+    with np.errstate(over="ignore"):                                                 # exp(-g) -> inf is fine in SiLU
+        for il, lw in enumerate(w.layers):
+            xn = rms_norm(x, lw.attn_norm, hp.f_norm_rms_eps)                        # [T, D]
+            qkv = mm(lw.wqkv, xn)                                                    # [T, (n_head + 2*n_head_kv) * head_dim]
+            if lw.bqkv is not None:
+                qkv += lw.bqkv
+            qk = qkv[:, :n_qk].reshape(n_tokens, n_head + n_head_kv, head_dim)       # [T, n_head + n_head_kv, head_dim]
+            rope.apply(qk, cos, sin)
+            q = qk[:, :n_head]                                                       # [T, n_head, head_dim]
+            k = qk[:, n_head:]                                                       # [T, n_head_kv, head_dim]
+            v = qkv[:, n_qk:].reshape(n_tokens, n_head_kv, head_dim)                 # [T, n_head_kv, head_dim]
+            attn = np.empty((n_tokens, n_head * head_dim), np.float32)               # [T, n_head * head_dim]
+            for ic, s in enumerate(seqs):
+                a, b, n_old = offsets[ic], offsets[ic + 1], n_olds[ic]
+                kl, vl = s.k[il], s.v[il]                                            # [n_head_kv, capacity, head_dim]
+                if b - a == 1:
+                    kl[:, n_old] = k[a]
+                    vl[:, n_old] = v[a]
+                else:
+                    kl[:, n_old:n_old + b - a] = k[a:b].transpose(1, 0, 2)
+                    vl[:, n_old:n_old + b - a] = v[a:b].transpose(1, 0, 2)
+                if kv_f16:
+                    kl = kl[:, :n_old + b - a].astype(np.float32)
+                    vl = vl[:, :n_old + b - a].astype(np.float32)
+                attn[a:b] = _attend(q[a:b], kl, vl, n_old, mm)
+            x += mm(lw.wo, attn)                                                     # [T, D]
+            xn = rms_norm(x, lw.ffn_norm, hp.f_norm_rms_eps)                         # [T, D]
+            gu = mm(lw.w_gate_up, xn)                                                # [T, 2 * n_ff]
+            h = _swiglu(gu, hp.n_ff, mm)                                             # [T, n_ff]
+            x += mm(lw.w_down, h)                                                    # [T, D]
+
+    for ic, s in enumerate(seqs):
+        kv.commit_append(s, int(chunks[ic].pos0), sizes[ic])
+
+    sel = [offsets[ic] + r for ic, rr in enumerate(rows) for r in rr]
+    out: list[np.ndarray] = []
+    if not sel:
+        empty = np.empty((0, hp.n_vocab), np.float32)
+        return [empty for _ in chunks]
+    xs = rms_norm(x[sel], w.output_norm, hp.f_norm_rms_eps)                         # [R, D]
+    logits = mm(w.output, xs)                                                        # [R, n_vocab]
+    i = 0
+    for rr in rows:
+        out.append(logits[i:i + len(rr)])
+        i += len(rr)
+    return out
