@@ -11,6 +11,7 @@ only be deferred, so they do not change the decode stretch). Closed-loop session
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from traces.tokens import DOMAIN_REPLY, stream_key
 NS = 1_000_000_000
 LATE = NORMAL + 1          # SimPy priority after every normal event of the same instant
 TIMELINE_MAX = 20_000
+REPLY_POOL = 1 << 16       # stand-in reply tokens drawn once per simulation
 
 
 @dataclass(slots=True)
@@ -90,6 +92,7 @@ class Simulation:
         self.backend = backend if backend is not None else SimBackend(latency, server_config.kv_bytes_per_token)
         self.space = TokenSpace(vocab_size, frozenset(server_config.eog_ids) | reserved_tokens)
         self.materializer = PromptMaterializer(self.space, seed)
+        self._reply_pool = self.materializer.tokens(stream_key(seed, DOMAIN_REPLY, -1), REPLY_POOL)
         self._inbox: list[Task] = []
         self._wakeup: simpy.Event | None = None
         self._rows: list[dict[str, Any]] = []
@@ -107,14 +110,24 @@ class Simulation:
                turn: int = 0) -> simpy.Event:
         """Submit a request now; the returned event fires with the finished Task."""
         env = self.env
-        key = stream_key(self.seed, DOMAIN_REPLY, index)
-        reply = self.materializer.tokens(key, max(1, n_output))
+        reply = self._reply(index, n_output)
         req = SimRequest(index, env.now, n_output, reply, session_id, turn, env.event())
         task = Task(id=-1, tokens=tokens, n_predict=n_output, user=req, **self.task_defaults)
         self._inbox.append(task)
         if self._wakeup is not None and not self._wakeup.triggered:
             self._wakeup.succeed()
         return req.done
+
+    def _reply(self, index: int, n_output: int) -> list[int]:
+        """The stand-in tokens a request "generates": a slice of one seeded pool at an offset drawn from
+        (seed, index). Slicing is far cheaper than drawing fresh ids per request, and replies need no
+        uniqueness of their own: they only ever follow a request's own (unique) prompt."""
+        n = max(1, n_output)
+        pool = self._reply_pool
+        if n >= len(pool):
+            return (pool * (n // len(pool) + 1))[:n]
+        off = stream_key(self.seed, DOMAIN_REPLY, index) % (len(pool) - n)
+        return pool[off:off + n]
 
     def _next_arrival_ns(self) -> float:
         return self._arrivals[self._arr_i][0] if self._arr_i < len(self._arrivals) else math.inf
@@ -127,7 +140,7 @@ class Simulation:
         while self._arr_i < len(arr) and arr[self._arr_i][0] <= until_ns:
             t_ns, r = arr[self._arr_i]
             self._arr_i += 1
-            reply = mat.tokens(stream_key(self.seed, DOMAIN_REPLY, r.index), max(1, r.n_output))
+            reply = self._reply(r.index, r.n_output)
             req = SimRequest(r.index, t_ns, r.n_output, reply, r.session_id, 0, self.env.event())
             out.append(Task(id=-1, tokens=mat.prompt(r), n_predict=r.n_output, user=req, **self.task_defaults))
         return out
@@ -315,7 +328,16 @@ class Simulation:
             raise TypeError(f"workload must be a traces.Trace or traces.ChatWorkload, got {type(workload).__name__}")
         wall0 = time.perf_counter()
         server = env.process(self._server())
-        env.run(until=server)
+        # The run allocates many short-lived lists and few cycles: fewer young-generation collections, and
+        # the objects alive before the run (the workload) frozen out of the collector's scans.
+        threshold = gc.get_threshold()
+        gc.freeze()
+        gc.set_threshold(max(threshold[0], 50_000), *threshold[1:])
+        try:
+            env.run(until=server)
+        finally:
+            gc.set_threshold(*threshold)
+            gc.unfreeze()
         wall = time.perf_counter() - wall0
         core = self.core
         rows = sorted(self._rows, key=lambda r: r["request"])

@@ -76,7 +76,7 @@ class PromptMaterializer:
     skipped by an order-preserving remap of [0, n_allowed) onto the allowed ids.
     """
 
-    __slots__ = ("space", "seed", "_n_allowed", "_gaps")
+    __slots__ = ("space", "seed", "_n_allowed", "_gaps", "_pos_mult", "_table")
 
     def __init__(self, space: TokenSpace, seed: int) -> None:
         self.space = space
@@ -85,20 +85,35 @@ class PromptMaterializer:
         reserved = sorted(r for r in space.reserved if 0 <= r < space.vocab_size)
         # allowed ids below reserved[j] = reserved[j] - j; searchsorted on it counts the reserved ids to skip
         self._gaps = np.array(reserved, dtype=np.int64) - np.arange(len(reserved), dtype=np.int64)
+        # (position + 1) * golden for positions 0.., grown on demand: the per-position half of the counter
+        self._pos_mult = np.zeros(0, dtype=np.uint64)
+        self._table: np.ndarray | None = None
+
+    def _id_table(self) -> np.ndarray:
+        """[n_allowed] object array: draw index -> token id as a shared Python int. Indexing it and calling
+        tolist() reuses one int object per id instead of allocating one per token (faster, and millions
+        of prompt tokens then cost a pointer each)."""
+        if self._table is None:
+            idx = np.arange(self._n_allowed, dtype=np.int64)
+            if len(self._gaps):
+                idx += np.searchsorted(self._gaps, idx, side="right")
+            self._table = np.array(idx.tolist(), dtype=object)
+        return self._table
 
     def _ids(self, keys: np.ndarray, positions: np.ndarray) -> list[int]:
         z = _mix64_np(keys + (positions + np.uint64(1)) * np.uint64(_GOLDEN))   # [n] uint64
-        x = (z % np.uint64(self._n_allowed)).astype(np.int64)                    # [n] in [0, n_allowed)
-        if len(self._gaps):
-            x += np.searchsorted(self._gaps, x, side="right")
-        return x.tolist()
+        return self._id_table()[z % np.uint64(self._n_allowed)].tolist()         # [n] allowed ids
 
     def tokens(self, key: int, n: int, start: int = 0) -> list[int]:
         """Positions start .. start+n-1 of the token stream `key` (see `stream_key`)."""
         if n <= 0:
             return []
-        positions = np.arange(start, start + n, dtype=np.uint64)
-        return self._ids(np.full(n, key & MASK64, dtype=np.uint64), positions)
+        end = start + n
+        if len(self._pos_mult) < end:
+            size = max(end, 2 * len(self._pos_mult), 4096)
+            self._pos_mult = (np.arange(size, dtype=np.uint64) + np.uint64(1)) * np.uint64(_GOLDEN)
+        z = _mix64_np(np.uint64(key & MASK64) + self._pos_mult[start:end])        # [n] uint64
+        return self._id_table()[z % np.uint64(self._n_allowed)].tolist()         # [n] allowed ids
 
     def block(self, block_hash: int, block_size: int) -> list[int]:
         """The tokens of one prefix block; a pure function of (seed, block_hash)."""
