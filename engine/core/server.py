@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from typing import Any
 
 from engine.core.config import ResolvedConfig, ServerConfig
 from engine.core.errors import ErrorType
@@ -271,27 +272,33 @@ class ServerCore:
         n_ctx = self.cfg.n_ctx_slot
         chunks: list[Chunk] = []
         added = [0] * len(slots)
-        # 1. context shift of full generating slots
-        for s in slots:
-            if s.state == GENERATING and len(s.tokens) + 1 >= n_ctx:
-                self._context_shift(s, ops, now_s)
-        # 2. one decode token per generating slot
+        sampling: dict[int, Any] = {}
+        tasks: dict[int, Task] = {}
+        # 1. context shift of full generating slots (each slot on its own, so one pass does 1. and the census)
         gen = []
         n_prompt_pending = 0
         for s in slots:
             st = s.state
             if st == GENERATING:
+                if len(s.tokens) + 1 >= n_ctx:
+                    self._context_shift(s, ops, now_s)
+                    if s.state != GENERATING:
+                        continue
                 gen.append(s)
             elif st == STARTED or st == PROCESSING_PROMPT:
                 n_prompt_pending += 1
+        # 2. one decode token per generating slot
         n_decode = 0
         if gen and self.policies.batch_builder.include_decodes(len(gen), n_prompt_pending):
             for s in gen:
                 toks = s.tokens
                 sid = s.id
-                chunks.append(Chunk(sid, s.task.id, (s.sampled,), len(toks), (sid,), False))
+                task = s.task
+                chunks.append(Chunk(sid, task.id, (s.sampled,), len(toks), (sid,), False))
                 toks.append(s.sampled)
                 added[sid] = 1
+                tasks[sid] = task
+                sampling[sid] = task.sampling
             n_decode = len(gen)
         # 3. prompt chunks
         n_prompt = 0
@@ -319,21 +326,26 @@ class ServerCore:
                 if s.i_prompt == n_total:
                     s.state = DONE_PROMPT
                     sample_for = (s.id, *(c.slot_id for c in task.children))
+                    for sid in sample_for:
+                        t = slots[sid].task
+                        tasks[sid] = t
+                        sampling[sid] = t.sampling
                 chunks.append(Chunk(s.id, task.id, part, pos0, sample_for, True))
         if not chunks:
             self._ops = []
             return BatchPlan(now_s, tuple(ops), 0, 0, {}, {})
-        fatal = self._decode_views(chunks, added, ops, now_s)
+        fatal, single = self._decode_views(chunks, added, ops, now_s)
         self._ops = []
-        sampling = {}
-        tasks = {}
-        for p in ops:
-            if type(p) is ForwardCall:
-                for c in p.chunks:
-                    for sid in c.sample_for:
-                        t = slots[sid].task
-                        tasks[sid] = t
-                        sampling[sid] = t.sampling
+        if not single:     # split batch: only slots whose last chunk made it into a forward call sample
+            sampling = {}
+            tasks = {}
+            for p in ops:
+                if type(p) is ForwardCall:
+                    for c in p.chunks:
+                        for sid in c.sample_for:
+                            t = slots[sid].task
+                            tasks[sid] = t
+                            sampling[sid] = t.sampling
         if self.rec.enabled:
             self.rec.record(now_s, "batch", n_decode=n_decode, n_prompt=n_prompt,
                             slots=[c.seq for c in chunks], n_calls=sum(isinstance(p, ForwardCall) for p in ops))
@@ -428,11 +440,12 @@ class ServerCore:
         self.rec.record(now_s, "context_shift", task=task.id, slot=s.id, n_keep=n_keep, n_discard=n_discard)
 
     # --- decode(): KV capacity, idle-slot purge, n_batch halving --------------------------------------
-    def _decode_views(self, chunks: list[Chunk], added: list[int], ops: list, now_s: float) -> str:
+    def _decode_views(self, chunks: list[Chunk], added: list[int], ops: list, now_s: float) -> tuple[str, bool]:
         """Cut the batch into llama_decode calls of at most n_batch tokens, checking KV capacity per call.
 
-        Returns the fatal error message ("" if none). A call that does not fit first purges one idle slot
-        (unified KV only), else halves n_batch; a 1-token call that does not fit is fatal.
+        Returns (fatal error message or "", whether the batch went as one call). A call that does not fit
+        first purges one idle slot (unified KV only), else halves n_batch; a 1-token call that does not fit
+        is fatal.
         """
         slots = self.slots
         unified = self.cfg.kv_unified
@@ -453,7 +466,7 @@ class ServerCore:
                 self.metrics.n_busy_slots_total += busy
                 if any(len(c.sample_for) > 1 for c in chunks):
                     self._after_forward(chunks, ops, [len(s.tokens) for s in slots])
-                return ""
+                return "", True
         cells = [len(s.tokens) - added[s.id] for s in slots]
         used = sum(cells) - n_shared
         n_batch = n_batch_max
@@ -496,7 +509,7 @@ class ServerCore:
                 continue
             if n_batch == 1:
                 self.rec.record(now_s, "decode_fatal", used=used, cap=cap)
-                return MSG_CTX_EXCEEDED
+                return MSG_CTX_EXCEEDED, False
             purged = self._try_clear_idle_slots(ops, cells, now_s)
             if purged:
                 n_shared = sum(v[1] for v in self._shared.values())
@@ -505,7 +518,7 @@ class ServerCore:
                 n_batch //= 2
                 self.metrics.n_batch_halvings += 1
                 self.rec.record(now_s, "batch_halved", off=off, n_batch=n_batch, used=used, cap=cap)
-        return ""
+        return "", False
 
     def _after_forward(self, view: list[Chunk], ops: list, cells: list[int]) -> bool:
         """n_cmpl: once a parent's prompt is decoded, copy its state to its waiting children."""
@@ -579,7 +592,7 @@ class ServerCore:
                 self.token_events.append((task, tok))
             if self._process_token(s, task, tok):
                 self._release(s, now_s)
-        n_max = max(len(s.tokens) for s in slots)
+        n_max = max(map(len, [s.tokens for s in slots]))
         if n_max > m.n_tokens_max:
             m.n_tokens_max = n_max
         if self._pending_fatal is plan:
