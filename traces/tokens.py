@@ -1,7 +1,8 @@
 """Deterministic stand-in token ids for traces that carry only lengths or prefix-block hashes.
 
 Every token is a pure function of (seed, stream key, position) through SplitMix64 counters, vectorised in
-numpy: equal block hashes give equal token blocks (so prefix sharing survives), nothing is cached and
+numpy: equal block hashes give equal token blocks (so prefix sharing survives), a bounded cache of recent
+blocks only saves recomputation, and
 nothing depends on the order in which prompts are materialised.
 """
 
@@ -72,11 +73,14 @@ def _as_u64(values: tuple[int, ...]) -> np.ndarray:
 class PromptMaterializer:
     """Turns trace requests into token-id lists for one (TokenSpace, seed).
 
-    Stateless apart from its configuration, so one instance may be shared freely; `reserved` ids are
+    Its only state is caches (of blocks and of the id table) that never change a result, so one instance
+    may be shared freely; `reserved` ids are
     skipped by an order-preserving remap of [0, n_allowed) onto the allowed ids.
     """
 
-    __slots__ = ("space", "seed", "_n_allowed", "_gaps", "_pos_mult", "_table")
+    __slots__ = ("space", "seed", "_n_allowed", "_gaps", "_pos_mult", "_table", "_blocks", "_block_size")
+
+    BLOCK_CACHE_TOKENS = 1 << 22   # ~4M token ids (32 MB of pointers) of recently used prefix blocks
 
     def __init__(self, space: TokenSpace, seed: int) -> None:
         self.space = space
@@ -88,6 +92,9 @@ class PromptMaterializer:
         # (position + 1) * golden for positions 0.., grown on demand: the per-position half of the counter
         self._pos_mult = np.zeros(0, dtype=np.uint64)
         self._table: np.ndarray | None = None
+        # (block hash) -> its tokens, for one block size; a pure cache (values are functions of seed, hash)
+        self._blocks: dict[int, list[int]] = {}
+        self._block_size = 0
 
     def _id_table(self) -> np.ndarray:
         """[n_allowed] object array: draw index -> token id as a shared Python int. Indexing it and calling
@@ -134,12 +141,34 @@ class PromptMaterializer:
         bs = req.block_size
         n_blocks = min(len(req.block_hashes), -(-n // bs))
         n_hashed = min(n, n_blocks * bs)
-        prefix = stream_key(self.seed, DOMAIN_BLOCK)
-        hashes = _as_u64(req.block_hashes[:n_blocks])                            # [n_blocks]
-        block_keys = _mix64_np(((np.uint64(prefix) ^ hashes) + np.uint64(_GOLDEN)))  # = stream_key(.., h)
-        keys = np.repeat(block_keys, bs)[:n_hashed]                               # [n_hashed]
-        positions = np.tile(np.arange(bs, dtype=np.uint64), n_blocks)[:n_hashed]  # [n_hashed]
-        out = self._ids(keys, positions)
+        hashes = req.block_hashes[:n_blocks]
+        if bs != self._block_size:
+            self._blocks, self._block_size = {}, bs
+        cache = self._blocks
+        got: dict[int, list[int]] = {}
+        missing = []
+        for h in dict.fromkeys(hashes):
+            blk = cache.get(h)
+            if blk is None:
+                missing.append(h)
+            else:
+                got[h] = blk
+        if missing:
+            # equal hashes repeat across requests (prefix sharing): draw each new block once, all in one go
+            prefix = stream_key(self.seed, DOMAIN_BLOCK)
+            block_keys = _mix64_np(((np.uint64(prefix) ^ _as_u64(tuple(missing))) + np.uint64(_GOLDEN)))
+            keys = np.repeat(block_keys, bs)                                      # [n_missing * bs]
+            positions = np.tile(np.arange(bs, dtype=np.uint64), len(missing))     # [n_missing * bs]
+            flat = self._ids(keys, positions)
+            if len(cache) * bs > self.BLOCK_CACHE_TOKENS:
+                for h in list(cache)[: len(cache) // 2]:                          # drop the oldest half
+                    del cache[h]
+            for i, h in enumerate(missing):
+                got[h] = cache[h] = flat[i * bs:(i + 1) * bs]
+        out: list[int] = []
+        for h in hashes:
+            out += got[h]
+        del out[n_hashed:]
         if n_hashed < n:
             out += self.tokens(unique_key, n - n_hashed, start=n_hashed)
         return out

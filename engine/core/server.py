@@ -60,6 +60,7 @@ class ServerCore:
         self._ops: list[KVOp | ForwardCall] = []   # KV ops decided outside a batch (launch, cache, cancel)
         self._next_task_id = 0
         self._n_busy = 0                           # slots not IDLE
+        self._n_parents_busy = 0                   # slots serving an n_cmpl parent
         self._n_named_deferred = 0                 # deferred tasks that name a slot (id_slot >= 0)
         self._eog = self.base.eog_ids
         # per slot: id of a cache entry known to contain its current tokens (skips alloc's O(entries) scan)
@@ -215,6 +216,8 @@ class ServerCore:
         slot.task = task
         slot.state = state
         self._n_busy += 1
+        if task.is_parent:
+            self._n_parents_busy += 1
         slot.n_past = 0
         slot.i_prompt = 0
         slot.n_tasks += 1
@@ -385,7 +388,7 @@ class ServerCore:
         task.n_prompt_processed = n - n_past
         self.metrics.n_prompt_tokens_cached_total += n_past
         if len(s.tokens) > n_past:
-            del s.tokens[n_past:]
+            s.tokens = s.tokens[:n_past]     # (a fresh list: cheaper than deleting a long tail in place)
             self._truncated(s.id, n_past)
             ops.append(KVOp("seq_rm", seq=s.id, p0=n_past, p1=-1))
         self._saved_in[s.id] = -1
@@ -456,16 +459,14 @@ class ServerCore:
         n_shared = sum(v[1] for v in self._shared.values()) if self._shared else 0
         if n_total <= n_batch_max:
             # common case: one llama_decode call; fits if the cells after it are within capacity
-            if unified:
-                fits = sum(len(s.tokens) for s in slots) - n_shared <= cap
-            else:
-                fits = all(len(s.tokens) <= cap for s in slots)
+            lens = list(map(len, [s.tokens for s in slots]))
+            fits = (sum(lens) - n_shared if unified else max(lens)) <= cap
             if fits:
                 ops.append(ForwardCall(tuple(chunks), n_total))
                 self.metrics.n_decode_total += 1
                 self.metrics.n_busy_slots_total += busy
-                if any(len(c.sample_for) > 1 for c in chunks):
-                    self._after_forward(chunks, ops, [len(s.tokens) for s in slots])
+                if self._n_parents_busy and any(len(c.sample_for) > 1 for c in chunks):
+                    self._after_forward(chunks, ops, lens)
                 return "", True
         cells = [len(s.tokens) - added[s.id] for s in slots]
         used = sum(cells) - n_shared
@@ -720,6 +721,8 @@ class ServerCore:
         s.t_last_used_s = now_s
         s.state = IDLE
         self._n_busy -= 1
+        if task.is_parent:
+            self._n_parents_busy -= 1
         s.task = None
         if task.is_child:
             self._prompt_clear(s)          # child slots keep no context
