@@ -352,3 +352,47 @@ def test_context_shift_refused_for_shared_prompt():
     p = core.submit(task(range(8), n_predict=400, n_cmpl=2), 0.0)
     run(core, FakeBackend())
     assert p.error and "shared prompt" in p.error.message and p.error.http_status == 500
+
+
+# --- front-end hooks for slot actions -----------------------------------------------------------------
+def test_take_pending_ops_hands_over_ops_decided_between_steps():
+    core = make_core(n_ctx=2048, n_parallel=2)
+    be = FakeBackend()
+    parent = core.submit(task(range(10), n_predict=50, n_cmpl=2), 0.0)
+    _, now = step(core, be, 0.0)
+    child_slot = parent.children[0].slot_id
+    core.cancel(parent, now)                        # a released child slot keeps no context: seq_rm queued
+    ops = core.take_pending_ops()
+    assert KVOp("seq_rm", seq=child_slot, p0=-1, p1=-1) in ops
+    assert core.take_pending_ops() == []
+    core.submit(task(range(30, 40), n_predict=1), now)
+    plan = core.schedule(now)
+    assert KVOp("seq_rm", seq=child_slot, p0=-1, p1=-1) not in plan.program
+
+
+def test_take_pending_ops_refused_between_schedule_and_commit():
+    import pytest
+    core = make_core(n_ctx=2048, n_parallel=1)
+    core.submit(task(range(10), n_predict=5), 0.0)
+    core.schedule(0.0)
+    with pytest.raises(RuntimeError):
+        core.take_pending_ops()
+
+
+def test_set_slot_tokens_declares_restored_kv_and_is_reused():
+    core = make_core(n_ctx=2048, n_parallel=1)
+    be = FakeBackend()
+    core.set_slot_tokens(0, list(range(100)))
+    be.cells[0] = 100
+    t = core.submit(task(list(range(100)) + [7], n_predict=1), 0.0)
+    run(core, be)
+    assert t.n_prompt_cached == 100
+
+
+def test_set_slot_tokens_refuses_a_busy_slot():
+    import pytest
+    core = make_core(n_ctx=2048, n_parallel=1)
+    core.submit(task(range(10), n_predict=5), 0.0)
+    step(core, FakeBackend(), 0.0)
+    with pytest.raises(RuntimeError, match="processing"):
+        core.set_slot_tokens(0, [])
