@@ -173,6 +173,10 @@ class ServerCore:
     def _process_single_task(self, task: Task, now_s: float) -> None:
         if task.cancelled or task.done:
             return
+        if self._n_busy == len(self.slots):
+            # no idle slot: whatever a selector returns (None, or a busy named slot) the task is deferred
+            self._defer(task, now_s, "slot busy" if task.id_slot >= 0 else "no idle slot")
+            return
         sel = self.policies.slot_selector.select(task, self.slots, self.base.slot_prompt_similarity)
         if sel is None or sel.slot.is_processing:
             self._defer(task, now_s, "no idle slot" if sel is None else "slot busy")
@@ -196,7 +200,7 @@ class ServerCore:
         self._launch(slot, task, now_s, STARTED)
         if self.base.cache_idle_slots and self.cache is not None:
             for s in self.slots:
-                if s.is_processing:
+                if s.state:                         # not IDLE
                     continue
                 if self._prompt_save(s, now_s):
                     self.cache.update(now_s)
