@@ -441,17 +441,20 @@ class Sampler:
     xtc_rng: np.random.Generator | None = None  # XTC has its own generator upstream, seeded the same way
     mirostat_mu: float = field(init=False, default=0.0)
     _bias_ids: np.ndarray = field(init=False, repr=False)
-    _all_ids: np.ndarray = field(init=False, repr=False)  # [n_vocab] int64, never modified in place
     _bias_vals: np.ndarray = field(init=False, repr=False)
+    _all_ids: np.ndarray = field(init=False, repr=False)  # [n_vocab] int64, never modified in place
 
     def __post_init__(self) -> None:
         self.params.check_supported()
         if self.rng is None:
             self.rng = make_rng(self.params.seed)
-        if self.xtc_rng is None:
+        if self.xtc_rng is None and self.params.xtc_probability > 0.0:
             self.xtc_rng = make_rng(self.params.seed)
         self.mirostat_mu = 2.0 * self.params.mirostat_tau
         bias = [(t, b) for t, b in self.params.logit_bias if 0 <= t < self.n_vocab]
+        if self.params.ignore_eos:  # from_request already added these; params built in code may not have
+            banned = {t for t, b in bias if b == -math.inf}
+            bias += [(t, -math.inf) for t in sorted(self.eog_ids) if t not in banned and 0 <= t < self.n_vocab]
         self._bias_ids = np.array([t for t, _ in bias], dtype=np.int64)
         self._bias_vals = np.array([b for _, b in bias], dtype=np.float32)
         self._all_ids = np.arange(self.n_vocab, dtype=np.int64)
@@ -459,11 +462,11 @@ class Sampler:
     def sample(self, logits_row: np.ndarray, prev_tokens=()) -> SampleResult:
         params = self.params
         raw = np.asarray(logits_row, dtype=np.float32)  # [n_vocab]
+        if raw.shape != (self.n_vocab,):
+            raise ValueError(f"logits row has shape {raw.shape}, expected (n_vocab,) = ({self.n_vocab},)")
         logits = raw.copy() if self._bias_ids.size or self._penalties_active() else raw
         if self._bias_ids.size:
             np.add.at(logits, self._bias_ids, self._bias_vals)
-        if len(logits) != self.n_vocab:
-            raise ValueError(f"logits row has {len(logits)} entries, expected n_vocab={self.n_vocab}")
         c = _Candidates(ids=self._all_ids, logits=logits)
 
         if params.mirostat == 0:

@@ -45,6 +45,26 @@ def test_mt19937_generator_matches_std_mt19937():
     assert draws[0] == 3499211612 and draws[-1] == 4123659995
 
 
+def test_seeded_sampling_reproduces_llama_cpp_draws():
+    # tokens chosen by llama.cpp's own chains (llama-cpp-python 0.3.36, seed 42) on the same rows
+    rows = np.random.default_rng(0).normal(0, 3, (20, 1000)).astype(np.float32)
+    defaults = Sampler(SamplingParams(seed=42), 1000)
+    assert [defaults.sample(r).token for r in rows] == [
+        662, 51, 385, 375, 796, 427, 800, 899, 247, 338, 477, 485, 786, 660, 396, 770, 219, 77, 418, 110]
+    top_p = Sampler(SamplingParams(seed=42, top_k=0, top_p=0.9, min_p=0.0, temperature=1.0), 1000)
+    assert [top_p.sample(r).token for r in rows] == [
+        430, 94, 32, 252, 751, 427, 248, 164, 353, 87, 477, 759, 265, 660, 132, 460, 428, 77, 418, 843]
+
+
+def test_single_candidate_still_consumes_a_random_draw():
+    # llama.cpp's dist draws even when one candidate is left, so seeded streams stay aligned with it
+    sampler = Sampler(SamplingParams(seed=9, top_k=1), 3)
+    sampler.sample(row(1.0, 2.0, 3.0))
+    reference = make_rng(9)
+    reference.bit_generator.random_raw(2)
+    assert sampler.rng.bit_generator.random_raw() == reference.bit_generator.random_raw()
+
+
 def test_temperature_zero_picks_argmax():
     logits = np.random.default_rng(0).normal(size=1000).astype(np.float32)
     assert Sampler(greedy(), 1000).sample(logits).token == int(np.argmax(logits))
@@ -145,6 +165,10 @@ def test_pre_sampling_probs_ignore_logit_bias():
 def test_ignore_eos_bans_every_eog_token():
     params = SamplingParams.from_request({"temperature": 0, "ignore_eos": True}, eog_ids={0, 2})
     assert Sampler(params, 4).sample(row(9.0, 1.0, 8.0, 0.0)).token == 1
+
+
+def test_ignore_eos_in_params_bans_the_samplers_eog_ids():
+    assert Sampler(greedy(ignore_eos=True), 4, eog_ids=frozenset({0, 2})).sample(row(9.0, 1.0, 8.0, 0.0)).token == 1
 
 
 def test_repeat_penalty_divides_positive_and_multiplies_negative_logits():
