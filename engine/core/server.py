@@ -226,6 +226,8 @@ class ServerCore:
         slot.i_prompt = 0
         slot.n_tasks += 1
         task.slot_id = slot.id
+        npr = task.n_predict
+        task.n_predict_max = self.base.n_predict if npr is None or npr == -1 else npr
         task.t_launch_s = now_s
         if self.rec.enabled:
             self.rec.record(now_s, "launch", task=task.id, slot=slot.id, state=state.name)
@@ -576,6 +578,8 @@ class ServerCore:
         m = self.metrics
         stream = self.stream_tokens
         sampled = result.sampled
+        eog = self._eog
+        ctx_stop = not self.base.ctx_shift     # the context limit stops a task only with ctx shift off
         for sid in sorted(sampled):            # post_decode visits slots in id order
             tok = sampled[sid]
             s = slots[sid]
@@ -591,10 +595,15 @@ class ServerCore:
                 m.t_prompt_processing_total_s += dt
                 m.t_prompt_processing_s += dt
             s.sampled = tok
-            task.generated.append(tok)
+            gen = task.generated
+            gen.append(tok)
             task.t_gen_last_s = now_s
             if stream:
                 self.token_events.append((task, tok))
+            npm = task.n_predict_max
+            if (task.text_hook is None and tok not in eog and (npm == -1 or len(gen) < npm)
+                    and not (ctx_stop and len(s.tokens) + 1 >= s.n_ctx)):
+                continue                       # no stop condition can hold: skip the full check
             if self._process_token(s, task, tok):
                 self._release(s, now_s)
         n_max = max(map(len, [s.tokens for s in slots]))
@@ -619,9 +628,7 @@ class ServerCore:
             task.truncated = True
             task.stop_type = STOP_LIMIT
             stop = True
-        n_predict = task.n_predict
-        if n_predict is None or n_predict == -1:
-            n_predict = self.base.n_predict
+        n_predict = task.n_predict_max
         if not stop and n_predict != -1 and len(task.generated) >= n_predict:
             task.stop_type = STOP_LIMIT    # n_predict 0 still yields the first token, as upstream
             stop = True
@@ -659,7 +666,7 @@ class ServerCore:
             # off) a stop at its commit when len+2 >= n_ctx -- both first at j = n_ctx - n_left - 1 (shift)
             # or n_ctx - n_left - 2 (stop, allowed as the last step)
             k = min(k, s.n_ctx - n_left - 1)
-            n_predict = base.n_predict if task.n_predict is None or task.n_predict == -1 else task.n_predict
+            n_predict = task.n_predict_max
             if n_predict != -1:
                 k = min(k, n_predict - task.n_decoded)   # the stop lands in the last step's commit
         if self.cfg.kv_unified:

@@ -87,6 +87,7 @@ class Task:
     truncated: bool = False
     n_tokens_cached: int = 0         # slot.prompt.n_tokens() at the end = n_prompt + n_gen - 1
     n_deferred: int = 0              # how many times it went to the deferred queue
+    n_predict_max: int = -1          # the budget in force (request n_predict, else the server's; -1 = none)
     error: TaskError | None = None
     done: bool = False
     cancelled: bool = False
