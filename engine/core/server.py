@@ -657,7 +657,6 @@ class ServerCore:
             return 0, []
         if not self.policies.batch_builder.include_decodes(len(gen), 0):
             return 0, []
-        base = self.base
         k = 1 << 62
         for s in gen:
             task = s.task

@@ -144,6 +144,17 @@ class RowCollector:
         self.errors: list[str] = []
         self._last = -math.inf
 
+    def csv_rows(self, reader, width: int, header: list[str]):
+        """(line number, row) for every non-blank data row of a csv reader that has at least `width`
+        columns; a shorter row goes to `bad` (raised, or counted with skip_bad_rows)."""
+        for row in reader:
+            if not row:
+                continue                                   # blank line
+            if len(row) < width:
+                self.bad(short_row(row, width, header), reader.line_num)
+                continue
+            yield reader.line_num, row
+
     def bad(self, err: FieldError | TraceFormatError, line: int) -> None:
         exc = err.at(self.path, line) if isinstance(err, FieldError) else err
         if not self.skip_bad_rows:

@@ -10,7 +10,7 @@ from datetime import date
 from pathlib import Path
 
 from traces.errors import FieldError
-from traces.readers._common import RowCollector, csv_reader, open_text, parse_count, read_csv_header, short_row
+from traces.readers._common import RowCollector, csv_reader, open_text, parse_count, read_csv_header
 from traces.schema import Trace
 
 COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -74,13 +74,8 @@ def read_azure(path: str | Path, skip_bad_rows: bool = False) -> Trace:
         minute_cache: dict[str, tuple[int, int]] = {}
         day0 = -1
         sod0 = 0.0
-        for row in reader:
-            if not row:
-                continue                                   # blank line
-            line = reader.line_num
+        for line, row in out.csv_rows(reader, width, header):
             try:
-                if len(row) < width:
-                    raise short_row(row, width, header)
                 day, sod = parse_timestamp(row[i_ts], minute_cache)
                 n_prompt = parse_count(row[i_ctx], COLUMNS[1])
                 n_output = parse_count(row[i_gen], COLUMNS[2])

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from traces.errors import FieldError
 from traces.readers._common import (RowCollector, csv_reader, open_text, parse_count, parse_seconds,
-                                    read_csv_header, short_row)
+                                    read_csv_header)
 from traces.schema import Trace
 
 COLUMNS = ("Timestamp", "Request tokens", "Response tokens")
@@ -33,13 +33,8 @@ def read_burstgpt(path: str | Path, skip_bad_rows: bool = False, model: str | No
             raise ValueError(f"{path}: model filter {model!r} given but the file has no 'Model' column")
         width = max(i for i in (i_ts, i_req, i_resp, i_sess, i_model) if i is not None) + 1
         out = RowCollector(path, skip_bad_rows, COLUMNS[0])
-        for row in reader:
-            if not row:
-                continue
-            line = reader.line_num
+        for line, row in out.csv_rows(reader, width, header):
             try:
-                if len(row) < width:
-                    raise short_row(row, width, header)
                 if model is not None and row[i_model].strip() != model:
                     continue
                 arrival_s = parse_seconds(row[i_ts], COLUMNS[0])

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from traces.errors import FieldError
-from traces.readers._common import RowCollector, csv_reader, open_text, parse_count, read_csv_header, short_row
+from traces.readers._common import RowCollector, csv_reader, open_text, parse_count, read_csv_header
 from traces.schema import Trace
 
 COLUMNS = ("num_prefill_tokens", "num_decode_tokens")
@@ -22,13 +22,8 @@ def read_sharegpt_stats(path: str | Path, skip_bad_rows: bool = False) -> Trace:
         (i_p, i_d), _, header = read_csv_header(path, reader, "sharegpt_stats", COLUMNS)
         width = max(i_p, i_d) + 1
         out = RowCollector(path, skip_bad_rows, "arrival")
-        for row in reader:
-            if not row:
-                continue
-            line = reader.line_num
+        for line, row in out.csv_rows(reader, width, header):
             try:
-                if len(row) < width:
-                    raise short_row(row, width, header)
                 out.add(line, 0.0, "", parse_count(row[i_p], COLUMNS[0]), parse_count(row[i_d], COLUMNS[1]))
             except FieldError as e:
                 out.bad(e, line)

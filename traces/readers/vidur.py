@@ -7,7 +7,7 @@ from pathlib import Path
 
 from traces.errors import FieldError
 from traces.readers._common import (RowCollector, csv_reader, open_text, parse_count, parse_seconds,
-                                    read_csv_header, short_row)
+                                    read_csv_header)
 from traces.schema import Trace
 
 COLUMNS = ("arrived_at", "num_prefill_tokens", "num_decode_tokens")
@@ -20,13 +20,8 @@ def read_vidur(path: str | Path, skip_bad_rows: bool = False) -> Trace:
         (i_t, i_p, i_d), _, header = read_csv_header(path, reader, "vidur", COLUMNS)
         width = max(i_t, i_p, i_d) + 1
         out = RowCollector(path, skip_bad_rows, COLUMNS[0])
-        for row in reader:
-            if not row:
-                continue
-            line = reader.line_num
+        for line, row in out.csv_rows(reader, width, header):
             try:
-                if len(row) < width:
-                    raise short_row(row, width, header)
                 out.add(line, parse_seconds(row[i_t], COLUMNS[0]), row[i_t],
                         parse_count(row[i_p], COLUMNS[1]), parse_count(row[i_d], COLUMNS[2]))
             except FieldError as e:
