@@ -339,6 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
                          allow_abbrev=False, formatter_class=fmt,
                          description="Tokenize a prompt, generate N tokens with the numpy engine, print the text.")
     add_generate_options(gen)
+    from experiments.calibrate import add_calibrate_parser
+    from experiments.validate import add_validate_parser
+    add_calibrate_parser(sub)
+    add_validate_parser(sub)
     try:
         from experiments.serve import add_serve_parser
     except ImportError:       # the HTTP server's dependencies are part of the project; this only guards dev trees
@@ -736,12 +740,13 @@ def cmd_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
+def cmd_delegated(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Commands whose parser set `func` (serve, calibrate, validate)."""
     return args.func(args)
 
 
 COMMANDS = {"simulate": cmd_simulate, "compare": cmd_compare, "replay": cmd_replay, "generate": cmd_generate,
-            "serve": cmd_serve}
+            "serve": cmd_delegated, "calibrate": cmd_delegated, "validate": cmd_delegated}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -162,7 +162,10 @@ COEFFICIENT_NAMES = (
     "e_copy_s_per_byte",
     "f_shift_s_per_token",
     "g_call_s",
+    "h_kv_read_s",
 )
+# coefficients a calibration file may omit (added after the format's first version): default 0
+OPTIONAL_COEFFICIENTS = {"h_kv_read_s": 0.0}
 MEASURED_ON_FIELDS = ("machine", "cpu", "threads", "engine", "model", "date", "notes")
 
 
@@ -201,9 +204,11 @@ class MeasuredOn:
 
 @dataclass(frozen=True, slots=True)
 class ParametricLatency:
-    """t = a + b·n_prefill + c·n_decode + d·attn_ctx + e·kv_copy_bytes + f·kv_shift + g·(n_calls−1).
+    """t = a + b·n_prefill + c·n_decode + d·attn_ctx + h·kv_read + e·kv_copy_bytes + f·kv_shift + g·(n_calls−1).
 
-    All coefficients in seconds per unit, all >= 0. `measured_on` and `source` document the calibration
+    `d` prices attention work (query-key pairs); `h` prices reading cached KV cells, which a decode token
+    does alone for its whole context while a prompt chunk's tokens share one pass — one coefficient cannot
+    fit both. All coefficients in seconds per unit, all >= 0. `measured_on` and `source` document the calibration
     and do not take part in equality.
     """
 
@@ -214,6 +219,7 @@ class ParametricLatency:
     e_copy_s_per_byte: float = 0.0
     f_shift_s_per_token: float = 0.0
     g_call_s: float = 0.0
+    h_kv_read_s: float = 0.0
     measured_on: MeasuredOn | None = field(default=None, compare=False)
     source: str | None = field(default=None, compare=False)
 
@@ -230,6 +236,7 @@ class ParametricLatency:
             + self.b_prefill_s * cost.n_prefill_tokens
             + self.c_decode_s * cost.n_decode_tokens
             + self.d_attn_s * cost.attn_ctx_tokens
+            + self.h_kv_read_s * cost.kv_read_tokens_or_estimate()
             + self.e_copy_s_per_byte * cost.kv_copy_bytes
             + self.f_shift_s_per_token * cost.kv_shift_tokens
             + self.g_call_s * max(cost.n_forward_calls - 1, 0)
@@ -240,7 +247,8 @@ class ParametricLatency:
         # Same left-to-right sum as step_time_s (the zero terms add exactly 0.0), so results are bit-equal.
         base = self.a_s + self.b_prefill_s * 0 + self.c_decode_s * n_seqs
         attn_ctx = attn_ctx0 + n_seqs * np.arange(k, dtype=np.int64)  # [k]
-        return (base + self.d_attn_s * attn_ctx).tolist()
+        # a decode token at context c reads c+1 cells, as many as it attends: kv_read == attn_ctx here
+        return (base + self.d_attn_s * attn_ctx + self.h_kv_read_s * attn_ctx.astype(np.float64)).tolist()
 
     def describe(self) -> dict:
         return {
@@ -282,6 +290,7 @@ def load_calibration(path: str | Path) -> ParametricLatency:
     coefficients = data["coefficients"]
     if not isinstance(coefficients, dict):
         raise ValueError(f"{where}: field 'coefficients' must be a JSON object")
+    coefficients = {**OPTIONAL_COEFFICIENTS, **coefficients}
     for name in COEFFICIENT_NAMES:
         if name not in coefficients:
             raise ValueError(f"{where}: missing field 'coefficients.{name}'")
@@ -342,6 +351,7 @@ def cost_features(cost: StepCost) -> list[float]:
         cost.kv_copy_bytes,
         cost.kv_shift_tokens,
         max(cost.n_forward_calls - 1, 0),
+        cost.kv_read_tokens_or_estimate(),
     ]
 
 

@@ -262,3 +262,24 @@ def test_blas_threading_hands_the_threads_to_openblas(tiny_gguf):
     from engine.model import load
     model = load(tiny_gguf(), n_threads=2, threading="blas")
     assert (model.n_threads, model.blas_threads, model.matmul.n_threads) == (2, 2, 1)
+
+
+def test_bad_logit_rows_are_rejected_without_changes(tiny_model):
+    model = tiny_model()
+    kv = model.new_kv(1, 16)
+    with pytest.raises(ValueError, match="logit rows"):
+        model.forward_batch(kv, [(0, PROMPT[:3], 0, [3])])
+    assert kv.n_tokens(0) == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_partial_rotary_rotates_only_the_first_n_rot_dims(tiny_model, arch):
+    hp = dataclasses.replace(tiny_model(arch=arch).hparams, n_rot=8)     # head_dim 16
+    rope = Rope(hp)
+    x = np.random.default_rng(0).standard_normal((2, 1, 16)).astype(np.float32)
+    y = x.copy()
+    cos, sin = rope.cos_sin(np.array([3, 7]))
+    rope.apply(y, cos[:, None], sin[:, None])
+    np.testing.assert_array_equal(y[..., 8:], x[..., 8:])
+    assert np.abs(y[..., :8] - x[..., :8]).max() > 1e-3
+    np.testing.assert_allclose(np.linalg.norm(y[..., :8], axis=-1), np.linalg.norm(x[..., :8], axis=-1), rtol=1e-5)

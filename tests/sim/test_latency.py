@@ -201,6 +201,8 @@ def test_numpy_fallback_solver_fixes_negative_coefficients_at_zero():
 DECODE_MODELS = {
     "constant": ConstantLatency(0.01, 1e-4),
     "parametric": PARAMETRIC,
+    "parametric-kv-read": ParametricLatency(a_s=0.004, b_prefill_s=2e-5, c_decode_s=1e-4, d_attn_s=1e-8,
+                                            h_kv_read_s=3.3e-9),
     "default": load_calibration(DEFAULT_CALIBRATION_PATH),
     **{f"roofline-{m}@{hw}": RooflineLatency(MODEL_PRESETS[m], HW_PRESETS[hw])
        for m in MODEL_PRESETS for hw in ("cpu-2core", "a100-80gb", "l4")},

@@ -1,0 +1,415 @@
+"""`slotlab validate`: one workload on the real numpy engine and in the simulator, compared request by request
+(DESIGN §7).
+
+The real run is `slotlab replay` (measured step times); the simulated run uses the same server configuration
+(the one the real run resolved, with the engine's KV bytes per token and end-of-generation tokens), the same
+prompt token space and a latency model, normally `parametric:` a calibration from `slotlab calibrate`. The
+serving core is the same, so any difference comes from timing: predicted vs measured step durations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+METRICS = ("ttft", "tpot", "e2e", "queue")
+STATS = ("p50", "p90", "p99", "mean")
+MEASURED_CALIBRATION = Path(__file__).resolve().parents[1] / "sim" / "data" / "smollm2_numpy_2threads.json"
+FILES = {"per_request": "validation.csv", "errors": "errors.csv", "summary": "validation.json",
+         "scatter": "sim_vs_real_scatter.png", "cdf": "sim_vs_real_cdf.png"}
+
+
+# --- comparison ------------------------------------------------------------------------------------------
+
+
+def compare_requests(real: pd.DataFrame, sim: pd.DataFrame) -> pd.DataFrame:
+    """Per-request table (inner join on `request`): each metric real/sim, signed absolute error (sim − real,
+    seconds) and signed relative error ((sim − real) / real; NaN when real is 0 or missing), and whether the
+    core decided the same: same slot, same number of cached prompt tokens (`decision_match` = both)."""
+    keep = ["request", "session_id", "turn", "n_prompt", "n_output", "arrival_s", "slot", "n_cached",
+            "n_deferred", "finish"] + [f"{m}_s" for m in METRICS]
+    r = real[[c for c in keep if c in real.columns]]
+    s = sim[[c for c in keep if c in sim.columns]]
+    j = r.merge(s, on="request", how="inner", suffixes=("_real", "_sim"), validate="one_to_one")
+    out = pd.DataFrame({"request": j["request"]})
+    for c in ("session_id", "turn"):
+        if f"{c}_real" in j.columns:
+            out[c] = j[f"{c}_real"]
+    out["n_prompt_real"], out["n_prompt_sim"] = j["n_prompt_real"], j["n_prompt_sim"]
+    out["n_output_real"], out["n_output_sim"] = j["n_output_real"], j["n_output_sim"]
+    out["arrival_real_s"], out["arrival_sim_s"] = j["arrival_s_real"], j["arrival_s_sim"]
+    for m in METRICS:
+        rv = j[f"{m}_s_real"].astype("float64")
+        sv = j[f"{m}_s_sim"].astype("float64")
+        out[f"{m}_real_s"] = rv
+        out[f"{m}_sim_s"] = sv
+        out[f"{m}_abs_err_s"] = sv - rv
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out[f"{m}_rel_err"] = ((sv - rv) / rv).where(rv != 0)
+    for c in ("slot", "n_cached", "n_deferred"):
+        out[f"{c}_real"], out[f"{c}_sim"] = j[f"{c}_real"], j[f"{c}_sim"]
+    out["slot_match"] = (j["slot_real"] == j["slot_sim"]).astype(bool)
+    out["n_cached_match"] = (j["n_cached_real"] == j["n_cached_sim"]).astype(bool)
+    out["decision_match"] = out["slot_match"] & out["n_cached_match"]
+    out["finish_real"], out["finish_sim"] = j["finish_real"], j["finish_sim"]
+    return out.sort_values("request").reset_index(drop=True)
+
+
+def _stats(values: pd.Series) -> dict[str, float]:
+    """P50/P90/P99 (numpy's linear interpolation, as the results summary) and mean of the finite values."""
+    v = values.to_numpy(dtype="float64", na_value=np.nan)
+    v = v[np.isfinite(v)]
+    if v.size == 0:
+        return dict.fromkeys(STATS, math.nan)
+    p50, p90, p99 = np.percentile(v, (50, 90, 99))
+    return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(v.mean())}
+
+
+def aggregate_errors(real: pd.DataFrame, sim: pd.DataFrame) -> pd.DataFrame:
+    """The aggregate table: for each metric and statistic (over finished requests of each run), the real and
+    simulated value, their difference (sim − real, seconds) and relative error ((sim − real) / real)."""
+    rows = []
+    ok_r = real[real["finish"] != "error"]
+    ok_s = sim[sim["finish"] != "error"]
+    for m in METRICS:
+        sr, ss = _stats(ok_r[f"{m}_s"]), _stats(ok_s[f"{m}_s"])
+        for st in STATS:
+            rv, sv = sr[st], ss[st]
+            rel = (sv - rv) / rv if rv and math.isfinite(rv) else math.nan
+            rows.append({"metric": m, "stat": st, "real_s": rv, "sim_s": sv, "abs_err_s": sv - rv, "rel_err": rel})
+    return pd.DataFrame(rows)
+
+
+def per_request_summary(per: pd.DataFrame) -> dict[str, Any]:
+    """Median and mean |relative error| per metric over the joined requests, and the decision-match rates."""
+    out: dict[str, Any] = {"n_requests": int(len(per))}
+    for m in METRICS:
+        ape = per[f"{m}_rel_err"].abs().to_numpy(dtype="float64", na_value=np.nan)
+        ape = ape[np.isfinite(ape)]
+        out[f"{m}_median_ape"] = float(np.median(ape)) if ape.size else math.nan
+        out[f"{m}_mape"] = float(ape.mean()) if ape.size else math.nan
+    n = max(len(per), 1)
+    out["slot_match_rate"] = float(per["slot_match"].sum() / n) if len(per) else math.nan
+    out["n_cached_match_rate"] = float(per["n_cached_match"].sum() / n) if len(per) else math.nan
+    out["decision_match_rate"] = float(per["decision_match"].sum() / n) if len(per) else math.nan
+    out["n_prompt_equal"] = bool((per["n_prompt_real"] == per["n_prompt_sim"]).all())
+    return out
+
+
+def format_errors(errors: pd.DataFrame, summary: Mapping[str, Any]) -> str:
+    """The aggregate table for the terminal, then the per-request errors and decision-match rates."""
+    names = {"ttft": "TTFT", "tpot": "TPOT", "e2e": "E2E", "queue": "queue"}
+    lines = [f"{'metric':<7}{'stat':<6}{'real (s)':>11}{'sim (s)':>11}{'sim-real':>11}{'rel err':>9}"]
+    for _, r in errors.iterrows():
+        rel = f"{100 * r['rel_err']:+.1f}%" if math.isfinite(r["rel_err"]) else "n/a"
+        lines.append(f"{names[r['metric']]:<7}{r['stat']:<6}{r['real_s']:>11.4g}{r['sim_s']:>11.4g}"
+                     f"{r['abs_err_s']:>+11.3g}{rel:>9}")
+    lines.append("per request |rel err|: " + ", ".join(
+        f"{names[m]} median {100 * summary[f'{m}_median_ape']:.1f}% mean {100 * summary[f'{m}_mape']:.1f}%"
+        for m in ("ttft", "tpot", "e2e")))
+    lines.append(f"decisions: same slot {100 * summary['slot_match_rate']:.1f}%, same n_cached "
+                 f"{100 * summary['n_cached_match_rate']:.1f}%, both {100 * summary['decision_match_rate']:.1f}% "
+                 f"of {summary['n_requests']} requests")
+    return "\n".join(lines)
+
+
+# --- plots -------------------------------------------------------------------------------------------------
+
+
+def _plain_log_ticks(*axes: Any) -> None:
+    """Log axes labelled with plain numbers (0.02, not 2x10^-2): powers of ten, and 2x / 5x of them."""
+    from matplotlib.ticker import FuncFormatter
+
+    for axis in axes:
+        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        axis.set_minor_formatter(FuncFormatter(_label_2_5))
+
+
+def _label_2_5(value: float, _pos: Any) -> str:
+    """Minor log ticks: label only 2x and 5x a power of ten."""
+    if value <= 0:
+        return ""
+    mantissa = value / 10 ** math.floor(math.log10(value) + 1e-9)
+    return f"{value:g}" if round(mantissa) in (2, 5) and abs(mantissa - round(mantissa)) < 1e-6 else ""
+
+
+def plot_scatter(per: pd.DataFrame, path: str | Path, title: str) -> Path:
+    """Simulated vs measured TTFT and E2E per request (log-log) with the y = x line; decision mismatches marked."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 5), layout="constrained")
+    for ax, (m, name) in zip(fig.subplots(1, 2), (("ttft", "TTFT"), ("e2e", "E2E latency"))):
+        x, y = per[f"{m}_real_s"].to_numpy(float), per[f"{m}_sim_s"].to_numpy(float)
+        ok = np.isfinite(x) & np.isfinite(y) & (x > 0) & (y > 0)
+        if ok.any():
+            lo, hi = min(x[ok].min(), y[ok].min()) * 0.8, max(x[ok].max(), y[ok].max()) * 1.25
+            ax.plot([lo, hi], [lo, hi], color="0.5", lw=1, ls="--", label="y = x")
+            same = per["decision_match"].to_numpy(bool)
+            ax.scatter(x[ok & same], y[ok & same], s=20, label="same slot and n_cached")
+            if (ok & ~same).any():
+                ax.scatter(x[ok & ~same], y[ok & ~same], s=26, marker="x", color="C3", label="decision differs")
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlim(lo, hi)
+            ax.set_ylim(lo, hi)
+            _plain_log_ticks(ax.xaxis, ax.yaxis)
+            ax.legend(loc="upper left", fontsize="small")
+        else:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xlabel(f"{name}, real engine (s, log scale)")
+        ax.set_ylabel(f"{name}, simulator (s, log scale)")
+        ax.set_title(f"{name} per request")
+        ax.grid(True, which="both", alpha=0.3)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=110)
+    return Path(path)
+
+
+def plot_cdfs(real: pd.DataFrame, sim: pd.DataFrame, path: str | Path, title: str) -> Path:
+    """Empirical CDFs of TTFT, TPOT and E2E, real and simulated overlaid (finished requests, log x)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(13, 4), layout="constrained")
+    for ax, (m, name) in zip(fig.subplots(1, 3), (("ttft", "TTFT"), ("tpot", "TPOT"), ("e2e", "E2E latency"))):
+        drawn = False
+        for df, label, style in ((real, "real engine", "-"), (sim, "simulator", "--")):
+            v = df.loc[df["finish"] != "error", f"{m}_s"].to_numpy(dtype="float64", na_value=np.nan)
+            v = np.sort(v[np.isfinite(v) & (v > 0)])
+            if v.size:
+                ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", ls=style,
+                        label=f"{label}: P50 {np.percentile(v, 50):.3g} s, P99 {np.percentile(v, 99):.3g} s")
+                drawn = True
+        if drawn:
+            ax.set_xscale("log")
+            _plain_log_ticks(ax.xaxis)
+            ax.legend(loc="lower right", fontsize="small")
+        ax.set_title(name)
+        ax.set_xlabel(f"{name} (s, log scale)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_ylim(0, 1.02)
+        ax.grid(True, which="both", alpha=0.3)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=110)
+    return Path(path)
+
+
+# --- the simulated twin of a real run -----------------------------------------------------------------------
+
+
+def server_config_from_json(data: Mapping[str, Any]):
+    """The ServerConfig a results directory's config.json recorded (`server_config`)."""
+    from dataclasses import fields
+
+    from engine.core import PolicyNames, ServerConfig
+
+    names = {f.name for f in fields(ServerConfig)}
+    kw = {k: v for k, v in data.items() if k in names}
+    kw["eog_ids"] = frozenset(kw.get("eog_ids") or ())
+    kw["policies"] = PolicyNames(**kw.get("policies", {}))
+    return ServerConfig(**kw)
+
+
+def token_space_of(model_path: str) -> tuple[int, frozenset[int]]:
+    """(vocabulary size, reserved ids) as `slotlab replay` builds its prompts: only normal and byte tokens."""
+    from engine.model.tokenizer import ATTR_BYTE, ATTR_NORMAL, Tokenizer
+
+    tok = Tokenizer.from_gguf_path(model_path)
+    reserved = frozenset(i for i, a in enumerate(tok.attrs) if not a & (ATTR_NORMAL | ATTR_BYTE))
+    return tok.n_vocab, reserved
+
+
+def run_sim_twin(values: Mapping[str, Any], workload: Any, real_config: Mapping[str, Any], model_path: str,
+                 out_dir: str | Path, context: Mapping[str, Any], *, csv: bool, plots: bool,
+                 progress: Any = None, latency: Any = None) -> dict[str, Any]:
+    """Simulate `workload` with the server configuration the real run used; write its results directory.
+    `latency`: a LatencyModel object to use instead of the `values["latency"]` spec."""
+    from experiments.cli import simulate_argv
+    from experiments.results import write_run
+    from sim.driver import Simulation
+    from sim.latency import get_latency_model
+
+    if latency is None:
+        latency = get_latency_model(values["latency"])
+    cfg = server_config_from_json(real_config["server_config"])
+    vocab_size, reserved = token_space_of(model_path)
+    fast = not values["no_fast_forward"]
+    sim = Simulation(cfg, latency, seed=values["seed"], fast_forward=fast, progress=progress, vocab_size=vocab_size,
+                     reserved_tokens=reserved, task_defaults={"ignore_eos": True})
+    result = sim.run(workload)
+    config = {"slotlab_results": 1, **context, "label": "simulator", "rerun": shlex.join(simulate_argv(values)),
+              "options": dict(values), "latency_spec": values["latency"], "server_config": cfg,
+              "seed": values["seed"], "fast_forward": fast, "twin_of": "real engine run (same server_config)"}
+    return write_run(out_dir, result, config, csv=csv, plots=plots, n_slots=cfg.resolve().n_slots)
+
+
+# --- command line ----------------------------------------------------------------------------------------
+
+VALIDATE_EPILOG = """examples:
+  slotlab validate --workload poisson --rate 0.2 --requests 30 --prompt-tokens 50-400 --output-tokens 16-64 \\
+      -np 4 -c 4096 --threads 2 --latency parametric:sim/data/smollm2_numpy_2threads.json --out results/val1
+      30 open-loop requests on SmolLM2 and in the simulator; validation.csv, errors.csv, plots
+  slotlab validate --users 8 --turns 3 --think-time 5 --output-tokens 16-64 -np 4 -c 4096
+      closed-loop chat sessions (prompt-cache reuse); default latency: the measured SmolLM2 calibration
+"""
+
+
+def add_validate_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """The `slotlab validate` subcommand: `simulate`'s workload, server and policy options, plus the real
+    engine's (-m, --threads, --temp) and output options."""
+    from experiments import cli
+    from experiments.replay import add_replay_options
+
+    p = subparsers.add_parser(
+        "validate", help="run one workload on the real engine and in the simulator, compare per request",
+        allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=VALIDATE_EPILOG,
+        description="Run a workload on the numpy engine (`slotlab replay`) and in the simulator with the same\n"
+                    "server configuration and a calibrated latency model (--latency parametric:FILE); write\n"
+                    "both results directories (real/, sim/) under --out, then validation.csv (per request:\n"
+                    "TTFT/TPOT/E2E/queue real, sim, errors; same slot, same n_cached), errors.csv (P50/P90/\n"
+                    "P99/mean real vs sim), validation.json and plots.")
+    cli._add_options(p, sweep=False)
+    if MEASURED_CALIBRATION.is_file():
+        p.set_defaults(latency=f"parametric:{MEASURED_CALIBRATION}")
+    cli._add_output(p, "validate")
+    add_replay_options(p)
+    p.add_argument("--real-run", metavar="DIR", default=None,
+                   help="compare with this existing real-engine results directory (a `slotlab replay` or a "
+                        "previous validate's real/) instead of running the engine again; its options must be "
+                        "the same as these (the latency model may differ)")
+    p.set_defaults(func=run_validate)
+    return p
+
+
+def _validate_argv(values: Mapping[str, Any], model: str, threads: int, temp: float) -> list[str]:
+    from experiments.cli import simulate_argv
+
+    return ["validate", *simulate_argv(values)[2:], "-m", model, "--threads", str(threads), "--temp", str(temp)]
+
+
+def _options_key(argv: list[str]) -> list[str]:
+    """A run's option tokens without the ones that do not change the real run (latency model, fast-forward)."""
+    out, skip = [], False
+    for tok in argv:
+        if skip:
+            skip = False
+        elif tok == "--latency":
+            skip = True
+        elif not tok.startswith("--latency=") and tok != "--no-fast-forward":
+            out.append(tok)
+    return out
+
+
+def check_same_run(real: Any, values: Mapping[str, Any], model: str) -> None:
+    """ValueError unless results directory `real` is a replay of these options (workload, server, policies)
+    on this model: `--real-run` must not compare a simulation with a different experiment."""
+    from experiments.cli import simulate_argv
+
+    rerun = str(real.config.get("rerun", ""))
+    if real.config.get("backend") != "numpy" or not rerun.startswith("slotlab replay"):
+        raise ValueError(f"{real.path}: not a real-engine run (slotlab replay / validate real/)")
+    theirs = _options_key(shlex.split(rerun)[2:])
+    mine = _options_key(simulate_argv(values)[2:])
+    if theirs != mine:
+        raise ValueError(f"{real.path} ran different options: {' '.join(theirs)!r}, here: {' '.join(mine)!r}")
+    if Path(str(real.config.get("model"))).resolve() != Path(model).resolve():
+        raise ValueError(f"{real.path} ran model {real.config.get('model')}, here: {model}")
+
+
+def run_validate(args: argparse.Namespace) -> int:
+    """`slotlab validate`; returns the exit code (2 = bad usage or input)."""
+    from tqdm import tqdm
+
+    from experiments import cli
+    from experiments.replay import resolve_model, run_replay
+    from experiments.results import load_results, write_json
+    from sim.latency import get_latency_model
+
+    values = cli._option_values(args)
+    try:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        model = resolve_model(args.model)
+        workload, desc = cli.build_workload(values)
+        latency = get_latency_model(values["latency"])
+        cli.server_config({**values, "kv_bytes_per_token": None})
+        reused = None
+        if args.real_run:
+            reused = load_results(args.real_run)
+            check_same_run(reused, values, model)
+        out = cli._out_dir(args, "validate")
+    except (cli.UsageError, ValueError, OSError) as exc:
+        print(f"slotlab validate: error: {exc}", file=sys.stderr)
+        return 2
+    argv = _validate_argv(values, model, args.threads, args.temp)
+    context = cli._context(argv, desc)
+    load_start = os.getloadavg()
+
+    def bar(name: str):
+        return tqdm(total=desc.get("n_requests"), unit="req", desc=f"validate: {name}", file=sys.stderr,
+                    leave=False, disable=args.quiet)
+
+    def follow(b):
+        def progress(done: int, total: int) -> None:
+            b.total = total
+            b.update(done - b.n)
+        return progress
+
+    if reused is None:
+        with bar("real") as b:
+            run_replay(values, workload, model, args.threads, args.temp, str(out / "real"), context,
+                       csv=args.csv, plots=not args.no_plots, progress=follow(b))
+        real = load_results(out / "real")
+    else:
+        real = reused
+    load_mid = os.getloadavg()
+    with bar("sim") as b:
+        run_sim_twin(values, workload, real.config, model, out / "sim", context, csv=args.csv,
+                     plots=not args.no_plots, progress=follow(b))
+    sim = load_results(out / "sim")
+    per = compare_requests(real.requests, sim.requests)
+    errors = aggregate_errors(real.requests, sim.requests)
+    summary = per_request_summary(per)
+    summary.update(
+        model=model, threads=real.config.get("threads"), latency=values["latency"],
+        latency_model=latency.describe(), load_average_start=list(load_start), load_average_after_real=list(load_mid),
+        load_average_end=list(os.getloadavg()), real_dir=str(real.path), real_reused=reused is not None,
+        sim_dir=str(out / "sim"), real_sim_s=real.summary.get("sim_s"), sim_sim_s=sim.summary.get("sim_s"),
+        real_steps=real.run.get("steps"), sim_steps=sim.run.get("steps"), command=context["command"])
+    per.to_csv(out / FILES["per_request"], index=False)
+    errors.to_csv(out / FILES["errors"], index=False)
+    write_json(out / FILES["summary"], summary)
+    if not args.no_plots:
+        title = (f"{Path(model).name}, {summary['threads']} threads vs {latency.describe().get('kind')} latency "
+                 f"({summary['n_requests']} requests)")
+        plot_scatter(per, out / FILES["scatter"], title)
+        plot_cdfs(real.requests, sim.requests, out / FILES["cdf"], title)
+    if args.quiet:
+        e2e = errors[(errors["metric"] == "e2e") & (errors["stat"] == "p50")].iloc[0]
+        print(f"slotlab validate: {summary['n_requests']} requests, E2E P50 real {e2e['real_s']:.3g} s sim "
+              f"{e2e['sim_s']:.3g} s ({100 * e2e['rel_err']:+.1f}%), decisions match "
+              f"{100 * summary['decision_match_rate']:.0f}% -> {out}")
+    else:
+        print(format_errors(errors, summary))
+        print(f"threads {summary['threads']}, load average {load_start[0]:.2f} -> {summary['load_average_end'][0]:.2f}"
+              f"; latency {values['latency']}")
+        where = "real/" if reused is None else f"real: {real.path}"
+        print(f"results: {out}/  ({where}, sim/, "
+              f"{FILES['per_request']}, {FILES['errors']}, {FILES['summary']})")
+    return 0
+
+
+def read_validation(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, Any]]:
+    """A validate output directory read back: (per-request table, aggregate errors, summary)."""
+    p = Path(path)
+    return (pd.read_csv(p / FILES["per_request"]), pd.read_csv(p / FILES["errors"]),
+            json.loads((p / FILES["summary"]).read_text(encoding="utf-8")))

@@ -1,0 +1,164 @@
+"""`slotlab validate` on a tiny random-weight GGUF: both runs, the per-request and aggregate error tables, and
+the error arithmetic on hand-made tables."""
+
+import argparse
+import math
+
+import pandas as pd
+import pytest
+
+from engine.model.tiny import write_tiny_gguf
+from experiments.validate import (FILES, add_validate_parser, aggregate_errors, compare_requests,
+                                  per_request_summary, read_validation, run_validate)
+from sim.latency import ParametricLatency, save_calibration
+
+WORKLOAD = ["--workload", "poisson", "--rate", "20", "--requests", "6", "--prompt-tokens", "10-40",
+            "--output-tokens", "3-8", "-np", "2", "-c", "512", "--seed", "5"]
+MEASURED_ON = {"machine": "test", "cpu": "test", "threads": 1, "engine": "slotlab numpy", "model": "tiny.gguf",
+               "date": "2025-01-01", "notes": "hand-made for tests"}
+
+
+def parse(*argv):
+    parser = argparse.ArgumentParser()
+    add_validate_parser(parser.add_subparsers())
+    return parser.parse_args(["validate", *argv])
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("m") / "tiny.gguf", n_ctx_train=512)
+
+
+@pytest.fixture(scope="module")
+def calib(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cal") / "calib.json"
+    save_calibration(ParametricLatency(1e-3, 2e-5, 3e-4, 1e-8), path, MEASURED_ON)
+    return path
+
+
+@pytest.fixture(scope="module")
+def validated(tiny, calib, tmp_path_factory):
+    out = tmp_path_factory.mktemp("val")
+    rc = run_validate(parse("-m", tiny, "--threads", "1", "--latency", f"parametric:{calib}", "--quiet",
+                            "--out", str(out), *WORKLOAD))
+    return rc, out
+
+
+def test_validate_writes_both_runs_and_the_tables(validated):
+    rc, out = validated
+    assert rc == 0
+    for run in ("real", "sim"):
+        assert (out / run / "summary.csv").exists() and (out / run / "requests.parquet").exists()
+    for name in ("per_request", "errors", "summary", "scatter", "cdf"):
+        assert (out / FILES[name]).exists()
+
+
+def test_per_request_table_has_one_row_per_request_and_decision_columns(validated):
+    per, _, summary = read_validation(validated[1])
+    assert sorted(per["request"]) == list(range(6))
+    for col in ("slot_real", "slot_sim", "slot_match", "n_cached_real", "n_cached_sim", "n_cached_match",
+                "decision_match", "ttft_rel_err", "tpot_abs_err_s", "e2e_rel_err"):
+        assert col in per.columns
+    assert (per["n_prompt_real"] == per["n_prompt_sim"]).all()     # the same prompts in both runs
+    assert summary["n_requests"] == 6 and 0 <= summary["decision_match_rate"] <= 1
+
+
+def test_aggregate_table_has_every_metric_and_percentile(validated):
+    _, errors, _ = read_validation(validated[1])
+    assert len(errors) == 16
+    assert set(errors["metric"]) == {"ttft", "tpot", "e2e", "queue"}
+    assert set(errors["stat"]) == {"p50", "p90", "p99", "mean"}
+
+
+def test_simulated_twin_uses_the_real_runs_server_config(validated):
+    from experiments.results import load_results
+
+    real, sim = load_results(validated[1] / "real"), load_results(validated[1] / "sim")
+    assert sim.config["server_config"] == real.config["server_config"]
+    assert sim.config["sim"]["latency"]["kind"] == "parametric"
+
+
+def test_closed_loop_chat_joins_every_turn(tiny, calib, tmp_path):
+    rc = run_validate(parse("-m", tiny, "--threads", "1", "--latency", f"parametric:{calib}", "--quiet",
+                            "--no-plots", "--out", str(tmp_path), "--users", "2", "--turns", "2",
+                            "--think-time", "0.01", "--user-tokens", "8-16", "--output-tokens", "2-4",
+                            "-np", "2", "-c", "2048"))          # system prompts are 200-500 tokens
+    assert rc == 0
+    per, _, _ = read_validation(tmp_path)
+    assert len(per) == 4 and set(per["turn"]) == {0, 1}
+    assert (per["finish_real"] == "limit").all() and (per["n_cached_real"][per["turn"] == 1] > 0).all()
+
+
+def test_bad_latency_spec_is_a_usage_error(tiny, tmp_path, capsys):
+    assert run_validate(parse("-m", tiny, "--latency", "parametric:/nope.json", "--out", str(tmp_path),
+                              *WORKLOAD)) == 2
+    assert "nope.json" in capsys.readouterr().err
+
+
+def frame(values: dict) -> pd.DataFrame:
+    n = len(values["request"])
+    base = {"session_id": [None] * n, "turn": [0] * n, "n_prompt": [10] * n, "n_output": [4] * n,
+            "arrival_s": [0.0] * n, "n_deferred": [0] * n, "finish": ["limit"] * n,
+            "queue_s": [0.0] * n, "tpot_s": [0.1] * n}
+    return pd.DataFrame({**base, **values})
+
+
+REAL = frame({"request": [0, 1, 2], "ttft_s": [1.0, 2.0, 3.0], "e2e_s": [2.0, 4.0, 6.0], "slot": [0, 1, 0],
+              "n_cached": [0, 0, 5]})
+SIM = frame({"request": [2, 1, 0], "ttft_s": [6.0, 3.0, 1.5], "e2e_s": [6.0, 4.0, 1.0], "slot": [0, 0, 0],
+             "n_cached": [0, 0, 0]})
+
+
+def test_per_request_errors_are_sim_minus_real_joined_on_request():
+    per = compare_requests(REAL, SIM)
+    assert list(per["request"]) == [0, 1, 2]
+    assert list(per["ttft_abs_err_s"]) == [0.5, 1.0, 3.0]
+    assert list(per["ttft_rel_err"]) == [0.5, 0.5, 1.0]
+    assert list(per["e2e_rel_err"]) == [-0.5, 0.0, 0.0]
+    assert per["queue_rel_err"].isna().all()                  # real queue 0 s: no relative error
+
+
+def test_decision_match_needs_same_slot_and_same_cached_prefix():
+    per = compare_requests(REAL, SIM)
+    assert list(per["slot_match"]) == [True, False, True]
+    assert list(per["n_cached_match"]) == [True, True, False]
+    assert list(per["decision_match"]) == [True, False, False]
+    summary = per_request_summary(per)
+    assert summary["decision_match_rate"] == pytest.approx(1 / 3)
+    assert summary["ttft_median_ape"] == 0.5 and summary["ttft_mape"] == pytest.approx(2 / 3)
+
+
+def test_aggregate_errors_compare_percentiles_of_each_run():
+    errors = aggregate_errors(REAL, SIM).set_index(["metric", "stat"])
+    p50 = errors.loc[("ttft", "p50")]
+    assert (p50["real_s"], p50["sim_s"], p50["abs_err_s"], p50["rel_err"]) == (2.0, 3.0, 1.0, 0.5)
+    assert errors.loc[("ttft", "mean"), "sim_s"] == pytest.approx(3.5)
+    assert errors.loc[("ttft", "p90"), "real_s"] == pytest.approx(2.8)     # linear interpolation
+    assert math.isnan(errors.loc[("queue", "p50"), "rel_err"])
+
+
+def test_errored_requests_are_left_out_of_the_aggregates():
+    real = REAL.assign(finish=["limit", "limit", "error"])
+    errors = aggregate_errors(real, SIM).set_index(["metric", "stat"])
+    assert errors.loc[("ttft", "p50"), "real_s"] == 1.5
+
+
+def test_real_run_is_reused_without_running_the_engine_again(validated, tiny, tmp_path):
+    other = tmp_path / "calib2.json"
+    save_calibration(ParametricLatency(2e-3, 2e-5, 3e-4, 1e-8), other, MEASURED_ON)
+    out = tmp_path / "v2"
+    assert run_validate(parse("-m", tiny, "--threads", "1", "--latency", f"parametric:{other}", "--quiet",
+                              "--no-plots", "--real-run", str(validated[1] / "real"), "--out", str(out),
+                              *WORKLOAD)) == 0
+    assert not (out / "real").exists()
+    per, _, summary = read_validation(out)
+    first, _, _ = read_validation(validated[1])
+    assert summary["real_reused"] and list(per["ttft_real_s"]) == list(first["ttft_real_s"])
+    assert list(per["ttft_sim_s"]) != list(first["ttft_sim_s"])       # the other latency model
+
+
+def test_real_run_with_other_options_is_refused(validated, tiny, calib, tmp_path, capsys):
+    args = [a if a != "6" else "5" for a in WORKLOAD]                   # --requests 5
+    assert run_validate(parse("-m", tiny, "--latency", f"parametric:{calib}", "--real-run",
+                              str(validated[1] / "real"), "--out", str(tmp_path), *args)) == 2
+    assert "ran different options" in capsys.readouterr().err
