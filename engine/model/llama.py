@@ -63,7 +63,9 @@ class Matmul:
             out = np.empty((n_blk, m, lin.blocks.shape[2]), np.float32)       # [n_blk, M, n_cols]
             self._run(lambda a, b: np.matmul(x, lin.blocks[a:b], out=out[a:b]), n_blk, 1, split)
             return out.transpose(1, 0, 2).reshape(m, n_out)                    # [M, n_out]
-        if not split:
+        if not split or m == 1:
+            # one row (gemv) is not split: it is bandwidth-bound, and on this machine a second thread
+            # streaming the other half measured slower (12 vs 15 GB/s), not faster
             return x @ lin.t                                                   # [M, n_out]
         out = np.empty((m, n_out), np.float32)                                 # [M, n_out]
         self._run(lambda a, b: np.matmul(x, lin.t[:, a:b], out=out[:, a:b]), n_out, _SPLIT_ALIGN, split)
@@ -74,12 +76,17 @@ class Matmul:
         if not split:
             part(0, n)
             return
-        cuts = [0] + [min(n, round(n * i / self.n_threads / align) * align) for i in range(1, self.n_threads)] + [n]
+        cuts = self._cuts(n, align)
         futures = [self._pool.submit(part, cuts[i], cuts[i + 1]) for i in range(1, self.n_threads)
                    if cuts[i] < cuts[i + 1]]
         part(cuts[0], cuts[1])
         for f in futures:
             f.result()
+
+    def _cuts(self, n: int, align: int) -> list[int]:
+        """n_threads + 1 boundaries splitting [0, n) into near-equal ranges aligned to `align`."""
+        inner = [min(n, round(n * i / self.n_threads / align) * align) for i in range(1, self.n_threads)]
+        return [0] + inner + [n]
 
     def parallel(self, tasks: list[Callable[[], object]]) -> None:
         """Run independent tasks on the threads, each thread taking the next task left (give them
@@ -251,11 +258,11 @@ def forward_batch(w: Weights, hp: HParams, rope: Rope, kv: KVStore, chunks: Sequ
     for c, t in zip(chunks, ids):
         if t.size and (t.min() < 0 or t.max() >= hp.n_vocab):
             raise ValueError(f"sequence {c.seq_id}: token id out of range [0, {hp.n_vocab})")
-    seqs = kv.prepare_append([(int(c.seq_id), int(c.pos0), int(t.size)) for c, t in zip(chunks, ids)])
     sizes = [int(t.size) for t in ids]
+    rows = [_logit_rows(c.want_logits, n) for c, n in zip(chunks, sizes)]
+    seqs = kv.prepare_append([(int(c.seq_id), int(c.pos0), n) for c, n in zip(chunks, sizes)])
     offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
     n_olds = [s.n for s in seqs]
-    rows = [_logit_rows(c.want_logits, n) for c, n in zip(chunks, sizes)]
 
     tokens = np.concatenate(ids)                                                     # [T]
     pos = np.concatenate([np.arange(c.pos0, c.pos0 + n) for c, n in zip(chunks, sizes)])  # [T]
@@ -302,14 +309,9 @@ def forward_batch(w: Weights, hp: HParams, rope: Rope, kv: KVStore, chunks: Sequ
         kv.commit_append(s, int(chunks[ic].pos0), sizes[ic])
 
     sel = [offsets[ic] + r for ic, rr in enumerate(rows) for r in rr]
-    out: list[np.ndarray] = []
     if not sel:
-        empty = np.empty((0, hp.n_vocab), np.float32)
-        return [empty for _ in chunks]
+        return [np.empty((0, hp.n_vocab), np.float32) for _ in chunks]
     xs = rms_norm(x[sel], w.output_norm, hp.f_norm_rms_eps)                         # [R, D]
     logits = mm(w.output, xs)                                                        # [R, n_vocab]
-    i = 0
-    for rr in rows:
-        out.append(logits[i:i + len(rr)])
-        i += len(rr)
-    return out
+    bounds = np.cumsum([0] + [len(rr) for rr in rows]).tolist()
+    return [logits[bounds[i]:bounds[i + 1]] for i in range(len(chunks))]
