@@ -233,7 +233,8 @@ class _Bench:
 
         self.prepare(point)
         plan = build_plan(point, self.tokens, self.tasks)
-        cost = SimBackend(ConstantLatency(0.0), self.backend.kv_bytes_per_token).cost(plan)
+        # copies priced per byte as the simulator counts them: the server config's kv_bytes_per_token
+        cost = SimBackend(ConstantLatency(0.0), self.backend.config_facts()["kv_bytes_per_token"]).cost(plan)
         result = self.backend.execute(plan)
         self.backend.cache.pop(ENTRY_SAVE, None)
         return cost, result.elapsed_s

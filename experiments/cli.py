@@ -27,7 +27,7 @@ from traces import (DEFAULT_CHAT, FORMATS, ChatWorkload, GammaArrivals, PoissonA
                     default_chat_workload, open_loop, read_trace)
 
 SMOLLM2_N_CTX_TRAIN = 8192        # SmolLM2-135M GGUF `context_length`
-SMOLLM2_KV_BYTES_PER_TOKEN = 23040  # 2 (K,V) * 30 layers * 3 kv heads * 64 dims * 2 bytes (f16 KV)
+SMOLLM2_KV_BYTES_PER_TOKEN = 23052  # 2 (K,V) * 30 layers * 3 kv heads * 64 dims * 2 bytes (f16 KV) + 12 cell metadata
 CHAT_DEFAULTS = {"users": DEFAULT_CHAT["n_users"], "turns": DEFAULT_CHAT["turns_per_user"],
                  "think_time": DEFAULT_CHAT["think_time_s"], "user_tokens": DEFAULT_CHAT["user_tokens"],
                  "output_tokens": DEFAULT_CHAT["output_tokens"]}  # = default_chat_workload()

@@ -53,7 +53,12 @@ class ServerConfig:
     n_predict: int = -1                # -n; per-request default, request values are not capped by it
     # Model facts the scheduler needs (the backend reports them; these defaults are SmolLM2-135M's).
     add_bos_token: bool = False        # context shift keeps BOS in addition to n_keep
-    kv_bytes_per_token: int = 23040    # 2 (K,V) * 30 layers * 3 kv heads * 64 dims * 2 bytes (f16)
+    # Host-RAM cache entry size = what llama_state_seq_get_size reports for a sequence of n tokens:
+    # n * kv_bytes_per_token + kv_state_header_bytes + 4 bytes per KV stream (cell count). Defaults are
+    # SmolLM2-135M with llama.cpp's f16 KV: 2 (K,V) * 30 layers * 3 kv heads * 64 dims * 2 bytes = 23040,
+    # plus 12 bytes of cell metadata per token; header 20 + 24 per layer.
+    kv_bytes_per_token: int = 23052
+    kv_state_header_bytes: int = 740
     can_shift: bool = True             # llama_memory_can_shift: false forces --cache-reuse 0 / no ctx shift
     eog_ids: frozenset[int] = frozenset()
     # slotlab extensions (not llama-server flags): policies and cache hit semantics.
@@ -99,6 +104,8 @@ class ServerConfig:
             raise ConfigError(f"invalid value for n_predict: {self.n_predict} (-1 = unlimited, else >= 0)")
         if self.kv_bytes_per_token < 1:
             raise ConfigError(f"invalid value for kv_bytes_per_token: {self.kv_bytes_per_token} (must be >= 1)")
+        if self.kv_state_header_bytes < 0:
+            raise ConfigError(f"invalid value for kv_state_header_bytes: {self.kv_state_header_bytes} (>= 0)")
         if self.cache_hit not in ("move", "copy"):
             raise ConfigError(f"invalid value for cache_hit: {self.cache_hit!r} (choose 'move' or 'copy')")
         # upstream: --cache-idle-slots requires --cache-ram, disabling; --cache-reuse needs a shiftable memory
@@ -128,6 +135,12 @@ class ResolvedConfig:
     def cache_limit_bytes(self) -> int:
         """Host-RAM prompt-cache byte limit: 0 = no limit (upstream maps -1 to 0 here)."""
         return 1024 * 1024 * max(0, self.base.cache_ram_mib)
+
+    def state_size_bytes(self, n_tokens: int) -> int:
+        """Bytes of a saved sequence state of n_tokens (`llama_state_seq_get_size`): what a prompt-cache
+        entry costs against --cache-ram. One KV stream when unified, one per slot otherwise."""
+        n_stream = 1 if self.kv_unified else self.n_slots
+        return n_tokens * self.base.kv_bytes_per_token + self.base.kv_state_header_bytes + 4 * n_stream
 
     @property
     def cache_enabled(self) -> bool:

@@ -18,6 +18,10 @@ from engine.core.recorder import Recorder
 from engine.core.tokens import common_prefix
 
 
+class CacheLoadFailed(Exception):
+    """The chosen entry cannot be restored into the slot (`llama_state_seq_set_data` fails): it stays."""
+
+
 @dataclass(slots=True, eq=False)
 class CacheEntry:
     id: int
@@ -51,6 +55,7 @@ class PromptCache:
         self.n_evictions = 0
         self.n_hits = 0
         self.n_saves = 0
+        self.n_load_failures = 0
 
     # --- bookkeeping -------------------------------------------------------------------------------
     def size_bytes(self) -> int:
@@ -107,11 +112,14 @@ class PromptCache:
         self.n_saves += 1
         return e
 
-    def load(self, slot_tokens: list[int], new_tokens: list[int], now_s: float) -> CacheEntry | None:
+    def load(self, slot_tokens: list[int], new_tokens: list[int], now_s: float,
+             can_restore: Callable[[CacheEntry], bool] | None = None) -> CacheEntry | None:
         """Pick the entry to restore for `new_tokens`, or None to keep the slot's own context.
 
         An entry wins only if both f_keep (share of the entry kept) and f_sim (share of the new prompt
-        covered) are strictly better than the slot's own; entries keeping < 25% are never used.
+        covered) are strictly better than the slot's own; entries keeping < 25% are never used. If
+        `can_restore(entry)` is false (no room in a unified KV buffer) the entry stays in the cache and
+        CacheLoadFailed is raised, as upstream's failed `llama_state_seq_set_data`.
         """
         lcp_best = common_prefix(slot_tokens, new_tokens)
         f_keep_best = lcp_best / len(slot_tokens) if slot_tokens else -1.0
@@ -129,6 +137,10 @@ class PromptCache:
         if best is None:
             self.recorder.record(now_s, "cache_miss", n_tokens=n_new, n_entries=len(self.entries))
             return None
+        if can_restore is not None and not can_restore(best):
+            self.n_load_failures += 1
+            self.recorder.record(now_s, "cache_load_failed", entry=best.id, n_tokens=len(best.tokens))
+            raise CacheLoadFailed(best.id)
         self.n_hits += 1
         self.recorder.record(now_s, "cache_hit", entry=best.id, n_tokens=len(best.tokens),
                              f_keep=f_keep_best, f_sim=f_sim_best, mode=self.hit_mode)

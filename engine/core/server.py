@@ -25,7 +25,7 @@ from typing import Any
 from engine.core.config import ResolvedConfig, ServerConfig
 from engine.core.errors import ErrorType
 from engine.core.metrics import Metrics
-from engine.core.prompt_cache import PromptCache
+from engine.core.prompt_cache import CacheLoadFailed, PromptCache
 from engine.core.protocols import Policies
 from engine.core.recorder import NullRecorder, Recorder
 from engine.core.slot import Slot
@@ -243,7 +243,7 @@ class ServerCore:
         if known >= 0 and known in self.cache.entries:   # unchanged tokens, containing entry still cached
             return False
         n = len(slot.tokens)
-        entry = self.cache.alloc(slot.tokens, n * self.base.kv_bytes_per_token, now_s)
+        entry = self.cache.alloc(slot.tokens, self.cfg.state_size_bytes(n), now_s)
         if entry is None:
             return False
         self._saved_in[slot.id] = entry.id
@@ -254,14 +254,22 @@ class ServerCore:
         return True
 
     def _prompt_load(self, slot: Slot, tokens: list[int], now_s: float) -> bool:
-        entry = self.cache.load(slot.tokens, tokens, now_s)
+        can_restore = None
+        if self.cfg.kv_unified:
+            # restoring first drops the slot's own cells, then needs room for the entry in the shared pool
+            free = self.cfg.n_ctx - (self.kv_cells_used() - len(slot.tokens))
+            can_restore = lambda e: len(e.tokens) <= free  # noqa: E731
+        try:
+            entry = self.cache.load(slot.tokens, tokens, now_s, can_restore)
+        except CacheLoadFailed:
+            return False
         if entry is not None:
             keep = self.base.cache_hit == "copy"
             self._ops.append(KVOp("cache_load", seq=slot.id, entry=entry.id, n_tokens=len(entry.tokens), keep=keep))
             self._truncated(slot.id, 0)
             slot.tokens = list(entry.tokens)
             self._saved_in[slot.id] = entry.id if keep else -1
-        return True   # a failed state copy would return False; the core's bookkeeping cannot fail here
+        return True
 
     def _prompt_clear(self, slot: Slot) -> None:
         if slot.tokens:

@@ -229,3 +229,46 @@ def test_largest_first_evicts_biggest_entry():
     c.alloc([2] * 100, 100, 1.0)
     c.alloc([3] * 100, 100, 2.0)
     assert drops == [big.id]
+
+
+def test_entry_size_is_llama_cpp_sequence_state_size():
+    """n * (23040 + 12) + 740 + 4 * n_stream: 5,832,900 bytes for 253 tokens with -kvu (llama-server's log)."""
+    core = make_core(n_ctx=4096, kv_unified=True, n_parallel=4)
+    assert core.cfg.state_size_bytes(253) == 5_832_900
+    split = make_core(n_ctx=4096, n_parallel=2)
+    assert split.cfg.state_size_bytes(253) == 5_832_900 + 4
+
+
+def test_entry_just_over_the_byte_limit_is_skipped():
+    # 182 tokens with 4 MiB: 182 * 23052 + 744 = 4,196,208 > 4,194,304 -> upstream skips it
+    rec = Recorder()
+    core = make_core(rec, n_ctx=1024, n_parallel=1, cache_ram_mib=4)
+    be = FakeBackend()
+    core.submit(task(range(100, 277), n_predict=6), 0.0)      # 177 + 6 - 1 = 182 tokens cached
+    run(core, be)
+    core.submit(task(range(1000, 1020), n_predict=1), 1.0)
+    run(core, be, 1.0)
+    assert [e[2]["reason"] for e in rec.of_kind("cache_skip")] == ["exceeds_limit"]
+    assert len(core.cache) == 0
+
+
+def test_unified_restore_without_free_cells_fails_and_keeps_the_entry():
+    """np2 -c 512 -kvu: slot 1 holds 260 tokens, user A's 253-token entry cannot be restored into slot 0."""
+    rec = Recorder()
+    core = make_core(rec, n_ctx=512, n_parallel=2, kv_unified=True)
+    be = FakeBackend()
+    a = list(range(1000, 1248))                               # 248 + 6 - 1 = 253 cached tokens
+    core.submit(task(a, n_predict=6), 0.0)                     # slot 1
+    run(core, be)
+    core.submit(task(range(5000, 5255), n_predict=6), 1.0)    # slot 0; A's slot saved + cleared after launch
+    run(core, be, 1.0)
+    assert len(core.cache) >= 1
+    core.submit(task(range(7000, 7100), n_predict=1), 2.0)    # fills slot 1 again (260 cells in use)
+    run(core, be, 2.0)
+    core.slots[1].tokens = list(range(9000, 9260))
+    be.cells[1] = 260
+    t = core.submit(task(a + [11] * 22, n_predict=1, id_slot=0), 3.0)
+    run(core, be, 3.0)
+    assert rec.of_kind("cache_load_failed")
+    assert t.n_prompt_cached == 0 and t.n_prompt_processed == 270
+    assert any(len(e.tokens) == 253 for e in core.cache.entries.values())   # the entry stays

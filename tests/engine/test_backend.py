@@ -181,7 +181,10 @@ def test_backend_reports_the_model_facts_the_server_config_needs(tiny_model):
     backend = NumpyBackend(model, 1, 64)
     facts = backend.config_facts()
     assert facts["n_ctx_train"] == 512
-    assert facts["kv_bytes_per_token"] == backend.kv.bytes_per_token
+    hp = model.hparams
+    # prompt-cache entries are sized as llama.cpp's f16 sequence state, not this engine's f32 store
+    assert facts["kv_bytes_per_token"] == hp.n_layer * 2 * hp.n_head_kv * hp.head_dim * 2 + 12
+    assert facts["kv_state_header_bytes"] == 20 + 24 * hp.n_layer
     assert 2 in facts["eog_ids"] and facts["add_bos_token"] is False
     assert backend.n_threads >= 0
 

@@ -20,7 +20,7 @@ def config_of(*argv: str) -> ServerConfig:
 
 
 def test_no_flags_give_upstream_defaults_with_smollm2_model_facts():
-    assert config_of() == ServerConfig(n_ctx_train=8192, kv_bytes_per_token=23040)
+    assert config_of() == ServerConfig(n_ctx_train=8192, kv_bytes_per_token=23052)
 
 
 def test_llama_server_short_flags_map_onto_server_config_fields():
