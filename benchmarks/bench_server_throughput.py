@@ -25,7 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from validate_server import DEFAULT_LLAMA_SERVER, Server, build_info, http_json, slotlab_command, smollm2_path  # noqa: E402
+from validate_server import (  # noqa: E402
+    DEFAULT_LLAMA_SERVER, Server, build_info, http_json, slotlab_command, smollm2_path)
 
 # Token ids well inside SmolLM2's ordinary BPE range (its special tokens are the first few ids).
 TOKEN_LO, TOKEN_HI = 1000, 40000
@@ -62,7 +63,16 @@ def one_round(url: str, concurrency: int, prompt_tokens: int, n_predict: int, rn
             "per_request_tok_s": statistics.mean(per_req), "prompt_ms_mean": statistics.mean(ttft)}
 
 
+def wait_quiet(max_load: float, timeout_s: float) -> float:
+    """Wait (up to timeout_s) for the 1-minute load average to drop under max_load; returns it."""
+    t_end = time.monotonic() + timeout_s
+    while os.getloadavg()[0] > max_load and time.monotonic() < t_end:
+        time.sleep(5)
+    return os.getloadavg()[0]
+
+
 def bench_server(server: Server, flags: list[str], args: argparse.Namespace) -> dict:
+    load_before = wait_quiet(args.max_load, args.wait_quiet) if args.wait_quiet > 0 else os.getloadavg()[0]
     server.start(flags)
     try:
         server.wait_ready(args.load_timeout)
@@ -79,7 +89,8 @@ def bench_server(server: Server, flags: list[str], args: argparse.Namespace) -> 
                          "prompt_ms_mean": statistics.median(r["prompt_ms_mean"] for r in rounds)})
             print(f"  {server.name:<13} c={c:<3} gen tok/s median {rows[-1]['gen_tok_s_median']:8.1f} "
                   f"(rounds: {', '.join(f'{x:.1f}' for x in tok_s)})", flush=True)
-        return {"server": server.name, "build_info": info, "rows": rows}
+        return {"server": server.name, "build_info": info, "rows": rows, "load_before": load_before,
+                "load_after": os.getloadavg()[0]}
     finally:
         server.stop()
 
@@ -99,10 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--load-timeout", type=float, default=600.0)
     p.add_argument("--log-dir", default=None)
+    p.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
+                   help="before each server, wait up to S seconds for the machine to be quiet (shared cores)")
+    p.add_argument("--max-load", type=float, default=0.5, help="'quiet' = 1-minute load average below this")
     args = p.parse_args(argv)
     args.model = args.model or smollm2_path()
     args.concurrency = [int(x) for x in args.concurrency.split(",") if x]
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench_server_"))
+    log_dir.mkdir(parents=True, exist_ok=True)
     flags = ["-np", str(args.parallel), "-c", str(args.ctx_size)]
     common = ["-m", args.model, "--threads", str(args.threads)]
     blas = {"OPENBLAS_NUM_THREADS": str(args.threads), "OMP_NUM_THREADS": str(args.threads)}
@@ -119,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'server':<13} {'build':<22} {'threads':>7} {'clients':>7} {'gen tok/s (median)':>18} {'best':>7} "
           f"{'per-req tok/s':>13} {'prompt ms':>9}")
     for res in results:
+        print(f"# {res['server']}: 1-min load average {res['load_before']:.2f} before, {res['load_after']:.2f} after "
+              f"(other processes on the {os.cpu_count()} cores skew these figures)")
         for row in res["rows"]:
             print(f"{res['server']:<13} {res['build_info']:<22} {args.threads:>7} {row['concurrency']:>7} "
                   f"{row['gen_tok_s_median']:>18.1f} {row['gen_tok_s_best']:>7.1f} {row['per_request_tok_s']:>13.1f} "
