@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileType
 from gguf import quants as gguf_quants
+from engine.model.tokenizer import _BYTE_TO_UNICODE
 
 CONTROL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TOKEN_TYPE_NORMAL, TOKEN_TYPE_CONTROL = 1, 3
@@ -52,16 +53,8 @@ _DEFAULTS = {"llama": (10000.0, 1e-5), "qwen2": (1000000.0, 1e-6)}   # rope freq
 
 
 def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable unicode symbol map: printable Latin-1 bytes map to themselves, the rest
-    to code points 256, 257, ... in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {b: chr(b) for b in printable}
-    n_extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + n_extra)
-            n_extra += 1
-    return table
+    """GPT-2's byte -> printable unicode symbol map (the tokenizer's own table, so the two always agree)."""
+    return dict(_BYTE_TO_UNICODE)
 
 
 def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
