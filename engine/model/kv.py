@@ -3,12 +3,18 @@
 Mirrors `llama_kv_cache` (`seq_rm`, `seq_add`, `seq_cp`, `clear`, `seq_pos_min/max`) and
 `llama_state_seq_get_data` / `llama_state_seq_set_data` for one sequence.
 
-Storage: each sequence owns arrays `k`, `v` of shape [n_layer, n_head_kv, capacity, head_dim] holding its
+Storage: each sequence has arrays `k`, `v` of shape [n_layer, n_head_kv, capacity, head_dim] holding its
 cells compacted in position order (cell i has position `pos[i]`, sorted non-decreasing). Head-major layout
-so that attention reads `k[l, :, :n]` as n_head_kv contiguous [n, head_dim] matrices for BLAS. Capacity
-grows by doubling up to the sequence limit. Non-unified: each sequence may hold `n_ctx_seq` cells.
-Unified: all sequences share one pool of `n_ctx = n_seq * n_ctx_seq` cells (only the accounting differs;
-`seq_cp` copies count as new cells, where llama.cpp shares them).
+so that attention reads `k[l, :, :n]` as n_head_kv contiguous [n, head_dim] matrices for BLAS. Non-unified:
+each sequence may hold `n_ctx_seq` cells. Unified: all sequences share one pool of `n_ctx = n_seq * n_ctx_seq`
+cells (only the accounting differs; `seq_cp` copies count as new cells, where llama.cpp shares them).
+
+Pool: the sequences' arrays are views `pool_k[:, seq]` of one array `pool_k` [n_layer, n_seq, n_head_kv, cap,
+head_dim] (same for V) with one capacity for all, grown by doubling. The forward pass then attends the
+one-token chunks of many sequences with a few batched matmuls over `pool_k[layer, lo:hi]` instead of a loop
+of small calls per sequence. The pool is allocated with `np.zeros` (calloc): pages a sequence never touched
+stay virtual, so resident memory follows the cells in use. A sequence that would grow the pool past
+`pool_max_bytes` (virtual) gets arrays of its own instead ("private"); the forward pass attends it alone.
 
 K is stored after RoPE, so `seq_add` re-rotates the shifted cells' K by the position delta.
 """
@@ -32,6 +38,7 @@ _HEADER = struct.Struct("<4sIIIIII")
 _DTYPE_CODE = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}
 _CODE_DTYPE = {code: dt.newbyteorder("<") for dt, code in _DTYPE_CODE.items()}
 _MIN_CAPACITY = 64
+POOL_MAX_BYTES = 4 << 30     # virtual size of the shared pool; calloc'd pages are resident only once written
 
 
 class KVCacheFull(RuntimeError):
@@ -45,17 +52,20 @@ class Rotator(Protocol):
 
 @dataclass(slots=True)
 class SeqKV:
-    k: np.ndarray       # [n_layer, n_head_kv, capacity, head_dim]
+    k: np.ndarray       # [n_layer, n_head_kv, capacity, head_dim]; a view of the pool when `pooled`
     v: np.ndarray       # [n_layer, n_head_kv, capacity, head_dim]
     pos: np.ndarray     # [capacity] int32; cells 0..n-1 used, positions sorted (non-decreasing)
     n: int = 0
+    seq: int = 0        # sequence id (index into the pool's second axis)
+    pooled: bool = True
 
 
 class KVStore:
     """KV cells of `n_seq` sequences (ids 0..n_seq-1)."""
 
     def __init__(self, n_seq: int, n_ctx_seq: int, n_layer: int, n_head_kv: int, head_dim: int,
-                 rotator: Rotator, unified: bool = False, dtype: np.dtype | type = np.float32):
+                 rotator: Rotator, unified: bool = False, dtype: np.dtype | type = np.float32,
+                 pool_max_bytes: int = POOL_MAX_BYTES):
         if n_seq <= 0 or n_ctx_seq <= 0:
             raise ValueError(f"n_seq ({n_seq}) and n_ctx_seq ({n_ctx_seq}) must be positive")
         self.dtype = np.dtype(dtype)
@@ -65,7 +75,10 @@ class KVStore:
         self.n_ctx = n_seq * n_ctx_seq
         self.n_layer, self.n_head_kv, self.head_dim = n_layer, n_head_kv, head_dim
         self.rotator = rotator
-        self._seqs = [self._new_seq(0) for _ in range(n_seq)]
+        cell_bytes = 2 * n_layer * n_head_kv * head_dim * self.dtype.itemsize
+        seq_max = self.n_ctx if unified else n_ctx_seq
+        self._pool_cap_max = min(seq_max, max(0, int(pool_max_bytes)) // (n_seq * cell_bytes))
+        self.clear()
 
     # --- accounting -----------------------------------------------------------------------------------
 
@@ -152,7 +165,12 @@ class KVStore:
 
     def clear(self) -> None:
         """`llama_memory_clear`: every sequence empty (buffers are released)."""
-        self._seqs = [self._new_seq(0) for _ in range(self.n_seq)]
+        self.pool_k: np.ndarray | None = None      # [n_layer, n_seq, n_head_kv, pool_cap, head_dim]
+        self.pool_v: np.ndarray | None = None
+        self.pool_cap = 0
+        self._seqs = [self._private(i, 0) for i in range(self.n_seq)]
+        for s in self._seqs:
+            s.pooled = True                        # capacity 0: joins the pool when it first needs cells
 
     # --- state (slot save / host-RAM prompt cache) -------------------------------------------------------
 
@@ -253,10 +271,24 @@ class KVStore:
     def _targets(self, seq: int) -> list[SeqKV]:
         return list(self._seqs) if seq < 0 else [self._seq(seq)]
 
-    def _new_seq(self, capacity: int) -> SeqKV:
+    def _private(self, seq: int, capacity: int) -> SeqKV:
         shape = (self.n_layer, self.n_head_kv, capacity, self.head_dim)
         return SeqKV(k=np.zeros(shape, self.dtype), v=np.zeros(shape, self.dtype),
-                     pos=np.zeros(capacity, np.int32))
+                     pos=np.zeros(capacity, np.int32), seq=seq, pooled=False)
+
+    def _grow_pool(self, cap: int) -> None:
+        """Reallocate the pool with capacity `cap` and move every pooled sequence's cells into it."""
+        shape = (self.n_layer, self.n_seq, self.n_head_kv, cap, self.head_dim)
+        pool_k, pool_v = np.zeros(shape, self.dtype), np.zeros(shape, self.dtype)
+        for s in self._seqs:
+            if not s.pooled:
+                continue
+            pool_k[:, s.seq, :, :s.n] = s.k[:, :, :s.n]
+            pool_v[:, s.seq, :, :s.n] = s.v[:, :, :s.n]
+            pos = np.zeros(cap, np.int32)
+            pos[:s.n] = s.pos[:s.n]
+            s.k, s.v, s.pos = pool_k[:, s.seq], pool_v[:, s.seq], pos
+        self.pool_k, self.pool_v, self.pool_cap = pool_k, pool_v, cap
 
     def _reserve(self, s: SeqKV, n_cells: int) -> None:
         cap = s.pos.shape[0]
@@ -265,7 +297,12 @@ class KVStore:
         new_cap = max(_MIN_CAPACITY, cap)
         while new_cap < n_cells:
             new_cap *= 2
-        grown = self._new_seq(new_cap)
+        if s.pooled:
+            if n_cells <= self._pool_cap_max:
+                self._grow_pool(min(new_cap, self._pool_cap_max))
+                return
+            s.pooled = False                       # too long for the pool: its own arrays from now on
+        grown = self._private(s.seq, new_cap)
         grown.k[:, :, :s.n] = s.k[:, :, :s.n]
         grown.v[:, :, :s.n] = s.v[:, :, :s.n]
         grown.pos[:s.n] = s.pos[:s.n]
@@ -301,9 +338,25 @@ class KVStore:
 
     def _replace(self, seq: int, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> None:
         n = pos.shape[0]
-        s = self._new_seq(max(_MIN_CAPACITY, n))
+        s = self._seqs[seq]
+        s.n = 0
+        if n <= self._pool_cap_max:
+            s.pooled = True
+            if n > self.pool_cap:
+                new_cap = max(_MIN_CAPACITY, self.pool_cap)
+                while new_cap < n:
+                    new_cap *= 2
+                self._grow_pool(min(new_cap, self._pool_cap_max))
+            elif self.pool_k is not None:
+                s.k, s.v = self.pool_k[:, seq], self.pool_v[:, seq]
+                s.pos = np.zeros(self.pool_cap, np.int32)
+            else:                                  # n == 0 and no pool yet
+                empty = self._private(seq, 0)
+                s.k, s.v, s.pos = empty.k, empty.v, empty.pos
+        else:
+            fresh = self._private(seq, max(_MIN_CAPACITY, n))
+            s.k, s.v, s.pos, s.pooled = fresh.k, fresh.v, fresh.pos, False
         s.k[:, :, :n] = k
         s.v[:, :, :n] = v
         s.pos[:n] = pos
         s.n = n
-        self._seqs[seq] = s

@@ -25,6 +25,8 @@ _ROPE_TABLE_MIN = 4096
 _SPLIT_MIN_MACS = 1 << 19         # smaller products are not worth a thread hand-off (~20 µs)
 _SPLIT_ALIGN = 16                 # column split points on 64-byte boundaries
 _ELEMENTWISE_ROWS = 64            # rows per task when element-wise work is split over threads
+_DECODE_BATCH_MIN = 2             # one-token chunks attended together (_DecodeBatch) from this many on
+_DECODE_SPLIT_MIN = 8             # ... and split over the threads from this many sequences on
 
 
 class BatchChunk(NamedTuple):
@@ -64,12 +66,18 @@ class Matmul:
             self._run(lambda a, b: np.matmul(x, lin.blocks[a:b], out=out[a:b]), n_blk, 1, split)
             return out.transpose(1, 0, 2).reshape(m, n_out)                    # [M, n_out]
         if not split or m == 1:
-            # one row (gemv) is not split: it is bandwidth-bound, and on this machine a second thread
-            # streaming the other half measured slower (12 vs 15 GB/s), not faster
+            # one row (gemv) is not split: it is bandwidth-bound. Measured here over SmolLM2's 121 matrices:
+            # two threads each streaming a contiguous band of t's rows took 27-35 ms vs 38-48 ms unsplit while
+            # the second core was free, but 49-59 vs 37-46 ms while another process held it (and a split by
+            # columns was slower in both cases), so the robust choice on a shared machine is one thread.
             return x @ lin.t                                                   # [M, n_out]
         out = np.empty((m, n_out), np.float32)                                 # [M, n_out]
         self._run(lambda a, b: np.matmul(x, lin.t[:, a:b], out=out[:, a:b]), n_out, _SPLIT_ALIGN, split)
         return out
+
+    def split(self, part: Callable[[int, int], object], n: int) -> None:
+        """part(a, b) over [0, n) cut into n_threads near-equal ranges, in parallel."""
+        self._run(part, n, 1, self._pool is not None)
 
     def _run(self, part: Callable[[int, int], object], n: int, align: int, split: bool) -> None:
         """part(a, b) over [0, n) cut into n_threads aligned ranges; the caller runs the first."""
@@ -243,10 +251,73 @@ def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_old: int, mm: Matmul 
     return out.transpose(2, 0, 1, 3).reshape(m, n_head * head_dim)      # [m, n_head * head_dim]
 
 
+class _DecodeBatch:
+    """Attention of S one-token chunks of pooled sequences in a few batched matmuls per layer.
+
+    The sequences' cells live in `kv.pool_k[layer]` [n_seq, n_head_kv, cap, head_dim]; the batch reads the
+    range of sequences lo..hi-1 that covers them (a view when they are contiguous) up to the longest one's
+    cells, and masks each sequence's unused cells. Equivalent to `_attend` per chunk with m == 1.
+    """
+
+    def __init__(self, seq_ids: list[int], rows: list[int], n_olds: list[int], n_head: int, n_head_kv: int):
+        self.seq = np.asarray(seq_ids, np.intp)                 # [S] sequence ids
+        self.rows = np.asarray(rows, np.intp)                   # [S] token rows in the batch
+        self.n_old = np.asarray(n_olds, np.intp)                # [S] cells before this token = its cell index
+        self.lo, hi = int(self.seq.min()), int(self.seq.max()) + 1
+        self.n_range = hi - self.lo
+        self.sel = self.seq - self.lo                           # [S] index into the range
+        self.dense = self.n_range == len(seq_ids) and bool(np.all(self.sel == np.arange(len(seq_ids))))
+        self.n_keys = int(self.n_old.max()) + 1
+        self.n_head, self.n_head_kv = n_head, n_head_kv
+        visible = np.zeros(self.n_range, np.intp)              # [R] cells visible to each sequence of the range
+        visible[self.sel] = self.n_old + 1
+        visible[visible == 0] = 1                               # range members not in the batch: any finite row
+        mask = np.where(np.arange(self.n_keys)[None, :] < visible[:, None], np.float32(0), np.float32(-np.inf))
+        self.mask = mask.astype(np.float32)[:, None, None, :]  # [R, 1, 1, n_keys]
+
+    def attend(self, kv: KVStore, il: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, attn: np.ndarray,
+               mm: Matmul) -> None:
+        """Write the S tokens' K/V into their cells and their attention output rows into attn; the range
+        is split over mm's threads."""
+        pk, pv = kv.pool_k[il], kv.pool_v[il]                    # [n_seq, n_head_kv, cap, head_dim]
+        pk[self.seq, :, self.n_old] = k[self.rows]               # [S, n_head_kv, head_dim]
+        pv[self.seq, :, self.n_old] = v[self.rows]
+        n_s, n_head_kv, n_range = len(self.rows), self.n_head_kv, self.n_range
+        n_gqa = self.n_head // n_head_kv
+        head_dim = q.shape[-1]
+        qs = q[self.rows].reshape(n_s, n_head_kv, n_gqa, head_dim)   # [S, n_head_kv, n_gqa, head_dim]
+        if not self.dense:
+            qr = np.zeros((n_range, n_head_kv, n_gqa, head_dim), np.float32)
+            qr[self.sel] = qs
+            qs = qr                                              # [R, n_head_kv, n_gqa, head_dim]
+        o = np.empty((n_range, n_head_kv, n_gqa, head_dim), np.float32)   # [R, n_head_kv, n_gqa, head_dim]
+
+        def part(a: int, b: int) -> None:
+            kr = pk[self.lo + a:self.lo + b, :, :self.n_keys]    # [b-a, n_head_kv, n_keys, head_dim] (a view)
+            vr = pv[self.lo + a:self.lo + b, :, :self.n_keys]
+            if kr.dtype != np.float32:
+                kr, vr = kr.astype(np.float32), vr.astype(np.float32)
+            sc = qs[a:b] @ kr.transpose(0, 1, 3, 2)               # [b-a, n_head_kv, n_gqa, n_keys]
+            sc += self.mask[a:b]
+            sc -= sc.max(axis=-1, keepdims=True)
+            np.exp(sc, out=sc)
+            sc /= sc.sum(axis=-1, keepdims=True)
+            np.matmul(sc, vr, out=o[a:b])
+
+        if mm.n_threads > 1 and n_range >= _DECODE_SPLIT_MIN:
+            mm.split(part, n_range)
+        else:
+            part(0, n_range)
+        attn[self.rows] = (o if self.dense else o[self.sel]).reshape(n_s, self.n_head * head_dim)
+
+
 def forward_batch(w: Weights, hp: HParams, rope: Rope, kv: KVStore, chunks: Sequence[BatchChunk | tuple],
-                  matmul: Matmul | None = None) -> list[np.ndarray]:
+                  matmul: Matmul | None = None, numerics: str = "f32") -> list[np.ndarray]:
     """One decode step: append every chunk's tokens to its sequence's KV and return, per chunk, the logits
     rows it asked for as a float32 array [n_rows, n_vocab] (n_rows may be 0).
+
+    numerics="ggml": llama.cpp's CPU arithmetic (engine.model.ggml); `w`, `rope` and `matmul` must be the
+    ggml ones (`engine.model.load(..., numerics="ggml")` builds them).
 
     Raises ValueError (bad ids, positions, duplicate sequence) or KVCacheFull before any KV cell changes.
     """
@@ -272,11 +343,27 @@ def forward_batch(w: Weights, hp: HParams, rope: Rope, kv: KVStore, chunks: Sequ
     cos, sin = rope.cos_sin(pos)                                                     # [T, n_rot/2] each
     cos, sin = cos[:, None, :], sin[:, None, :]                                      # [T, 1, n_rot/2]
     kv_f16 = kv.dtype != np.float32
+    # one-token chunks of pooled sequences are attended together (_DecodeBatch); the rest one by one
+    batched = [ic for ic, s in enumerate(seqs) if sizes[ic] == 1 and s.pooled]
+    dec = None
+    if len(batched) >= _DECODE_BATCH_MIN:
+        dec = _DecodeBatch([seqs[ic].seq for ic in batched], [offsets[ic] for ic in batched],
+                           [n_olds[ic] for ic in batched], n_head, n_head_kv)
+        taken = set(batched)
+        loop = [ic for ic in range(len(chunks)) if ic not in taken]
+    else:
+        loop = list(range(len(chunks)))
+    norm, attend, swiglu = rms_norm, _attend, _swiglu
+    if numerics == "ggml":                                                           # llama.cpp's CPU arithmetic
+        from engine.model import ggml
+        norm, swiglu = ggml.rms_norm, ggml.swiglu
+        attend = ggml.make_attend(ggml.attention_scale(head_dim), kv_f16)
+        dec, loop = None, list(range(len(chunks)))                                   # per-chunk attention only
 
     x = w.tok_embd[tokens]                                                           # [T, D]
     with np.errstate(over="ignore"):                                                 # exp(-g) -> inf is fine in SiLU
         for il, lw in enumerate(w.layers):
-            xn = rms_norm(x, lw.attn_norm, hp.f_norm_rms_eps)                        # [T, D]
+            xn = norm(x, lw.attn_norm, hp.f_norm_rms_eps)                            # [T, D]
             qkv = mm(lw.wqkv, xn)                                                    # [T, (n_head + 2*n_head_kv) * head_dim]
             if lw.bqkv is not None:
                 qkv += lw.bqkv
@@ -286,7 +373,10 @@ def forward_batch(w: Weights, hp: HParams, rope: Rope, kv: KVStore, chunks: Sequ
             k = qk[:, n_head:]                                                       # [T, n_head_kv, head_dim]
             v = qkv[:, n_qk:].reshape(n_tokens, n_head_kv, head_dim)                 # [T, n_head_kv, head_dim]
             attn = np.empty((n_tokens, n_head * head_dim), np.float32)               # [T, n_head * head_dim]
-            for ic, s in enumerate(seqs):
+            if dec is not None:
+                dec.attend(kv, il, q, k, v, attn, mm)
+            for ic in loop:
+                s = seqs[ic]
                 a, b, n_old = offsets[ic], offsets[ic + 1], n_olds[ic]
                 kl, vl = s.k[il], s.v[il]                                            # [n_head_kv, capacity, head_dim]
                 if b - a == 1:
@@ -298,11 +388,11 @@ def forward_batch(w: Weights, hp: HParams, rope: Rope, kv: KVStore, chunks: Sequ
                 if kv_f16:
                     kl = kl[:, :n_old + b - a].astype(np.float32)
                     vl = vl[:, :n_old + b - a].astype(np.float32)
-                attn[a:b] = _attend(q[a:b], kl, vl, n_old, mm)
+                attn[a:b] = attend(q[a:b], kl, vl, n_old, mm)
             x += mm(lw.wo, attn)                                                     # [T, D]
-            xn = rms_norm(x, lw.ffn_norm, hp.f_norm_rms_eps)                         # [T, D]
+            xn = norm(x, lw.ffn_norm, hp.f_norm_rms_eps)                             # [T, D]
             gu = mm(lw.w_gate_up, xn)                                                # [T, 2 * n_ff]
-            h = _swiglu(gu, hp.n_ff, mm)                                             # [T, n_ff]
+            h = swiglu(gu, hp.n_ff, mm)                                              # [T, n_ff]
             x += mm(lw.w_down, h)                                                    # [T, D]
 
     for ic, s in enumerate(seqs):
@@ -311,7 +401,7 @@ def forward_batch(w: Weights, hp: HParams, rope: Rope, kv: KVStore, chunks: Sequ
     sel = [offsets[ic] + r for ic, rr in enumerate(rows) for r in rr]
     if not sel:
         return [np.empty((0, hp.n_vocab), np.float32) for _ in chunks]
-    xs = rms_norm(x[sel], w.output_norm, hp.f_norm_rms_eps)                         # [R, D]
+    xs = norm(x[sel], w.output_norm, hp.f_norm_rms_eps)                             # [R, D]
     logits = mm(w.output, xs)                                                        # [R, n_vocab]
     bounds = np.cumsum([0] + [len(rr) for rr in rows]).tolist()
     return [logits[bounds[i]:bounds[i + 1]] for i in range(len(chunks))]

@@ -1,0 +1,106 @@
+"""Batched one-token attention over the KV pool (`_DecodeBatch`) agrees with attending each sequence alone,
+whatever the sequences' lengths, order, gaps between their ids, KV dtype and pool state."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.model import BatchChunk
+from engine.model import llama as llama_mod
+from engine.model.kv import KVStore
+
+PROMPTS = {0: [5, 77, 12], 1: [200, 3, 9, 150, 33, 281, 64], 3: [7, 120, 44, 2, 19, 88, 90, 91, 92, 93, 94],
+           4: [31], 6: [8, 16, 24, 32, 40]}
+
+
+def _filled(model, dtype=np.float32, pool_max_bytes=None, n_ctx_seq=200):
+    hp = model.hparams
+    kw = {} if pool_max_bytes is None else {"pool_max_bytes": pool_max_bytes}
+    kv = KVStore(8, n_ctx_seq, hp.n_layer, hp.n_head_kv, hp.head_dim, model.rope, dtype=dtype, **kw)
+    for seq, ids in PROMPTS.items():
+        model.forward_batch(kv, [(seq, ids, 0, False)])
+    return kv
+
+
+def _decode(model, kv, steps, seqs, monkeypatch, batched):
+    monkeypatch.setattr(llama_mod, "_DECODE_BATCH_MIN", 2 if batched else 10 ** 9)
+    out = []
+    for step in range(steps):
+        chunks = [BatchChunk(seq, [(seq * 31 + step * 7) % 250 + 3], kv.pos_max(seq) + 1) for seq in seqs]
+        out.append(np.concatenate(model.forward_batch(kv, chunks)))
+    return np.array(out)                                                   # [steps, S, n_vocab]
+
+
+@pytest.mark.parametrize("seqs", [[0, 1, 3, 4, 6], [6, 3, 0], [3, 4], [0, 1]])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_batched_decode_equals_one_sequence_at_a_time(tiny_model, monkeypatch, seqs, dtype):
+    model = tiny_model()
+    got = _decode(model, _filled(model, dtype), 4, seqs, monkeypatch, batched=True)
+    want = _decode(model, _filled(model, dtype), 4, seqs, monkeypatch, batched=False)
+    # float16 cells: a last-bit difference of the two summation orders can flip one cell's f16 rounding
+    np.testing.assert_allclose(got, want, atol=1e-5 if dtype == np.float32 else 3e-3)
+
+
+def test_batched_decode_sees_only_its_own_cells(tiny_model, monkeypatch):
+    """Guards the mask: a sequence's logits do not change when a neighbour in the pool gets longer."""
+    model = tiny_model()
+    kv_a, kv_b = _filled(model), _filled(model)
+    model.forward_batch(kv_b, [(1, [11, 12, 13, 14, 15, 16, 17, 18, 19], len(PROMPTS[1]), False)])
+    got_a = _decode(model, kv_a, 2, [0, 1], monkeypatch, batched=True)[:, 0]
+    got_b = _decode(model, kv_b, 2, [0, 1], monkeypatch, batched=True)[:, 0]
+    np.testing.assert_allclose(got_a, got_b, atol=1e-5)
+
+
+def test_sequences_too_long_for_the_pool_get_their_own_arrays(tiny_model, monkeypatch):
+    model = tiny_model()
+    hp = model.hparams
+    cell_bytes = 2 * hp.n_layer * hp.n_head_kv * hp.head_dim * 4
+    kv = _filled(model, pool_max_bytes=8 * 8 * cell_bytes)           # pool capacity 8 cells per sequence
+    assert [kv._seqs[s].pooled for s in (0, 1, 3, 4, 6)] == [True, True, False, True, True]
+    got = _decode(model, kv, 5, [0, 1, 3, 4, 6], monkeypatch, batched=True)   # 1 and 6 leave the pool too
+    want = _decode(model, _filled(model), 5, [0, 1, 3, 4, 6], monkeypatch, batched=False)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert not kv._seqs[1].pooled and kv._seqs[0].pooled
+
+
+def test_pool_growth_during_a_batch_keeps_every_sequence(tiny_model, monkeypatch):
+    """Capacity starts at 64 cells: a prefill past it regrows the pool while other sequences decode."""
+    model = tiny_model()
+    kv, ref = _filled(model), _filled(model)
+    assert kv.pool_cap == 64
+    long_ids = [(i * 13) % 250 + 3 for i in range(70)]
+    monkeypatch.setattr(llama_mod, "_DECODE_BATCH_MIN", 2)
+    chunks = [BatchChunk(0, [9], 3), BatchChunk(3, long_ids, len(PROMPTS[3]), False), BatchChunk(4, [10], 1)]
+    got = model.forward_batch(kv, chunks)
+    assert kv.pool_cap == 128
+    monkeypatch.setattr(llama_mod, "_DECODE_BATCH_MIN", 10 ** 9)
+    want = model.forward_batch(ref, chunks)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=1e-5)
+    for seq in PROMPTS:
+        np.testing.assert_array_equal(kv.positions(seq), ref.positions(seq))
+
+
+def test_kv_operations_on_pooled_sequences_then_batched_decode(tiny_model, monkeypatch):
+    model = tiny_model()
+    kvs = [_filled(model), _filled(model)]
+    for kv in kvs:
+        kv.seq_cp(1, 2)                                  # 2 becomes a copy of 1
+        kv.seq_rm(3, 6, -1)                              # 3 keeps positions 0..5
+        kv.seq_add(6, 2, -1, -2)                         # context shift of 6
+        kv.seq_rm(6, 0, 0)
+        kv.state_load(5, kv.state_save(0))               # 5 restored from 0's state
+    got = _decode(model, kvs[0], 3, [0, 1, 2, 3, 5], monkeypatch, batched=True)
+    want = _decode(model, kvs[1], 3, [0, 1, 2, 3, 5], monkeypatch, batched=False)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_clear_releases_the_pool(tiny_model):
+    model = tiny_model()
+    kv = _filled(model)
+    assert kv.pool_k is not None
+    kv.clear()
+    assert kv.pool_k is None and kv.n_cells_used == 0
+    model.forward_batch(kv, [(2, [1, 2, 3], 0, False)])
+    assert kv.pool_cap == 64 and kv.n_tokens(2) == 3
