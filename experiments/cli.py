@@ -690,6 +690,9 @@ def add_generate_options(p: argparse.ArgumentParser) -> None:
                    help="temperature (default: 0.8, llama-server's; 0 = greedy)")
     p.add_argument("--seed", type=int, default=-1, metavar="S", help="sampling seed (default: -1 = random)")
     p.add_argument("--threads", type=int, default=2, metavar="N", help="BLAS threads (default: 2)")
+    p.add_argument("--numerics", choices=("f32", "ggml"), default="f32",
+                   help="engine arithmetic: f32 (default: weights dequantized to float32) or ggml (llama.cpp's "
+                        "CPU arithmetic replayed: same logits as llama.cpp on the quantized file, much slower)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user "
                    "message")
 
@@ -708,7 +711,7 @@ def cmd_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         if args.n_predict < 0 or args.threads < 1:
             raise UsageError("-n must be >= 0 and --threads >= 1")
         path = resolve_model(args.model)
-        model = load(path, n_threads=args.threads)
+        model = load(path, n_threads=args.threads, numerics=args.numerics)
     tok = model.tokenizer
     text = args.prompt
     if args.chat:
@@ -736,7 +739,7 @@ def cmd_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     wall = time.perf_counter() - t0
     print(tok.detokenize(task.generated, special=False))
     print(f"[{len(ids)} prompt tokens, {task.n_decoded} generated in {wall:.2f} s, stop: {task.stop_type}, "
-          f"{backend.n_threads} BLAS threads]", file=sys.stderr)
+          f"{backend.n_threads} BLAS threads, numerics {model.numerics}]", file=sys.stderr)
     return 0
 
 

@@ -46,6 +46,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("-t", "--threads", type=int, default=-1, metavar="N",
                    help="BLAS threads for the forward pass (default: -1 = number of CPUs)")
     g.add_argument("-a", "--alias", default="", metavar="NAMES", help="model name(s) in responses, comma separated")
+    g.add_argument("--numerics", choices=("f32", "ggml"), default="f32",
+                   help="engine arithmetic: f32 (default) or ggml (llama.cpp's CPU arithmetic, f16 KV; much slower)")
     g = p.add_argument_group("server (llama-server flags and defaults)")
     g.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N",
                    help="total context size (default: 0 = from the model)")
@@ -182,7 +184,7 @@ def options_from_args(args: argparse.Namespace):
         aliases=tuple(a.strip() for a in args.alias.split(",") if a.strip()),
         api_keys=_api_keys(args), cors_origins=args.cors_origins, endpoint_metrics=args.metrics,
         endpoint_slots=args.slots, endpoint_props=args.props,
-        slot_save_path=args.slot_save_path, api_prefix=args.api_prefix.rstrip("/"))
+        slot_save_path=args.slot_save_path, api_prefix=args.api_prefix.rstrip("/"), numerics=args.numerics)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -212,7 +214,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     state.start_loading(on_error)
     print(f"slotlab serve: listening on http://{args.host}:{args.port}{options.api_prefix} "
-          f"(model loads in the background; 503 until ready), BLAS threads {options.n_threads}",
+          f"(model loads in the background; 503 until ready), BLAS threads {options.n_threads}, "
+          f"numerics {options.numerics}",
           file=sys.stderr, flush=True)
     server.run()
     state.shutdown()

@@ -44,6 +44,7 @@ class ServerOptions:
     endpoint_props: bool = False
     slot_save_path: str = ""
     api_prefix: str = ""
+    numerics: str = "f32"              # engine arithmetic (engine.model.load): "f32" or "ggml"
 
     @property
     def model_name(self) -> str:
@@ -91,7 +92,10 @@ class ServerState:
     def load(self) -> None:
         t0 = time.perf_counter()
         opts = self.options
-        model = self.loader(opts.model_path, opts.n_threads)
+        if opts.numerics == "f32":
+            model = self.loader(opts.model_path, opts.n_threads)
+        else:
+            model = self.loader(opts.model_path, opts.n_threads, numerics=opts.numerics)
         meta = read_gguf_metadata(opts.model_path)
         probe = NumpyBackend(model, 1, 1)
         config = replace(opts.config, **probe.config_facts())
@@ -114,9 +118,10 @@ class ServerState:
         self.engine = Engine(core, backend)
         self.engine.start()
         self.load_s = time.perf_counter() - t0
-        log.info("model loaded in %.2f s: %d slots, n_ctx %d (per slot %d), %s KV, BLAS threads %d",
+        log.info("model loaded in %.2f s: %d slots, n_ctx %d (per slot %d), %s KV, BLAS threads %d, numerics %s",
                  self.load_s, resolved.n_slots, resolved.n_ctx, resolved.n_ctx_slot,
-                 "unified" if resolved.kv_unified else "per-slot", backend.n_threads)
+                 "unified" if resolved.kv_unified else "per-slot", backend.n_threads,
+                 getattr(model, "numerics", "f32"))
         self.ready = True
 
     def wait_ready(self, timeout_s: float = 60.0) -> bool:

@@ -21,10 +21,11 @@ from engine.model.gguf_loader import FileSummary, GGUFError, HParams, Weights, l
 from engine.model.kv import KVCacheFull, KVStore
 from engine.model.llama import BatchChunk, Matmul, Rope, forward_batch
 
-__all__ = ["BatchChunk", "GGUFError", "KVCacheFull", "KVStore", "Matmul", "Model", "load"]
+__all__ = ["NUMERICS_MODES", "BatchChunk", "GGUFError", "KVCacheFull", "KVStore", "Matmul", "Model", "load"]
 
 
 THREADING_MODES = ("split", "blas")
+NUMERICS_MODES = ("f32", "ggml")
 
 
 class Model:
@@ -34,19 +35,34 @@ class Model:
     `n_threads` Python threads — robust when the cores are shared. threading="blas": OpenBLAS itself uses
     `n_threads` (faster prefill on an idle machine; collapses when another process holds a core).
     n_threads=None: BLAS threading is left as it is, no splitting.
+
+    numerics="f32" (default): weights dequantized to float32 once, float32 compute, float32 KV.
+    numerics="ggml": llama.cpp's CPU arithmetic (activations quantized to the weights' vec_dot_type, f16 KV,
+    ggml's RoPE / rms_norm / softmax; see engine.model.ggml); `weights` must come from
+    load_gguf(..., numerics="ggml").
     """
 
     def __init__(self, path: str, hparams: HParams, weights: Weights, summary: FileSummary,
-                 tokenizer: Any, tokenizer_error: str | None, n_threads: int | None, threading: str = "split"):
+                 tokenizer: Any, tokenizer_error: str | None, n_threads: int | None, threading: str = "split",
+                 numerics: str = "f32"):
         if threading not in THREADING_MODES:
             raise ValueError(f"threading must be one of {THREADING_MODES}, got {threading!r}")
+        if numerics not in NUMERICS_MODES:
+            raise ValueError(f"numerics must be one of {NUMERICS_MODES}, got {numerics!r}")
         if n_threads is not None and n_threads < 1:
             raise ValueError(f"n_threads must be >= 1, got {n_threads}")
         self.path = path
         self.hparams = hparams
         self.weights = weights
         self.summary = summary
-        self.rope = Rope(hparams, weights.rope_freqs)
+        self.numerics = numerics
+        self.kv_dtype = np.dtype(np.float16 if numerics == "ggml" else np.float32)   # new_kv's default
+        if numerics == "ggml":
+            from engine.model import ggml
+            rope_cls, matmul_cls = ggml.GgmlRope, ggml.GgmlMatmul
+        else:
+            rope_cls, matmul_cls = Rope, Matmul
+        self.rope = rope_cls(hparams, weights.rope_freqs)
         self.threading = threading
         self.n_threads_requested = n_threads
         self._tokenizer = tokenizer
@@ -54,7 +70,7 @@ class Model:
         self._controller = ThreadpoolController()
         split = n_threads is not None and threading == "split"
         self._blas_limit = None if n_threads is None else (1 if split else n_threads)
-        self.matmul = Matmul(n_threads if split else 1)
+        self.matmul = matmul_cls(n_threads if split else 1)
         with self.compute_threads():
             blas = self._controller.select(user_api="blas").info()
         # BLAS threads in force during compute (max over loaded BLAS libraries; 0 = none found)
@@ -89,16 +105,17 @@ class Model:
             yield
 
     def new_kv(self, n_seq: int, n_ctx_seq: int, unified: bool = False,
-               dtype: np.dtype | type = np.float32) -> KVStore:
-        """KV cells for `n_seq` sequences: `n_ctx_seq` each, or (unified) a pool of n_seq * n_ctx_seq."""
+               dtype: np.dtype | type | None = None) -> KVStore:
+        """KV cells for `n_seq` sequences: `n_ctx_seq` each, or (unified) a pool of n_seq * n_ctx_seq.
+        dtype None: the numerics mode's (float32; float16 in ggml mode, as llama.cpp's default KV)."""
         hp = self.hparams
         return KVStore(n_seq, n_ctx_seq, hp.n_layer, hp.n_head_kv, hp.head_dim, self.rope,
-                       unified=unified, dtype=dtype)
+                       unified=unified, dtype=self.kv_dtype if dtype is None else dtype)
 
     def forward_batch(self, kv: KVStore, chunks: Sequence[BatchChunk | tuple]) -> list[np.ndarray]:
         """Run chunks (seq_id, token_ids, pos0, want_logits) as one batch; per chunk [n_rows, n_vocab] logits."""
         with self.compute_threads():
-            return forward_batch(self.weights, self.hparams, self.rope, kv, chunks, self.matmul)
+            return forward_batch(self.weights, self.hparams, self.rope, kv, chunks, self.matmul, self.numerics)
 
     def forward_logits(self, ids: Sequence[int]) -> np.ndarray:
         """Logits of every position of `ids` in a fresh context: [len(ids), n_vocab]."""
@@ -118,12 +135,17 @@ def _build_tokenizer(reader: Any, path: str) -> tuple[Any, str | None]:
     return Tokenizer.from_gguf(reader, path), None
 
 
-def load(path: str | os.PathLike[str], n_threads: int | None = None, threading: str = "split") -> Model:
-    """Load a GGUF model (weights dequantized to float32 once); `n_threads` compute threads (see Model)."""
+def load(path: str | os.PathLike[str], n_threads: int | None = None, threading: str = "split",
+         numerics: str = "f32") -> Model:
+    """Load a GGUF model (weights dequantized to float32 once); `n_threads` compute threads, `numerics`
+    "f32" or "ggml" (llama.cpp's CPU arithmetic), see Model."""
     path = os.fspath(path)
-    loaded = load_gguf(path, n_workers=n_threads or 2)
+    if numerics not in NUMERICS_MODES:
+        raise ValueError(f"numerics must be one of {NUMERICS_MODES}, got {numerics!r}")
+    loaded = load_gguf(path, n_workers=n_threads or 2, numerics=numerics)
     tokenizer, error = _build_tokenizer(loaded.reader, path)
-    return Model(path, loaded.hparams, loaded.weights, loaded.summary, tokenizer, error, n_threads, threading)
+    return Model(path, loaded.hparams, loaded.weights, loaded.summary, tokenizer, error, n_threads, threading,
+                 numerics)
 
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

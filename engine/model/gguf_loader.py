@@ -158,6 +158,16 @@ class Linear:
         """W in GGUF orientation [n_out, n_in] (a view)."""
         return self.t.T
 
+    @property
+    def stream_bytes(self) -> int:
+        """Bytes one single-row matmul with this weight reads (`t`)."""
+        return self.t.nbytes
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes held in RAM (both layouts)."""
+        return self.t.nbytes + self.blocks.nbytes
+
 
 @dataclass(frozen=True, slots=True)
 class LayerWeights:
@@ -166,6 +176,7 @@ class LayerWeights:
     attn_norm: np.ndarray      # [n_embd]
     wqkv: Linear               # W [(n_head + 2*n_head_kv) * head_dim, n_embd]; Q rows pre-scaled by 1/sqrt(head_dim)
     bqkv: np.ndarray | None    # [(n_head + 2*n_head_kv) * head_dim]; qwen2 only (Q part pre-scaled too)
+    # (numerics "ggml": every Linear is an engine.model.ggml.QLinear and neither Q nor its bias is pre-scaled)
     wo: Linear                 # W [n_embd, n_head * head_dim]
     ffn_norm: np.ndarray       # [n_embd]
     w_gate_up: Linear          # W [2 * n_ff, n_embd]; outputs 0..n_ff-1 gate, n_ff.. up
@@ -187,19 +198,18 @@ class Weights:
     @property
     def n_stream_bytes(self) -> int:
         """float32 bytes one decode step reads: every layer matrix and norm, the final norm and the head."""
-        n = self.output.t.nbytes + self.output_norm.nbytes
+        n = self.output.stream_bytes + self.output_norm.nbytes
         for lw in self.layers:
-            n += lw.attn_norm.nbytes + lw.ffn_norm.nbytes + sum(lin.t.nbytes for lin in lw.linears)
+            n += lw.attn_norm.nbytes + lw.ffn_norm.nbytes + sum(lin.stream_bytes for lin in lw.linears)
             n += 0 if lw.bqkv is None else lw.bqkv.nbytes
         return n
 
     @property
     def n_resident_bytes(self) -> int:
         """float32 bytes held in RAM (both matmul layouts, embeddings, norms)."""
-        n = self.tok_embd.nbytes + self.output_norm.nbytes + self.output.t.nbytes + self.output.blocks.nbytes
+        n = self.tok_embd.nbytes + self.output_norm.nbytes + self.output.resident_bytes
         for lw in self.layers:
-            n += lw.attn_norm.nbytes + lw.ffn_norm.nbytes
-            n += sum(lin.t.nbytes + lin.blocks.nbytes for lin in lw.linears)
+            n += lw.attn_norm.nbytes + lw.ffn_norm.nbytes + sum(lin.resident_bytes for lin in lw.linears)
             n += 0 if lw.bqkv is None else lw.bqkv.nbytes
         return n
 
@@ -355,9 +365,14 @@ def _dequantize(t: Any) -> np.ndarray:
     return out.reshape(tuple(int(n) for n in reversed(t.shape)))
 
 
-def load_gguf(path: str | os.PathLike[str], n_workers: int = 2) -> LoadedGGUF:
-    """Read, validate and dequantize a GGUF model (`n_workers` threads dequantize: numpy frees the GIL)."""
+def load_gguf(path: str | os.PathLike[str], n_workers: int = 2, numerics: str = "f32") -> LoadedGGUF:
+    """Read, validate and dequantize a GGUF model (`n_workers` threads dequantize: numpy frees the GIL).
+
+    numerics="ggml": weights for llama.cpp's CPU arithmetic (`engine.model.ggml`): Q4_1/Q5_1 matrices are kept
+    as integer quants + block scales + block minimums, every matrix remembers its activation format."""
     path = os.fspath(path)
+    if numerics not in ("f32", "ggml"):
+        raise ValueError(f"numerics must be 'f32' or 'ggml', got {numerics!r}")
     reader = open_reader(path)
     tensors = {t.name: t for t in reader.tensors}
     hp = read_hparams(reader, path, tensors)
@@ -379,29 +394,43 @@ def load_gguf(path: str | os.PathLike[str], n_workers: int = 2) -> LoadedGGUF:
         if int(t.data_offset) + int(t.n_bytes) > size:
             raise GGUFError(path, f"file is truncated: tensor {name!r} ends past byte {size}")
     names = sorted(set(expected) | (optional & set(tensors)))
+    if numerics == "ggml":
+        from engine.model import ggml
+
+        def split(t: Any) -> tuple[np.ndarray, Any]:
+            blocks = None
+            if t.tensor_type in ggml.EXACT_DOT_TYPES and len(t.shape) == 2:
+                blocks = ggml.block_params(t.data, t.tensor_type, (int(t.shape[1]), int(t.shape[0])))
+            return _dequantize(t), blocks
+        with ThreadPoolExecutor(max_workers=max(1, n_workers)) as pool:
+            pairs = dict(zip(names, pool.map(lambda n: split(tensors[n]), names)))
+        arrays = {n: w for n, (w, _) in pairs.items()}
+        types = {n: tensors[n].tensor_type for n in names}
+        qinfo = (types, {n: b for n, (_, b) in pairs.items() if b is not None})
+        weights = _build_weights(hp, arrays, path, qinfo)
+        return LoadedGGUF(hparams=hp, weights=weights, summary=_summary(reader, path), reader=reader)
     with ThreadPoolExecutor(max_workers=max(1, n_workers)) as pool:
         arrays = dict(zip(names, pool.map(lambda n: _dequantize(tensors[n]), names)))
     weights = _build_weights(hp, arrays, path)
     return LoadedGGUF(hparams=hp, weights=weights, summary=_summary(reader, path), reader=reader)
 
 
-def _build_weights(hp: HParams, a: dict[str, np.ndarray], path: str) -> Weights:
+def _build_weights(hp: HParams, a: dict[str, np.ndarray], path: str,
+                   qinfo: tuple[dict[str, Any], dict[str, np.ndarray]] | None = None) -> Weights:
     """Fuse per-layer matrices (QKV, gate/up), fold the attention scale 1/sqrt(head_dim) into the Q rows,
-    and lay every matrix out for BLAS (`Linear`)."""
+    and lay every matrix out for BLAS (`Linear`).
+
+    qinfo = (GGML type by name, ggml.block_params by name for Q4_1/Q5_1) selects ggml numerics: each matrix
+    becomes a `ggml.QLinear` and nothing is pre-scaled."""
+    if qinfo is not None:
+        return _build_weights_ggml(hp, a, path, *qinfo)
     q_scale = np.float32(1.0 / np.sqrt(hp.head_dim))
     layers = []
     for i in range(hp.n_layer):
         b = f"blk.{i}."
         wq = a.pop(b + "attn_q.weight") * q_scale                        # [n_head * head_dim, n_embd]
         wqkv = np.concatenate([wq, a.pop(b + "attn_k.weight"), a.pop(b + "attn_v.weight")])
-        biases = [a.pop(b + f"attn_{p}.bias", None) for p in "qkv"]
-        if all(x is None for x in biases):
-            bqkv = None
-        else:
-            sizes = (hp.n_head * hp.head_dim, hp.n_embd_k_gqa, hp.n_embd_k_gqa)
-            full = [np.zeros(n, np.float32) if x is None else x for x, n in zip(biases, sizes)]
-            full[0] = full[0] * q_scale
-            bqkv = np.concatenate(full)                                   # [(n_head + 2*n_head_kv) * head_dim]
+        bqkv = _fused_bias(hp, a, b, q_scale)
         w_gate_up = np.concatenate([a.pop(b + "ffn_gate.weight"), a.pop(b + "ffn_up.weight")])
         layers.append(LayerWeights(
             attn_norm=a.pop(b + "attn_norm.weight"),                      # [n_embd]
@@ -413,14 +442,58 @@ def _build_weights(hp: HParams, a: dict[str, np.ndarray], path: str) -> Weights:
             w_down=Linear.from_weight(a.pop(b + "ffn_down.weight")),     # W [n_embd, n_ff]
         ))
     tok_embd = a.pop("token_embd.weight")                                 # [n_vocab, n_embd]
-    rope_freqs = a.pop("rope_freqs.weight", None)                         # [n_rot // 2]
-    if rope_freqs is not None and rope_freqs.shape != (hp.n_rot // 2,):
-        raise GGUFError(path, f"tensor 'rope_freqs.weight' has shape {list(rope_freqs.shape)}, "
-                              f"expected [{hp.n_rot // 2}]")
     return Weights(
         tok_embd=tok_embd,
         output_norm=a.pop("output_norm.weight"),                          # [n_embd]
         output=Linear.from_weight(a.pop("output.weight", tok_embd)),      # W [n_vocab, n_embd]
         layers=tuple(layers),
-        rope_freqs=rope_freqs,
+        rope_freqs=_rope_freqs(hp, a, path),
     )
+
+
+def _fused_bias(hp: HParams, a: dict[str, np.ndarray], b: str, q_scale: np.float32 | None) -> np.ndarray | None:
+    """Q/K/V biases of layer prefix `b` concatenated (absent parts zero), the Q part times q_scale if given."""
+    biases = [a.pop(b + f"attn_{p}.bias", None) for p in "qkv"]
+    if all(x is None for x in biases):
+        return None
+    sizes = (hp.n_head * hp.head_dim, hp.n_embd_k_gqa, hp.n_embd_k_gqa)
+    full = [np.zeros(n, np.float32) if x is None else x for x, n in zip(biases, sizes)]
+    if q_scale is not None:
+        full[0] = full[0] * q_scale
+    return np.concatenate(full)                                           # [(n_head + 2*n_head_kv) * head_dim]
+
+
+def _rope_freqs(hp: HParams, a: dict[str, np.ndarray], path: str) -> np.ndarray | None:
+    rope_freqs = a.pop("rope_freqs.weight", None)                         # [n_rot // 2]
+    if rope_freqs is not None and rope_freqs.shape != (hp.n_rot // 2,):
+        raise GGUFError(path, f"tensor 'rope_freqs.weight' has shape {list(rope_freqs.shape)}, "
+                              f"expected [{hp.n_rot // 2}]")
+    return rope_freqs
+
+
+def _build_weights_ggml(hp: HParams, a: dict[str, np.ndarray], path: str, types: dict[str, Any],
+                        blocks: dict[str, Any]) -> Weights:
+    """`_build_weights` for ggml numerics: `ggml.QLinear` matrices, no pre-scaling of Q."""
+    from engine.model import ggml
+
+    def fused(*names: str) -> Any:
+        return ggml.qlinear([(a.pop(n), types[n], blocks.pop(n, None)) for n in names])
+
+    layers = []
+    for i in range(hp.n_layer):
+        b = f"blk.{i}."
+        layers.append(LayerWeights(
+            attn_norm=a.pop(b + "attn_norm.weight"),
+            wqkv=fused(b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"),
+            bqkv=_fused_bias(hp, a, b, None),
+            wo=fused(b + "attn_output.weight"),
+            ffn_norm=a.pop(b + "ffn_norm.weight"),
+            w_gate_up=fused(b + "ffn_gate.weight", b + "ffn_up.weight"),
+            w_down=fused(b + "ffn_down.weight"),
+        ))
+    name = "token_embd.weight"
+    tok_embd = a.pop(name)                                                # [n_vocab, n_embd]
+    # the head only makes logits (nothing downstream is re-quantized): the approximate BLAS path is enough
+    output = ggml.qlinear([(a.pop("output.weight", tok_embd), types.get("output.weight", types[name]), None)])
+    return Weights(tok_embd=tok_embd, output_norm=a.pop("output_norm.weight"), output=output,
+                   layers=tuple(layers), rope_freqs=_rope_freqs(hp, a, path))

@@ -1,0 +1,542 @@
+"""The "ggml" numerics mode: the forward pass with llama.cpp's CPU arithmetic instead of plain float32.
+
+`engine.model.load(path, numerics="ggml")` builds the weights and ops of this module. The default mode ("f32")
+dequantizes every weight once and computes in float32: closer to the exact model, but not what llama.cpp
+computes on a quantized file. Matching llama.cpp on a quantized model needs more than the same formulas:
+activations are re-quantized to 8 bits before every matmul, so a last-bit difference anywhere (a different
+summation order, a different expf) flips a rounding now and then, the flipped value moves the next layer's
+inputs by a whole quantization step, and the difference spreads. Measured: with the right formulas but BLAS
+summation order, the logits differ from llama.cpp's as much as plain float32 does. So this mode reproduces,
+operation by operation, the arithmetic of ggml's x86 CPU kernels (AVX2/AVX-512 build, no flash attention,
+F16 KV cache) down to the summation order:
+
+- mul_mat(W, x): x is quantized per row to W's `vec_dot_type` (Q8_1 for Q4_1/Q5_1: blocks of 32, d = amax/127
+  stored fp16, q = round-half-even(x * 127/amax), s = fp16(d * sum q)). Q4_1/Q5_1 x Q8_1 is computed as
+  ggml_vec_dot_q4_1_q8_1 does: per block 8 lanes of exact 4-element integer dot products, each lane
+  accumulated over the blocks with fma(d_w*d_x, lane, acc) in float32, the lanes summed as hsum_float_8,
+  plus the float32 fma chain of m_w * s_x (`Q8_1DotPart`).
+- RoPE: theta = p * theta_scale^i by repeated float32 multiplication, cos/sin from the C library's float
+  functions (glibc sinf/cosf, as ggml calls them), rotation with fma (x0*cos - x1*sin -> fma(x0, cos, -x1*sin)).
+- rms_norm: sum of float32 squares in double, scale = 1/sqrtf(mean + eps), y = x * scale * w.
+- Attention (non-flash graph): K, V cached as f16; Q -> f16; KQ and KQV as f16 x f16 dot products with
+  float32 accumulation in ggml's lane order (llamafile tinyBLAS, 16 lanes, for a chunk of 2+ tokens;
+  ggml_vec_dot_f16, 4 x 16 lanes, for one token); softmax of KQ*scale + mask with ggml's vectorized expf
+  (ggml_v_expf, AVX-512), per-16 sums in double, times float(1/sum); probabilities -> f16.
+- SwiGLU: ggml_v_silu (same expf, 1 + e, division) times up.
+
+Not emulated exactly (close, but a different summation order): matmuls whose weights are not Q4_1/Q5_1
+(F32/F16/BF16/Q8_0/Q4_0/Q5_0/K-quants: activations are quantized the ggml way, the products are summed by
+BLAS), the output head (nothing is quantized after it, so only its logits move, by ~1e-5), an f32 KV store,
+rows whose length is not a multiple of 16 (ggml's scalar tails), and the flash-attention path. The kernels'
+order is that of this machine's build (x86 with AVX-512/AVX2; ARM or other builds sum differently).
+Cost: integer dot products are done per 4-element lane and every fma is replayed in float64, so this mode is
+several times slower than f32 mode; it exists to validate against llama.cpp, not to serve fast.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
+
+from engine.model.gguf_loader import HParams, Linear
+from engine.model.llama import Matmul, Rope
+
+QK8 = 32          # block of Q8_0 / Q8_1 (and of Q4_0 .. Q8_0 weights)
+QK_K = 256        # super-block of Q8_K (and of the K-quants)
+_ROWS = 16        # activation rows per piece of work (exact matmul chunks, thread tasks)
+_QUERY_BLOCK = 8  # query rows per attention block (bounds the [heads, rows, keys, 16] temporaries)
+_TILE_ELEMENTS = 1 << 16   # lanes x rows x outputs per tile of the exact Q8_1 matmul (cache-sized temporaries)
+
+T = GGMLQuantizationType
+# ggml-cpu type_traits_cpu[type].vec_dot_type: the format activations are converted to for mul_mat
+VEC_DOT_TYPE: dict[GGMLQuantizationType, str] = {
+    T.F32: "f32", T.F16: "f16", T.BF16: "bf16",
+    T.Q4_0: "q8_0", T.Q5_0: "q8_0", T.Q8_0: "q8_0",
+    T.Q4_1: "q8_1", T.Q5_1: "q8_1",
+    T.Q2_K: "q8_K", T.Q3_K: "q8_K", T.Q4_K: "q8_K", T.Q5_K: "q8_K", T.Q6_K: "q8_K",
+}
+# weights whose x86 dot product with Q8_1 is replayed exactly (d*q + m blocks of 32)
+EXACT_DOT_TYPES = frozenset({T.Q4_1, T.Q5_1})
+
+
+# --- float32 helpers -------------------------------------------------------------------------------------------
+
+def _fma(a: Any, b: Any, c: Any) -> np.ndarray:
+    """fmaf(a, b, c) on float32 operands: the product is exact in float64, one rounding to float32 after the
+    add (a float64 rounding of the sum first can only matter at an exact float32 tie: ~2^-29 of cases)."""
+    return (np.multiply(a, b, dtype=np.float64) + c).astype(np.float32)
+
+
+def _reduce16(a: np.ndarray) -> np.ndarray:
+    """_mm512_reduce_add_ps over the last axis (16): halves added pairwise, 8 -> 4 -> 2 -> 1."""
+    a = a[..., 8:] + a[..., :8]
+    a = a[..., 4:] + a[..., :4]
+    a = a[..., :2] + a[..., 2:]
+    return a[..., 0] + a[..., 1]
+
+
+def round_f16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).astype(np.float32)
+
+
+def round_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 (round half to even, NaN kept quiet) -> float32, as ggml_compute_fp32_to_bf16."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    r = ((u + (np.uint32(0x7FFF) + ((u >> 16) & 1))) >> 16) << 16
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    r = np.where(nan, ((u >> 16) | 64) << 16, r).astype(np.uint32)
+    return r.view(np.float32).reshape(x.shape)
+
+
+_F = [np.float32(float.fromhex(h)) for h in (
+    "0x1.8p23", "0x1.715476p+0", "0x1.62e4p-1", "0x1.7f7d1cp-20", "0x1.0e4020p-7", "0x1.573e2ep-5",
+    "0x1.555e66p-3", "0x1.fffdb6p-2", "0x1.ffffecp-1")]
+
+
+def expf(x: np.ndarray) -> np.ndarray:
+    """ggml_v_expf (AVX-512 version) elementwise on float32: exp(x) = 2^n * p(b), n = round(x / ln2),
+    b = x - n*ln2 in two fma steps, p a degree-5 polynomial by fma; |n| > 192 gives 0 or inf."""
+    r, log2e, ln2_hi, ln2_lo, c5, c4, c3, c2, c1 = _F
+    x = np.asarray(x, dtype=np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        z = _fma(x, log2e, r)
+        n = z - r                                                          # float32
+        b = _fma(-n, ln2_hi, x)                                            # fnmadd(n, ln2_hi, x)
+        b = _fma(-n, ln2_lo, b)
+        u = b * b
+        j = _fma(_fma(_fma(c5, b, c4), u, _fma(c3, b, c2)), u, _fma(c1, b, np.float32(1.0)))
+        big = ~(np.abs(n) <= 192)                                          # _CMP_GT_OQ (NaN: not big)
+        big &= ~np.isnan(n)
+        e = np.where(big, 0, n).astype(np.int32)
+        res = np.ldexp(j, e).astype(np.float32)                            # _mm512_scalef_ps
+        return np.where(big, np.where(n <= 0, np.float32(0), np.float32(np.inf)), res).astype(np.float32)
+
+
+def softmax_rows(s: np.ndarray) -> np.ndarray:
+    """ggml_compute_forward_soft_max_f32 on rows already scaled and masked (last axis, a multiple of 16):
+    max, e = ggml_v_expf(s - max) per 16, sum of each 16 (reduce) added in double, times float(1/sum)."""
+    n = s.shape[-1]
+    mx = s.max(axis=-1, keepdims=True)
+    e = expf(s - mx)
+    sums = _reduce16(e.reshape(*e.shape[:-1], n // 16, 16)).astype(np.float64).sum(axis=-1, keepdims=True)
+    return e * (1.0 / sums).astype(np.float32)
+
+
+def swiglu(gu: np.ndarray, n_ff: int, mm: Matmul | None = None) -> np.ndarray:
+    """ggml_vec_swiglu_f32 for gu [T, 2 * n_ff] (gate, up): ggml_v_silu(g) = g / (1 + expf(0 - g)), times up."""
+    g, up = gu[:, :n_ff], gu[:, n_ff:]
+    den = np.float32(1.0) + expf(np.float32(0.0) - g)
+    return (g / den) * up
+
+
+# --- activation quantizers (x [M, n] float32 -> what ggml's dot product sees) ------------------------------------
+
+def _q8_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q8_0/Q8_1 blocks of 32 as ggml-cpu's x86 quantize_row_q8_0/q8_1 compute them: amax = max|x|,
+    d = amax/127, id = 127/amax, q = round-half-even(x * id); d is stored as fp16.
+    Returns q [M, n/32, 32] (float32 integers), d [M, n/32] float32, d as fp16 -> float32."""
+    m, n = x.shape
+    if n % QK8:
+        raise ValueError(f"row length {n} is not a multiple of {QK8}")
+    xb = x.reshape(m, n // QK8, QK8)                                     # [M, nb, 32]
+    amax = np.abs(xb).max(axis=-1)                                       # [M, nb]
+    d = amax / np.float32(127.0)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax != 0, np.float32(127.0) / amax, np.float32(0.0)).astype(np.float32)
+    q = xb * inv[..., None]
+    np.rint(q, out=q)                                                    # _MM_ROUND_NEAREST: half to even
+    return q, d, d.astype(np.float16).astype(np.float32)
+
+
+def quantize_q8_0(x: np.ndarray) -> np.ndarray:
+    """x [M, n] -> its Q8_0 values d16 * q [M, n] float32."""
+    q, _, d16 = _q8_blocks(x)
+    q *= d16[..., None]
+    return q.reshape(x.shape)
+
+
+def quantize_q8_1(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x [M, n] -> (Q8_1 values d16 * q [M, n], s [M, n/32]); s = fp16(d * sum(q)) with the float32 d."""
+    q, d, d16 = _q8_blocks(x)
+    s = (d * q.sum(axis=-1)).astype(np.float16).astype(np.float32)      # [M, nb]
+    q *= d16[..., None]
+    return q.reshape(x.shape), s
+
+
+def quantize_q8_k(x: np.ndarray) -> np.ndarray:
+    """x [M, n] -> its Q8_K values [M, n] (quantize_row_q8_K_ref): blocks of 256, `max` = the element of
+    largest magnitude (first one, sign kept), iscale = -127/max, q = min(127, nearest_int(iscale * x)),
+    d = 1/iscale (float32, negative when max > 0: d*q has x's sign)."""
+    m, n = x.shape
+    if n % QK_K:
+        raise ValueError(f"row length {n} is not a multiple of {QK_K}")
+    xb = x.reshape(m, n // QK_K, QK_K)                                   # [M, nb, 256]
+    idx = np.abs(xb).argmax(axis=-1)[..., None]
+    mx = np.take_along_axis(xb, idx, axis=-1)[..., 0]                    # [M, nb] signed
+    nz = mx != 0
+    with np.errstate(divide="ignore"):
+        iscale = np.where(nz, np.float32(-127.0) / mx, np.float32(0.0)).astype(np.float32)
+        d = np.where(nz, np.float32(1.0) / iscale, np.float32(0.0)).astype(np.float32)
+    q = xb * iscale[..., None]
+    np.rint(q, out=q)
+    np.minimum(q, np.float32(127.0), out=q)
+    q *= d[..., None]
+    return q.reshape(x.shape)
+
+
+def quantize_activations(act: str, x: np.ndarray) -> np.ndarray:
+    """x [M, n] -> the values a `BlasPart` of this activation type multiplies."""
+    if act == "f32":
+        return x
+    if act == "q8_1":
+        return quantize_q8_1(x)[0]
+    if act == "q8_0":
+        return quantize_q8_0(x)
+    if act == "q8_K":
+        return quantize_q8_k(x)
+    if act == "f16":
+        return round_f16(x)
+    if act == "bf16":
+        return round_bf16(x)
+    raise ValueError(f"unknown activation type {act!r}")
+
+
+# --- weights --------------------------------------------------------------------------------------------------
+
+def block_params(data: np.ndarray, qtype: GGMLQuantizationType,
+                 shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_1/Q5_1 tensor's raw blocks -> (q [ne1, ne0] float32 integer quants, d [ne1, ne0/32], m [ne1, ne0/32])
+    with W = d*q + m per block. Both layouts start with fp16 d, fp16 m: dequantizing with d = 1, m = 0 gives q."""
+    if qtype not in EXACT_DOT_TYPES:
+        raise ValueError(f"{qtype.name} is not a d*q + m type")
+    block, size = GGML_QUANT_SIZES[qtype]
+    blocks = np.array(data, dtype=np.uint8, copy=True).reshape(-1, size)          # [n_blocks, size]
+    dm = blocks[:, 0:4].copy().view(np.float16).astype(np.float32)                # [n_blocks, 2]
+    blocks[:, 0:4] = np.array([1.0, 0.0], dtype="<f2").view(np.uint8)
+    q = np.asarray(gguf_quants.dequantize(blocks, qtype), dtype=np.float32)
+    ne1, ne0 = shape
+    return (np.ascontiguousarray(q.reshape(ne1, ne0)), np.ascontiguousarray(dm[:, 0].reshape(ne1, ne0 // block)),
+            np.ascontiguousarray(dm[:, 1].reshape(ne1, ne0 // block)))
+
+
+@dataclass(frozen=True, slots=True)
+class BlasPart:
+    """Output columns computed approximately: activations quantized to `act`, products summed by BLAS."""
+
+    act: str
+    lin: Linear
+    n_out: int
+
+    @property
+    def nbytes(self) -> tuple[int, int]:
+        return self.lin.stream_bytes, self.lin.resident_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Q8_1DotPart:
+    """Output columns of Q4_1/Q5_1 weights, computed as ggml_vec_dot_q4_1_q8_1 (x86) does."""
+
+    qw: np.ndarray     # [n_in/4, 4, n_out] float32 integer quants, grouped by 4-element lane
+    d: np.ndarray      # [n_in/32, n_out] float32 block scales
+    m: np.ndarray      # [n_in/32, n_out] float32 block minimums
+    n_out: int
+    act: str = "q8_1"
+
+    @property
+    def nbytes(self) -> tuple[int, int]:
+        n = self.qw.nbytes + self.d.nbytes + self.m.nbytes
+        return n, n
+
+
+@dataclass(frozen=True, slots=True)
+class QLinear:
+    """A weight for ggml numerics: parts concatenated along the outputs (fused matrices whose pieces need
+    different activation formats or kernels keep one part each)."""
+
+    parts: tuple[BlasPart | Q8_1DotPart, ...]
+    n_in: int
+    n_out: int
+
+    @property
+    def stream_bytes(self) -> int:
+        return sum(p.nbytes[0] for p in self.parts)
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(p.nbytes[1] for p in self.parts)
+
+
+def qlinear(pieces: list[tuple[np.ndarray, GGMLQuantizationType, Any]]) -> QLinear:
+    """Fuse (w [n_out_i, n_in] dequantized, ggml type, `block_params` or None) along the outputs; consecutive
+    pieces of the same kind share a part. Q4_1/Q5_1 pieces with block params get the exact kernel."""
+    n_in = pieces[0][0].shape[1]
+    groups: list[tuple[str, list]] = []
+    for w, qtype, blocks in pieces:
+        if w.shape[1] != n_in:
+            raise ValueError(f"fused pieces have different input sizes ({w.shape[1]} != {n_in})")
+        kind = "exact" if blocks is not None else VEC_DOT_TYPE[qtype]
+        if groups and groups[-1][0] == kind:
+            groups[-1][1].append((w, blocks))
+        else:
+            groups.append((kind, [(w, blocks)]))
+    parts: list[BlasPart | Q8_1DotPart] = []
+    for kind, items in groups:
+        n_out = sum(w.shape[0] for w, _ in items)
+        if kind == "exact":
+            q = np.concatenate([b[0] for _, b in items])                              # [n_out, n_in]
+            d = np.concatenate([b[1] for _, b in items]).T                            # [nb, n_out]
+            m = np.concatenate([b[2] for _, b in items]).T
+            qw = np.ascontiguousarray(q.T.reshape(n_in // 4, 4, n_out))
+            parts.append(Q8_1DotPart(qw=qw, d=np.ascontiguousarray(d), m=np.ascontiguousarray(m), n_out=n_out))
+        else:
+            w = np.concatenate([w for w, _ in items]) if len(items) > 1 else items[0][0]
+            parts.append(BlasPart(act=kind, lin=Linear.from_weight(w), n_out=n_out))
+    return QLinear(parts=tuple(parts), n_in=n_in, n_out=sum(p.n_out for p in parts))
+
+
+def dot_q8_1(part: Q8_1DotPart, x: np.ndarray) -> np.ndarray:
+    """x [M, n_in] @ W.T for a Q4_1/Q5_1 part, as ggml quantizes x to Q8_1 and runs ggml_vec_dot_q4_1_q8_1
+    (x86): per block b and lane l (4 elements) the exact integer dot xy; acc_l = fma(d_w*d_x, xy, acc_l) over
+    the blocks; summs = fma(m_w, s_x, summs); y = hsum_float_8(acc) + summs. Returns [M, n_out] float32.
+
+    The fmas are replayed in float64 (exact product, one rounding to float32), over output tiles small
+    enough for the temporaries to stay in cache."""
+    q, d, d16 = _q8_blocks(x)                                            # q [M, nb, 32]
+    s = (d * q.sum(axis=-1)).astype(np.float16).astype(np.float32)      # [M, nb]
+    rows, nb = d.shape
+    n_out = part.n_out
+    qg = np.ascontiguousarray(q.reshape(rows, nb * 8, 4).transpose(1, 0, 2))   # [nb*8, M, 4]
+    summs = np.zeros((rows, n_out), np.float32)                          # m_w * s_x chain, all outputs
+    stmp = np.empty((rows, n_out), np.float64)
+    for b in range(nb):
+        np.multiply.outer(s[:, b], part.m[b], out=stmp, dtype=np.float64)
+        np.add(stmp, summs, out=stmp)
+        np.copyto(summs, stmp, casting="same_kind")
+    xy_all = np.matmul(qg, part.qw).reshape(nb, 8, rows, n_out)         # exact integers (|xy| < 2^14)
+    out = np.empty((rows, n_out), np.float32)
+    width = max(64, min(n_out, (_TILE_ELEMENTS // (8 * rows)) // 64 * 64))
+    for o0 in range(0, n_out, width):
+        o1 = min(n_out, o0 + width)
+        w = o1 - o0
+        xy = xy_all[..., o0:o1]
+        acc = np.zeros((8, rows, w), np.float32)
+        tmp = np.empty((8, rows, w), np.float64)
+        d0d1 = d16.T[:, :, None] * part.d[:, None, o0:o1]                # [nb, M, w] float32 (exact: fp16 x fp16)
+        for b in range(nb):
+            np.multiply(xy[b], d0d1[b], out=tmp, dtype=np.float64)       # exact
+            np.add(tmp, acc, out=tmp)
+            np.copyto(acc, tmp, casting="same_kind")                     # one rounding: the fma
+        h = acc[4:] + acc[:4]
+        h = h[:2] + h[2:]
+        out[:, o0:o1] = (h[0] + h[1]) + summs[:, o0:o1]
+    return out
+
+
+class GgmlMatmul(Matmul):
+    """`Matmul` for `QLinear`s: exact Q8_1 dot products (rows split over the threads) or activation
+    quantization + BLAS (plain `Linear`s pass through)."""
+
+    def __call__(self, lin: Linear | QLinear, x: np.ndarray) -> np.ndarray:
+        if not isinstance(lin, QLinear):
+            return Matmul.__call__(self, lin, x)
+        outs = [self._part(p, x) for p in lin.parts]
+        return outs[0] if len(outs) == 1 else np.concatenate(outs, axis=1)
+
+    def _part(self, p: BlasPart | Q8_1DotPart, x: np.ndarray) -> np.ndarray:
+        if isinstance(p, BlasPart):
+            return Matmul.__call__(self, p.lin, quantize_activations(p.act, x))
+        m = x.shape[0]
+        if m <= _ROWS:
+            return dot_q8_1(p, x)
+        out = np.empty((m, p.n_out), np.float32)
+
+        def rows(a: int) -> None:
+            out[a:a + _ROWS] = dot_q8_1(p, x[a:a + _ROWS])
+        self.parallel([lambda a=a: rows(a) for a in range(0, m, _ROWS)])
+        return out
+
+
+# --- RoPE, norm -------------------------------------------------------------------------------------------------
+
+def _libm_float_fn(name: str) -> Callable[[np.ndarray], np.ndarray] | None:
+    """The C library's float function `name` (sinf, cosf) applied elementwise, or None without a libm."""
+    path = ctypes.util.find_library("m")
+    if path is None:
+        return None
+    try:
+        fn = getattr(ctypes.CDLL(path), name)
+    except (OSError, AttributeError):
+        return None
+    fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float]
+    ufunc = np.frompyfunc(fn, 1, 1)
+    return lambda a: ufunc(a).astype(np.float32)
+
+
+class GgmlRope(Rope):
+    """`Rope` with ggml's angles (theta starts at float32 p and is multiplied by theta_scale = powf(base,
+    -2/n_rot) in float32 once per pair, divided by the freq factor, times freq_scale), cos/sin from the C
+    library's cosf/sinf (float64 rounded when there is no libm), and ggml's fma rotation."""
+
+    def __init__(self, hp: HParams, freq_factors: np.ndarray | None = None):
+        half = hp.n_rot // 2
+        self.theta_scale = np.float32(np.float64(hp.rope_freq_base)
+                                      ** np.float64(np.float32(-2.0) / np.float32(hp.n_rot)))
+        self.freq_scale = np.float32(hp.rope_freq_scale)
+        self.freq_factors = (None if freq_factors is None
+                             else np.asarray(freq_factors, dtype=np.float32).reshape(half))
+        self._cosf, self._sinf = _libm_float_fn("cosf"), _libm_float_fn("sinf")
+        super().__init__(hp, freq_factors)
+
+    def angles(self, pos: np.ndarray) -> np.ndarray:
+        """[len(pos), n_rot/2] float32 angles, as ggml_rope_cache_init computes them."""
+        theta = np.asarray(pos).astype(np.float32).reshape(-1)
+        out = np.empty((theta.shape[0], self.n_rot // 2), np.float32)
+        for i in range(self.n_rot // 2):
+            t = theta if self.freq_factors is None else theta / self.freq_factors[i]
+            out[:, i] = self.freq_scale * t
+            theta = theta * self.theta_scale
+        return out
+
+    def _cos_sin_of(self, angles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if self._cosf is None or self._sinf is None:
+            a = angles.astype(np.float64)
+            return np.cos(a).astype(np.float32), np.sin(a).astype(np.float32)
+        return self._cosf(angles), self._sinf(angles)
+
+    def _grow(self, n_pos: int) -> None:
+        self._cos, self._sin = self._cos_sin_of(self.angles(np.arange(n_pos)))
+
+    def apply(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
+        """rotate_pairs as compiled: x0' = fma(x0, cos, -(x1*sin)), x1' = fma(x0, sin, x1*cos)."""
+        if self.mode == "norm":
+            x0, x1 = x[..., 0:self.n_rot:2], x[..., 1:self.n_rot:2]
+        else:
+            half = self.n_rot // 2
+            x0, x1 = x[..., :half], x[..., half:self.n_rot]
+        r0 = _fma(x0, cos, -(x1 * sin))
+        r1 = _fma(x0, sin, x1 * cos)
+        x0[...] = r0
+        x1[...] = r1
+
+    def rerotate(self, k: np.ndarray, delta: int) -> None:
+        cos, sin = self._cos_sin_of(self.angles(np.array([delta])))
+        self.apply(k, cos[0], sin[0])
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """ggml_rms_norm + mul: sum of float32 squares in double, scale = 1/sqrtf(float(mean) + eps), x*scale*w."""
+    ss = np.square(x).sum(axis=1, dtype=np.float64)                       # [T]
+    mean = (ss / x.shape[1]).astype(np.float32)
+    scale = np.float32(1.0) / np.sqrt(mean + np.float32(eps))            # [T] float32
+    return x * scale[:, None] * w                                         # [T, D]
+
+
+# --- attention --------------------------------------------------------------------------------------------------
+
+def attention_scale(head_dim: int) -> np.float32:
+    """kq_scale = 1.0f/sqrtf(float(n_embd_head))."""
+    return np.float32(1.0) / np.sqrt(np.float32(head_dim))
+
+
+def dot_f16_tiny(p: np.ndarray) -> np.ndarray:
+    """Sum over the last axis (a multiple of 16) of exact f16 x f16 products as llamafile's tinyBLAS
+    (AVX-512) does: 16 lanes, lane l accumulates elements l, l+16, ... in order (fma), then reduce."""
+    acc = p[..., 0:16].copy()
+    for i in range(16, p.shape[-1], 16):
+        acc += p[..., i:i + 16]
+    return _reduce16(acc)
+
+
+def dot_f16_vec(p: np.ndarray) -> np.ndarray:
+    """Sum over the last axis of exact f16 x f16 products as ggml_vec_dot_f16 (AVX-512) does: 4 accumulators
+    of 16 lanes over steps of 64 (fma), reduced (0+2, 1+3, then the two) and _mm512_reduce_add_ps to double,
+    the n % 64 tail added in double; the result is rounded to float32."""
+    n = p.shape[-1]
+    n64 = n - n % 64
+    if n64:
+        acc = p[..., 0:64].copy()
+        for i in range(64, n64, 64):
+            acc += p[..., i:i + 64]
+        acc = acc.reshape(*acc.shape[:-1], 4, 16)
+        x = (acc[..., 0, :] + acc[..., 2, :]) + (acc[..., 1, :] + acc[..., 3, :])
+        sumf = _reduce16(x).astype(np.float64)
+    else:
+        sumf = np.zeros(p.shape[:-1], np.float64)
+    for i in range(n64, n):
+        sumf += p[..., i]
+    return sumf.astype(np.float32)
+
+
+def _pad(a: np.ndarray, axis: int, multiple: int, value: float) -> np.ndarray:
+    n = a.shape[axis]
+    extra = -n % multiple
+    if not extra:
+        return a
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (0, extra)
+    return np.pad(a, widths, constant_values=value)
+
+
+def make_attend(scale: float, kv_f16: bool) -> Callable[..., np.ndarray]:
+    """An attention function with `llama._attend`'s signature doing ggml's non-flash-attention arithmetic.
+    With an f32 KV store (not llama.cpp's default) the exact kernels do not apply: float32 BLAS products."""
+    scale = np.float32(scale)
+
+    def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_old: int, mm: Matmul | None = None) -> np.ndarray:
+        """q [m, n_head, head_dim] (not scaled), k/v [n_head_kv, >= n_old + m, head_dim] (the KV store's values).
+        Returns [m, n_head * head_dim]."""
+        m, n_head, head_dim = q.shape
+        n_head_kv = k.shape[0]
+        n_gqa = n_head // n_head_kv
+        kv_of = np.arange(n_head) // n_gqa                               # KV head of each query head
+        q = round_f16(q) if kv_f16 else q                               # Q to K's vec_dot_type (f16)
+        out = np.empty((m, n_head, head_dim), np.float32)
+
+        def scores(qb: np.ndarray, n_keys: int, one: bool) -> np.ndarray:
+            """[n_head, rows, n_keys] = K . Q for query rows qb [rows, n_head, head_dim]."""
+            kk = k[kv_of, :n_keys]                                       # [n_head, n_keys, head_dim]
+            if not kv_f16:
+                return np.matmul(qb.transpose(1, 0, 2), kk.transpose(0, 2, 1))
+            prod = qb.transpose(1, 0, 2)[:, :, None, :] * kk[:, None, :, :]   # [n_head, rows, n_keys, hd]
+            return dot_f16_vec(prod) if one else dot_f16_tiny(prod)
+
+        def weighted(p: np.ndarray, n_keys: int, one: bool) -> np.ndarray:
+            """[rows, n_head, head_dim] = V . P for probabilities p [n_head, rows, n_keys_padded]."""
+            vv = v[kv_of, :n_keys]                                       # [n_head, n_keys, head_dim]
+            if not kv_f16:
+                return np.matmul(p[..., :n_keys], vv).transpose(1, 0, 2)
+            vt = _pad(vv.transpose(0, 2, 1), 2, 64 if one else 16, 0.0)  # [n_head, head_dim, n_pad]
+            prod = p[:, :, None, :] * vt[:, None, :, :]                 # [n_head, rows, head_dim, n_pad]
+            o = dot_f16_vec(prod) if one else dot_f16_tiny(prod)
+            return o.transpose(1, 0, 2)
+
+        def block(a: int, b: int) -> None:
+            n_keys = n_old + b
+            one = m == 1                                                 # ggml_vec_dot_f16 vs tinyBLAS
+            s = scores(q[a:b], n_keys, one) * scale                      # [n_head, rows, n_keys]
+            if b - a > 1:                                                # key j > query position: -inf
+                causal = np.arange(n_keys)[None, :] > (n_old + np.arange(a, b))[:, None]
+                s = np.where(causal[None], np.float32(-np.inf), s)
+            s = _pad(s, 2, 64 if one else 16, -np.inf)
+            p = softmax_rows(s)
+            if kv_f16:
+                p = round_f16(p)                                         # probabilities to V's vec_dot_type
+            out[a:b] = weighted(p, n_keys, one)
+
+        starts = list(range(0, m, _QUERY_BLOCK))
+        tasks = [lambda a=a: block(a, min(m, a + _QUERY_BLOCK)) for a in reversed(starts)]
+        if mm is None or len(tasks) == 1:
+            for t in tasks:
+                t()
+        else:
+            mm.parallel(tasks)
+        return out.reshape(m, n_head * head_dim)
+
+    return attend

@@ -1,0 +1,252 @@
+"""numerics="ggml": llama.cpp's CPU arithmetic. Scalar references of ggml's algorithms, values recorded from
+llama.cpp (llama-cpp-python 0.3.36, x86 AVX-512 build, SmolLM2 Q4_1), and the mode's own invariants."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
+
+from engine.model import BatchChunk, load
+from engine.model import ggml as G
+from engine.model.tiny import tiny_tensors
+
+PROMPT = [5, 77, 12, 200, 3, 9, 150, 33, 281, 64, 7, 120]
+
+
+def f32(h: str) -> np.float32:
+    return np.float32(float.fromhex(h))
+
+
+# --- activation quantizers against scalar references ---------------------------------------------------------
+
+def scalar_q8_1(x: list[float]) -> tuple[list[int], float, float]:
+    """ggml-cpu x86 quantize_row_q8_1 for one block, element by element: (q, fp16 d, fp16 s)."""
+    xs = [np.float32(v) for v in x]
+    amax = np.float32(0)
+    for v in xs:
+        amax = max(amax, np.float32(abs(v)))
+    d = np.float32(amax / np.float32(127))
+    inv = np.float32(np.float32(127) / amax) if amax != 0 else np.float32(0)
+    q = [round(float(np.float32(v * inv))) for v in xs]          # Python round(): half to even
+    s = np.float16(np.float32(d * np.float32(sum(q))))
+    return q, float(np.float16(d)), float(s)
+
+
+VECTORS = [
+    np.random.default_rng(1).normal(0, 1, 64).astype(np.float32),
+    np.random.default_rng(2).normal(0, 30, 32).astype(np.float32),
+    np.zeros(32, np.float32),                                        # amax 0: d = 0, q = 0
+    np.array([127, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5] + [0.0] * 24, np.float32),   # exact halves: to even
+]
+
+
+@pytest.mark.parametrize("vec", VECTORS, ids=["normal", "wide", "zeros", "ties"])
+def test_q8_1_quantizer_matches_scalar_reference(vec):
+    xq, s = G.quantize_q8_1(vec[None, :])
+    q, d, _ = G._q8_blocks(vec[None, :])
+    for b in range(vec.size // 32):
+        rq, rd, rs = scalar_q8_1(list(vec[32 * b:32 * b + 32]))
+        assert q[0, b].astype(int).tolist() == rq
+        assert float(np.float16(d[0, b])) == rd and float(s[0, b]) == rs
+        np.testing.assert_array_equal(xq[0, 32 * b:32 * b + 32], np.float32(rd) * np.array(rq, np.float32))
+
+
+def test_q8_ties_round_to_even():
+    q, _, _ = G._q8_blocks(VECTORS[3][None, :])
+    assert q[0, 0, :8].tolist() == [127, 0, 2, 2, 0, -2, -2, 4]
+
+
+def test_q8_0_and_q8_k_match_scalar_references():
+    x = np.random.default_rng(3).normal(0, 2, (2, 256)).astype(np.float32)
+    got = G.quantize_q8_0(x)
+    for r in range(2):
+        for b in range(8):
+            q, d, _ = scalar_q8_1(list(x[r, 32 * b:32 * b + 32]))
+            np.testing.assert_array_equal(got[r, 32 * b:32 * b + 32], np.float32(d) * np.array(q, np.float32))
+    got_k = G.quantize_q8_k(x)
+    for r in range(2):                                               # quantize_row_q8_K_ref
+        row = x[r]
+        i = int(np.argmax(np.abs(row)))
+        iscale = np.float32(np.float32(-127) / row[i])
+        q = [min(127, round(float(np.float32(iscale * v)))) for v in row]
+        d = np.float32(np.float32(1) / iscale)
+        assert d < 0 or row[i] < 0                                   # the sign convention: d*q has x's sign
+        np.testing.assert_array_equal(got_k[r], d * np.array(q, np.float32))
+
+
+# --- weights and the exact Q4_1 x Q8_1 dot product -----------------------------------------------------------
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q5_1"])
+def test_block_params_reproduce_the_dequantized_weight(type_name):
+    qtype = GGMLQuantizationType[type_name]
+    w = np.random.default_rng(4).normal(0, 0.1, (48, 96)).astype(np.float32)
+    data = gguf_quants.quantize(w, qtype)
+    q, d, m = G.block_params(data, qtype, w.shape)
+    assert q.min() >= 0 and q.max() <= (15 if type_name == "Q4_1" else 31) and np.all(q == np.round(q))
+    rebuilt = np.repeat(d, 32, axis=1) * q + np.repeat(m, 32, axis=1)
+    np.testing.assert_array_equal(rebuilt, gguf_quants.dequantize(data, qtype))
+
+
+def _fma32(a: float, b: float, c: float) -> np.float32:
+    return np.float32(float(Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))))
+
+
+def scalar_vec_dot_q4_1_q8_1(q_w, d_w, m_w, x) -> np.float32:
+    """ggml_vec_dot_q4_1_q8_1 (x86 AVX2 path) for one row, written out lane by lane."""
+    acc = [np.float32(0)] * 8
+    summs = np.float32(0)
+    for b in range(x.size // 32):
+        qx, dx, sx = scalar_q8_1(list(x[32 * b:32 * b + 32]))
+        summs = _fma32(m_w[b], sx, summs)
+        d0d1 = np.float32(np.float32(d_w[b]) * np.float32(dx))
+        for lane in range(8):
+            xy = sum(int(q_w[32 * b + 4 * lane + j]) * qx[4 * lane + j] for j in range(4))
+            acc[lane] = _fma32(d0d1, xy, acc[lane])
+    r = [np.float32(acc[i + 4] + acc[i]) for i in range(4)]
+    return np.float32(np.float32(np.float32(r[0] + r[2]) + np.float32(r[1] + r[3])) + summs)
+
+
+def test_q4_1_dot_matches_the_scalar_kernel_bit_for_bit():
+    rng = np.random.default_rng(5)
+    w = rng.normal(0, 0.05, (24, 128)).astype(np.float32)
+    qtype = GGMLQuantizationType.Q4_1
+    data = gguf_quants.quantize(w, qtype)
+    lin = G.qlinear([(gguf_quants.dequantize(data, qtype), qtype, G.block_params(data, qtype, w.shape))])
+    [part] = lin.parts
+    assert isinstance(part, G.Q8_1DotPart)
+    q, d, m = G.block_params(data, qtype, w.shape)
+    x = rng.normal(0, 1, (3, 128)).astype(np.float32)
+    got = G.dot_q8_1(part, x)
+    want = np.array([[scalar_vec_dot_q4_1_q8_1(q[o], d[o], m[o], x[r]) for o in range(24)] for r in range(3)])
+    np.testing.assert_array_equal(got, want)
+    xq, s = G.quantize_q8_1(x)                                         # same math, BLAS's summation order
+    blas = xq @ (np.repeat(d, 32, axis=1) * q).T + s @ m.T
+    np.testing.assert_allclose(got, blas, rtol=1e-5, atol=1e-6)
+    assert not np.array_equal(got, blas.astype(np.float32))
+
+
+# --- values recorded from llama.cpp ------------------------------------------------------------------------------
+
+# SmolLM2 layer 0, head 0, query 7 of an 8-token prompt: KQ row (before the scale) and llama.cpp's soft_max
+KQ_ROW = ["0x1.2bfc32p+3", "0x1.41ebd4p+3", "0x1.416ce4p+2", "0x1.08f3d0p+4", "0x1.e38884p+2", "0x1.63683ap+3",
+          "0x1.213418p+4", "0x1.31466cp+3"]
+SOFTMAX_ROW = ["0x1.6f5112p-4", "0x1.902dd6p-4", "0x1.aa6214p-5", "0x1.c2e134p-3", "0x1.2499bap-4",
+               "0x1.c81a1ap-4", "0x1.107764p-2", "0x1.76fc5cp-4"]
+# layer 0 ffn_gate / ffn_up / ffn_swiglu, token 3, first 16 units
+GATE = ["-0x1.cd6da4p-2", "-0x1.e18fb8p-3", "-0x1.bc823ap-2", "0x1.edbdd0p-3", "-0x1.2df5ecp-2", "0x1.8f6b00p-5",
+        "0x1.002dd0p-5", "0x1.6c7a00p-5", "0x1.8e7994p-3", "0x1.baafe0p-7", "-0x1.6ed258p-4", "-0x1.f9f744p-3",
+        "0x1.ed3720p-5", "-0x1.a36576p-2", "-0x1.41faf6p-3", "-0x1.4c725cp-2"]
+UP = ["-0x1.3937e8p-4", "-0x1.021558p-2", "-0x1.3911a0p-6", "0x1.5a244ep-3", "-0x1.8f3050p-5", "-0x1.8d0af8p-3",
+      "-0x1.a4d560p-5", "-0x1.1c50acp-4", "-0x1.e692b0p-4", "0x1.66c6c0p-4", "0x1.2c01eep-4", "-0x1.7f855ap-2",
+      "-0x1.1bba2ap-4", "0x1.071bacp-3", "-0x1.449b4ap-2", "0x1.5d3260p-6"]
+SWIGLU = ["0x1.b778c4p-7", "0x1.acaa28p-6", "0x1.ab6ef0p-9", "0x1.75d74cp-6", "0x1.91ee70p-8", "-0x1.3d49b2p-8",
+          "-0x1.abb63ep-11", "-0x1.9dcb12p-10", "-0x1.9f68fcp-7", "0x1.384d3cp-11", "-0x1.9aa4c6p-9",
+          "0x1.4c6bbep-5", "-0x1.198afcp-9", "-0x1.57fc1ap-6", "0x1.783de8p-6", "-0x1.7c80a0p-9"]
+
+
+def test_softmax_matches_llama_cpp_bit_for_bit():
+    row = np.array([f32(h) for h in KQ_ROW]) * G.attention_scale(64)
+    padded = np.concatenate([row, np.full(8, -np.inf, np.float32)])     # masked cells, as in the KV padding
+    got = G.softmax_rows(padded[None])[0]
+    np.testing.assert_array_equal(got[:8], [f32(h) for h in SOFTMAX_ROW])
+    assert np.all(got[8:] == 0)
+    plain = np.exp(row - row.max()) / np.exp(row - row.max()).sum()
+    assert not np.array_equal(plain.astype(np.float32), got[:8])        # float32 numpy differs in the last bits
+
+
+def test_swiglu_matches_llama_cpp_bit_for_bit():
+    gu = np.array([[f32(h) for h in GATE + UP]])
+    np.testing.assert_array_equal(G.swiglu(gu, 16)[0], [f32(h) for h in SWIGLU])
+
+
+def test_expf_is_close_to_exp_and_saturates():
+    x = np.linspace(-87, 88, 20001, dtype=np.float32)                 # normal float32 results
+    got = G.expf(x).astype(np.float64)
+    np.testing.assert_allclose(got, np.exp(x.astype(np.float64)), rtol=4e-7)
+    assert G.expf(np.array([-np.inf, -200.0, 200.0], np.float32)).tolist() == [0.0, 0.0, np.inf]
+
+
+# --- the mode end to end on tiny models ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_gguf):
+    def make(**kw):
+        path = tiny_gguf(**kw)
+        return load(path, n_threads=1), load(path, n_threads=1, numerics="ggml")
+    return make
+
+
+@pytest.mark.parametrize("tensor_type", ["Q4_1", "Q8_0"])
+def test_ggml_mode_is_close_to_f32_mode_but_not_identical(tiny_pair, tensor_type):
+    f32_model, ggml_model = tiny_pair(tensor_type=tensor_type)
+    assert ggml_model.numerics == "ggml" and ggml_model.new_kv(1, 8).dtype == np.float16
+    a, b = f32_model.forward_logits(PROMPT), ggml_model.forward_logits(PROMPT)
+    assert b.shape == a.shape and b.dtype == np.float32
+    assert not np.array_equal(a, b)
+    np.testing.assert_allclose(b, a, atol=0.05 * np.abs(a).max())
+    assert (a.argmax(1) == b.argmax(1)).mean() >= 0.75
+
+
+def test_ggml_mode_is_deterministic(tiny_pair):
+    _, model = tiny_pair(tensor_type="Q4_1")
+    np.testing.assert_array_equal(model.forward_logits(PROMPT), model.forward_logits(PROMPT))
+
+
+def test_ggml_mode_batching_and_chunking_are_exact(tiny_pair):
+    """Every row's arithmetic depends only on its own sequence: two sequences in one batch, or a prompt cut
+    into two chunks of 2+ tokens, give the same bits as one chunk alone (the whole KV cache; the logits up to
+    the output head, which BLAS sums in an order that depends on the row count)."""
+    _, model = tiny_pair(tensor_type="Q4_1", arch="qwen2")
+    other = [9, 8, 7, 6, 5]
+    kv = model.new_kv(2, 32)
+    both = model.forward_batch(kv, [BatchChunk(0, PROMPT, 0, range(len(PROMPT))),
+                                    BatchChunk(1, other, 0, range(len(other)))])
+    kv1 = model.new_kv(1, 32)
+    [alone] = model.forward_batch(kv1, [BatchChunk(0, PROMPT, 0, range(len(PROMPT)))])
+    assert kv.state_save(0) == kv1.state_save(0)
+    np.testing.assert_allclose(both[0], alone, rtol=1e-6, atol=1e-6)
+    kv2 = model.new_kv(1, 32)
+    [first] = model.forward_batch(kv2, [BatchChunk(0, PROMPT[:5], 0, range(5))])
+    [second] = model.forward_batch(kv2, [BatchChunk(0, PROMPT[5:], 5, range(len(PROMPT) - 5))])
+    assert kv2.state_save(0) == kv1.state_save(0)
+    np.testing.assert_allclose(np.concatenate([first, second]), alone, rtol=1e-6, atol=1e-6)
+    [step] = model.forward_batch(kv2, [BatchChunk(0, [42], len(PROMPT), True)])   # one-token (decode) path
+    assert np.all(np.isfinite(step))
+
+
+def test_ggml_weights_use_the_exact_kernel_for_q4_1(tiny_pair):
+    _, model = tiny_pair(tensor_type="Q4_1")
+    lw = model.weights.layers[0]
+    for lin in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down):
+        assert all(isinstance(p, G.Q8_1DotPart) for p in lin.parts)
+    assert isinstance(model.weights.output.parts[0], G.BlasPart)         # the head: approximate on purpose
+    written = tiny_tensors(tensor_type="Q4_1")["blk.0.attn_q.weight"].values
+    assert model.weights.layers[0].wqkv.parts[0].qw.shape == (written.shape[1] // 4, 4, lw.wqkv.n_out)
+
+
+def test_unknown_numerics_is_refused(tiny_gguf):
+    with pytest.raises(ValueError, match="numerics"):
+        load(tiny_gguf(), numerics="exact")
+
+
+# --- SmolLM2 against logits recorded from llama.cpp ----------------------------------------------------------------
+
+SMOLLM2_IDS = [504, 1463, 282, 260, 33059, 314, 253, 1463]             # the validation text's first 8 tokens
+SMOLLM2_ARGMAX = [29, 282, 260, 5594, 506, 5076, 21651, 282]
+SMOLLM2_MAX = ["0x1.b28436p+4", "0x1.f1026cp+4", "0x1.8fb962p+3", "0x1.0d4c40p+3", "0x1.02b702p+4", "0x1.675840p+4",
+               "0x1.607032p+4", "0x1.a7b58ep+4"]
+
+
+@pytest.mark.realmodel
+def test_smollm2_ggml_mode_reproduces_llama_cpp(smollm2_path):
+    ggml_model = load(smollm2_path, n_threads=1, numerics="ggml")
+    logits = ggml_model.forward_logits(SMOLLM2_IDS)
+    want = np.array([f32(h) for h in SMOLLM2_MAX])
+    assert logits.argmax(1).tolist() == SMOLLM2_ARGMAX
+    np.testing.assert_allclose(logits.max(1), want, atol=2e-4)      # only the output head is not bit-exact
+    f32_model = load(smollm2_path, n_threads=1)
+    assert np.abs(f32_model.forward_logits(SMOLLM2_IDS).max(1) - want).max() > 1e-2   # what f32 mode does
