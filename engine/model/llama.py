@@ -28,6 +28,7 @@ _SPLIT_ALIGN = 16                 # column split points on 64-byte boundaries
 _ELEMENTWISE_ROWS = 64            # rows per task when element-wise work is split over threads
 _DECODE_BATCH_MIN = 2             # one-token chunks attended together (_DecodeBatch) from this many on
 _DECODE_SPLIT_MIN = 8             # ... and split over the threads from this many sequences on
+_GEMV_PIECES_PER_THREAD = 2       # one-row products: pieces per thread (late workers leave fewer to wait for)
 
 
 class BatchChunk(NamedTuple):
@@ -43,12 +44,13 @@ class BatchChunk(NamedTuple):
 
 
 class Matmul:
-    """y = x @ W.T for a `Linear`: picks the layout by row count and splits the product column-wise over
-    `n_threads` threads (the caller plus n_threads - 1 workers; numpy releases the GIL inside BLAS).
+    """y = x @ W.T for a `Linear`: picks the layout by row count and splits the product over `n_threads`
+    threads (the caller plus n_threads - 1 workers; numpy releases the GIL inside BLAS).
 
     Meant to run with BLAS itself single-threaded: on a machine whose 2 cores are shared, OpenBLAS's own
-    threads spin-wait and a step can take 10x longer when another process holds a core, while a thread
-    here that does not get a core just finishes its share later.
+    threads spin-wait and a step can take 10x longer when another process holds a core. Here the pieces of a
+    split go to a shared queue that the caller drains too (`_Workers`): a worker that does not get a core in
+    time simply takes no piece, and the step runs at one-thread speed instead of waiting for it.
     """
 
     def __init__(self, n_threads: int = 1):
@@ -65,12 +67,18 @@ class Matmul:
             out = np.empty((n_blk, m, lin.blocks.shape[2]), np.float32)       # [n_blk, M, n_cols]
             self._run(lambda a, b: np.matmul(x, lin.blocks[a:b], out=out[a:b]), n_blk, 1, split)
             return out.transpose(1, 0, 2).reshape(m, n_out)                    # [M, n_out]
-        if not split or m == 1:
-            # one row (gemv) is not split: it is bandwidth-bound. Measured here over SmolLM2's 121 matrices:
-            # two threads each streaming a contiguous band of t's rows took 27-35 ms vs 38-48 ms unsplit while
-            # the second core was free, but 49-59 vs 37-46 ms while another process held it (and a split by
-            # columns was slower in both cases), so the robust choice on a shared machine is one thread.
+        if not split:
             return x @ lin.t                                                   # [M, n_out]
+        if m == 1:
+            # one row (gemv) is bandwidth-bound: split the input dimension, so that each piece streams a
+            # contiguous band of t's rows, and add the partial results (a split by columns reads strided row
+            # pieces and measured slower than no split at all)
+            cuts = self._cuts(n_in, _SPLIT_ALIGN, self.n_threads * _GEMV_PIECES_PER_THREAD)
+            n_pieces = len(cuts) - 1
+            parts = np.empty((n_pieces, 1, n_out), np.float32)                # [pieces, 1, n_out]
+            self._pool.run([lambda i=i: np.matmul(x[:, cuts[i]:cuts[i + 1]], lin.t[cuts[i]:cuts[i + 1]],
+                                                  out=parts[i]) for i in range(n_pieces)])
+            return parts.sum(axis=0)                                           # [1, n_out]
         out = np.empty((m, n_out), np.float32)                                 # [M, n_out]
         self._run(lambda a, b: np.matmul(x, lin.t[:, a:b], out=out[:, a:b]), n_out, _SPLIT_ALIGN, split)
         return out
@@ -80,18 +88,18 @@ class Matmul:
         self._run(part, n, 1, self._pool is not None)
 
     def _run(self, part: Callable[[int, int], object], n: int, align: int, split: bool) -> None:
-        """part(a, b) over [0, n) cut into n_threads aligned ranges; the caller runs the first."""
+        """part(a, b) over [0, n) cut into n_threads aligned ranges, run on the threads."""
         if not split:
             part(0, n)
             return
-        cuts = self._cuts(n, align)
-        self._pool.run([lambda i=i: part(cuts[i], cuts[i + 1]) for i in range(1, self.n_threads)
-                        if cuts[i] < cuts[i + 1]], lambda: part(cuts[0], cuts[1]))
+        cuts = self._cuts(n, align, self.n_threads)
+        self._pool.run([lambda i=i: part(cuts[i], cuts[i + 1]) for i in range(len(cuts) - 1)])
 
-    def _cuts(self, n: int, align: int) -> list[int]:
-        """n_threads + 1 boundaries splitting [0, n) into near-equal ranges aligned to `align`."""
-        inner = [min(n, round(n * i / self.n_threads / align) * align) for i in range(1, self.n_threads)]
-        return [0] + inner + [n]
+    @staticmethod
+    def _cuts(n: int, align: int, n_pieces: int) -> list[int]:
+        """Boundaries splitting [0, n) into up to n_pieces near-equal non-empty ranges aligned to `align`."""
+        inner = [min(n, round(n * i / n_pieces / align) * align) for i in range(1, n_pieces)]
+        return sorted({0, n, *inner})
 
     def parallel(self, tasks: list[Callable[[], object]]) -> None:
         """Run independent tasks on the threads, each thread taking the next task left (give them
@@ -100,16 +108,7 @@ class Matmul:
             for task in tasks:
                 task()
             return
-        queue = deque(tasks)
-
-        def drain() -> None:
-            while True:
-                try:
-                    task = queue.popleft()                 # deque.popleft is atomic: no lock needed
-                except IndexError:
-                    return
-                task()
-        self._pool.run([drain] * (min(self.n_threads, len(tasks)) - 1), drain)
+        self._pool.run(tasks)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -117,55 +116,71 @@ class Matmul:
             self._pool = None
 
 
-class _Workers:
-    """n persistent daemon threads fed through `queue.SimpleQueue`s: `run(tasks, own)` hands one task to each
-    worker, runs `own` on the calling thread, waits for all and re-raises the first exception.
+class _Run:
+    """One `_Workers.run`: the pieces not taken yet, and one message per piece a worker finished."""
 
-    Written instead of using `concurrent.futures.ThreadPoolExecutor` for latency: a split matmul is a hand-off
-    and a join, 150+ per decode step, and on this machine (a VM) an executor round trip measured ~100 µs
-    against ~30 µs here (Future objects, a shared work queue and its condition variables are the difference).
+    __slots__ = ("todo", "done")
+
+    def __init__(self, tasks: list[Callable[[], object]]):
+        self.todo = deque(tasks)
+        self.done: queue.SimpleQueue = queue.SimpleQueue()
+
+
+class _Workers:
+    """n persistent daemon threads that share the pieces of a run with the calling thread.
+
+    `run(tasks)` puts the tasks in a queue, wakes up to n workers, and the caller takes tasks from the same
+    queue until it is empty (deque.popleft is atomic); then it waits only for the tasks workers actually
+    took. A worker that wakes late finds nothing left, so a busy second core costs the wake-up message, not
+    a wait: the run degrades to one-thread speed. Exceptions of any task are re-raised in the caller.
+
+    Written instead of using `concurrent.futures.ThreadPoolExecutor` for latency and for that degradation: a
+    split matmul is a hand-off and a join, 150+ per decode step, an executor round trip measured ~100 µs here
+    against ~55 µs, and a future handed to a thread that does not get a core makes the caller wait for it.
     """
 
     def __init__(self, n: int):
         self._inboxes = [queue.SimpleQueue() for _ in range(n)]
-        self._done: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()                  # one run() at a time (a Matmul shared by two callers)
         for i, inbox in enumerate(self._inboxes):
             threading.Thread(target=self._serve, args=(inbox,), name=f"slotlab-matmul-{i}", daemon=True).start()
 
-    def _serve(self, inbox: queue.SimpleQueue) -> None:
+    @staticmethod
+    def _serve(inbox: queue.SimpleQueue) -> None:
         while True:
-            task = inbox.get()
-            if task is None:
+            run = inbox.get()
+            if run is None:
                 return
-            try:
-                task()
-            except BaseException as e:                 # handed to the caller, re-raised there
-                self._done.put(e)
-            else:
-                self._done.put(None)
+            while True:
+                try:
+                    task = run.todo.popleft()
+                except IndexError:
+                    break
+                try:
+                    task()
+                except BaseException as e:             # handed to the caller, re-raised there
+                    run.done.put(e)
+                else:
+                    run.done.put(None)
 
-    def run(self, tasks: list[Callable[[], object]], own: Callable[[], object]) -> None:
-        assert len(tasks) <= len(self._inboxes)
-        if not self._lock.acquire(blocking=False):    # busy (another caller, or a nested call): run inline
-            own()
-            for task in tasks:
-                task()
-            return
-        try:
-            for inbox, task in zip(self._inboxes, tasks):
-                inbox.put(task)
-            error: BaseException | None = None
+    def run(self, tasks: list[Callable[[], object]]) -> None:
+        run = _Run(tasks)
+        for inbox in self._inboxes[:len(tasks) - 1]:
+            inbox.put(run)
+        n_own = 0
+        error: BaseException | None = None
+        while True:
             try:
-                own()
+                task = run.todo.popleft()
+            except IndexError:
+                break
+            n_own += 1
+            try:
+                task()
             except BaseException as e:
-                error = e
-            for _ in tasks:
-                result = self._done.get()
-                if result is not None and error is None:
-                    error = result
-        finally:
-            self._lock.release()
+                error = error or e
+        for _ in range(len(tasks) - n_own):            # the tasks the workers took
+            result = run.done.get()
+            error = error or result
         if error is not None:
             raise error
 

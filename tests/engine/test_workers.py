@@ -1,0 +1,72 @@
+"""The matmul thread pool: pieces shared with the caller, errors re-raised, no waiting for a busy worker."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from engine.model.llama import Matmul, _Workers
+
+
+def test_every_task_runs_exactly_once():
+    workers = _Workers(3)
+    hits = [0] * 50
+    lock = threading.Lock()
+
+    def task(i):
+        with lock:
+            hits[i] += 1
+    for _ in range(20):
+        workers.run([lambda i=i: task(i) for i in range(50)])
+    assert hits == [20] * 50
+    workers.close()
+
+
+def test_a_worker_that_is_busy_elsewhere_is_not_waited_for():
+    """The caller takes every piece a stalled worker has not started: the run finishes without it."""
+    workers = _Workers(1)
+    release = threading.Event()
+    stuck = threading.Thread(target=workers.run, args=([lambda: release.wait(10), lambda: release.wait(10)],))
+    stuck.start()                       # one piece blocks the worker, the other blocks that caller
+    try:
+        done = []
+        finished = threading.Event()
+
+        def caller():
+            workers.run([lambda i=i: done.append(i) for i in range(8)])
+            finished.set()
+        threading.Thread(target=caller).start()
+        assert finished.wait(5), "run() waited for a worker that never took a piece"
+        assert sorted(done) == list(range(8))
+    finally:
+        release.set()
+        stuck.join()
+    workers.close()
+
+
+def test_an_exception_in_any_piece_reaches_the_caller():
+    workers = _Workers(1)
+
+    def boom():
+        raise ZeroDivisionError("piece failed")
+    for _ in range(5):
+        with pytest.raises(ZeroDivisionError, match="piece failed"):
+            workers.run([lambda: None, boom, lambda: None, lambda: None])
+    ran = []
+    workers.run([lambda: ran.append(1), lambda: ran.append(2)])      # still usable afterwards
+    assert sorted(ran) == [1, 2]
+    workers.close()
+
+
+@pytest.mark.parametrize("n_threads", [2, 3])
+def test_one_row_product_split_over_input_bands_equals_the_plain_product(tiny_model, monkeypatch, n_threads):
+    import engine.model.llama as llama
+    monkeypatch.setattr(llama, "_SPLIT_MIN_MACS", 0)
+    for lin in tiny_model().weights.layers[0].linears:
+        x = np.random.default_rng(1).standard_normal((1, lin.t.shape[0])).astype(np.float32)
+        mm = Matmul(n_threads)
+        np.testing.assert_allclose(mm(lin, x), (x.astype(np.float64) @ lin.t.astype(np.float64)),
+                                   rtol=1e-5, atol=1e-5)
+        mm.close()
