@@ -131,10 +131,17 @@ SMALL_M_MAX = 64
 _BLOCK_COLS = 64
 
 
+_SMALL_N_OUT = 1024    # narrower blocks for narrow matrices: more blocks to share between threads
+
+
 def _block_cols(n_out: int) -> int:
-    """The divisor of n_out closest to _BLOCK_COLS (at least 32), or n_out itself."""
+    """The divisor of n_out closest to 64 columns (32 when n_out <= 1024; at least 32), or n_out itself.
+
+    SmolLM2's 576- and 960-wide matrices in 32-column blocks (18 and 30 of them instead of 9 and 15) split
+    evenly over 2 threads: 16-sequence decode steps measured ~3% faster, interleaved in one process."""
+    target = 32 if n_out <= _SMALL_N_OUT else _BLOCK_COLS
     divisors = [d for d in range(32, min(n_out, 4 * _BLOCK_COLS) + 1) if n_out % d == 0]
-    return min(divisors, key=lambda d: abs(d - _BLOCK_COLS)) if divisors else n_out
+    return min(divisors, key=lambda d: abs(d - target)) if divisors else n_out
 
 
 @dataclass(frozen=True, slots=True)
