@@ -12,9 +12,9 @@ cells (only the accounting differs; `seq_cp` copies count as new cells, where ll
 Pool: the sequences' arrays are views `pool_k[:, seq]` of one array `pool_k` [n_layer, n_seq, n_head_kv, cap,
 head_dim] (same for V) with one capacity for all, grown by doubling. The forward pass then attends the
 one-token chunks of many sequences with a few batched matmuls over `pool_k[layer, lo:hi]` instead of a loop
-of small calls per sequence. The pool is allocated with `np.zeros` (calloc): pages a sequence never touched
-stay virtual, so resident memory follows the cells in use. A sequence that would grow the pool past
-`pool_max_bytes` (virtual) gets arrays of its own instead ("private"); the forward pass attends it alone.
+of small calls per sequence. The pool is allocated with `np.zeros` (calloc): pages no sequence touched stay
+virtual. A sequence that would grow the pool past its limit (n_ctx_seq; 2 * n_ctx_seq in unified mode) or
+past `pool_max_bytes` (virtual) gets arrays of its own instead ("private"); the forward pass attends it alone.
 
 K is stored after RoPE, so `seq_add` re-rotates the shifted cells' K by the position delta.
 """
@@ -76,7 +76,11 @@ class KVStore:
         self.n_layer, self.n_head_kv, self.head_dim = n_layer, n_head_kv, head_dim
         self.rotator = rotator
         cell_bytes = 2 * n_layer * n_head_kv * head_dim * self.dtype.itemsize
-        seq_max = self.n_ctx if unified else n_ctx_seq
+        # Pool capacity per sequence: its own limit, but in unified mode at most 2 * n_ctx_seq (a sequence may
+        # use the whole n_ctx, and n_seq * n_ctx cells would be n_seq times what the configuration asks for;
+        # with transparent huge pages even lightly used pool rows can become resident). Longer sequences go
+        # private. And the pool's virtual size stays within pool_max_bytes.
+        seq_max = min(self.n_ctx, 2 * n_ctx_seq) if unified else n_ctx_seq
         self._pool_cap_max = min(seq_max, max(0, int(pool_max_bytes)) // (n_seq * cell_bytes))
         self.clear()
 

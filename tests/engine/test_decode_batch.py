@@ -104,3 +104,19 @@ def test_clear_releases_the_pool(tiny_model):
     assert kv.pool_k is None and kv.n_cells_used == 0
     model.forward_batch(kv, [(2, [1, 2, 3], 0, False)])
     assert kv.pool_cap == 64 and kv.n_tokens(2) == 3
+
+
+def test_unified_pool_holds_up_to_twice_the_per_sequence_share(tiny_model, monkeypatch):
+    """A unified sequence may use all n_ctx cells; past 2 * n_ctx_seq it leaves the pool (which would
+    otherwise grow to n_seq * n_ctx cells), and it still decodes like the others."""
+    model = tiny_model()
+    hp = model.hparams
+    kv = KVStore(4, 64, hp.n_layer, hp.n_head_kv, hp.head_dim, model.rope, unified=True)
+    ref = KVStore(4, 64, hp.n_layer, hp.n_head_kv, hp.head_dim, model.rope, unified=True)
+    long_ids = [(i * 7) % 250 + 3 for i in range(140)]
+    for store in (kv, ref):
+        model.forward_batch(store, [(0, long_ids, 0, False), (1, [5, 6, 7], 0, False)])
+    assert not kv._seqs[0].pooled and kv._seqs[1].pooled and kv.pool_cap == 64
+    got = _decode(model, kv, 3, [0, 1], monkeypatch, batched=True)
+    want = _decode(model, ref, 3, [0, 1], monkeypatch, batched=False)
+    np.testing.assert_allclose(got, want, atol=1e-5)
