@@ -70,3 +70,23 @@ def test_one_row_product_split_over_input_bands_equals_the_plain_product(tiny_mo
         np.testing.assert_allclose(mm(lin, x), (x.astype(np.float64) @ lin.t.astype(np.float64)),
                                    rtol=1e-5, atol=1e-5)
         mm.close()
+
+
+def test_ffn_split_over_threads_equals_the_plain_ffn(tiny_gguf, monkeypatch):
+    """2..64 tokens with 2 threads run the FFN as one piece per thread (gate/up blocks, SwiGLU, a band of
+    the down projection); the logits equal the one-thread forward and the unfused two-thread forward."""
+    import engine.model.llama as llama
+    from engine.model import load
+    one, two = load(tiny_gguf(), n_threads=1), load(tiny_gguf(), n_threads=2)
+    lw = two.weights.layers[0]
+    assert llama._ffn_splittable(lw.w_gate_up, lw.w_down, two.hparams.n_ff)
+    calls = []
+    real = llama._ffn_split
+    monkeypatch.setattr(llama, "_ffn_split", lambda *a: calls.append(1) or real(*a))
+    ids = [int(i) for i in np.random.default_rng(3).integers(0, one.hparams.n_vocab, 12)]
+    fused = two.forward_logits(ids)
+    assert len(calls) == two.hparams.n_layer
+    np.testing.assert_allclose(fused, one.forward_logits(ids), atol=1e-5)
+    monkeypatch.setattr(llama, "_FUSED_FFN", False)
+    np.testing.assert_allclose(fused, two.forward_logits(ids), atol=1e-5)
+    assert len(calls) == two.hparams.n_layer
