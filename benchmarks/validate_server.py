@@ -11,7 +11,11 @@ same token-id prompt to slotlab. Each next turn is built from llama-server's ret
 are identical; slotlab's own generated tokens can still differ (numerics), and since a slot keeps the first
 n_gen - 1 generated tokens in its KV, a divergence changes that user's later prefix matches on slotlab only.
 Requests of such a user are marked "tainted"; their mismatches are counted apart and are not scheduling
-mismatches. `--n-predict 1` removes the effect (no generated token ever enters a slot's KV).
+mismatches. Requests that follow *another* user's divergence are marked "cross": that user's cached state
+(a prompt-cache entry of another length, other cells in a unified KV) can change this request's slot or
+cache decision, as an empty slot may restore any entry that shares the system prompt. Only mismatches on
+requests that are neither count as "clean". `--n-predict 1` removes the effect (no generated token ever
+enters a slot's KV).
 """
 
 from __future__ import annotations
@@ -265,6 +269,7 @@ class Record:
     ref: dict
     lab: dict
     tainted: bool              # this user's prompt holds tokens slotlab generated differently (numerics)
+    cross: bool = False        # another user's generation diverged earlier: shared cache state may differ
 
     @property
     def mismatched(self) -> list[str]:
@@ -298,6 +303,7 @@ def run_setting(name: str, flags: list[str], args: argparse.Namespace, log_root:
         last_prompt: dict[int, list[int]] = {}
         turn_no: dict[int, int] = {}
         tainted: set[int] = set()
+        diverged: set[int] = set()              # users whose generation ever differed (never cleared)
         body_common = {"n_predict": args.n_predict, "temperature": 0.0, "cache_prompt": True,
                        "return_tokens": True, "ignore_eos": True, "seed": 0}
         for i, turn in enumerate(make_schedule(args.users, args.turns, args.seed)):
@@ -312,11 +318,13 @@ def run_setting(name: str, flags: list[str], args: argparse.Namespace, log_root:
             s_ref, b_ref = http_json("POST", ref.url + "/completion", body)
             s_lab, b_lab = http_json("POST", lab.url + "/completion", body)
             f_ref, f_lab = fields(s_ref, b_ref), fields(s_lab, b_lab)
-            records.append(Record(i, u, turn_no.get(u, 0), turn.regenerate, len(prompt), f_ref, f_lab, u in tainted))
+            records.append(Record(i, u, turn_no.get(u, 0), turn.regenerate, len(prompt), f_ref, f_lab, u in tainted,
+                                  bool(diverged - {u})))
             turn_no[u] = turn_no.get(u, 0) + 1
             if s_ref == 200:
                 if s_lab == 200 and f_lab["tokens"] != f_ref["tokens"]:
                     tainted.add(u)
+                    diverged.add(u)
                 history[u] = prompt + f_ref["tokens"]
                 last_prompt[u] = prompt
             else:                                    # e.g. the conversation outgrew the slot: start over
@@ -339,7 +347,8 @@ def summarize(result: dict) -> dict:
     bad = [r for r in recs if r.mismatched]
     return {
         "setting": result["setting"], "responses": len(recs), "matches": len(recs) - len(bad),
-        "mismatches": len(bad), "mismatch_clean": sum(1 for r in bad if not r.tainted),
+        "mismatches": len(bad), "mismatch_clean": sum(1 for r in bad if not r.tainted and not r.cross),
+        "mismatch_cross": sum(1 for r in bad if not r.tainted and r.cross),
         "gen_equal": sum(1 for r in recs if r.ref["status"] == 200 and r.ref["tokens"] == r.lab["tokens"]),
         "errors_4xx": sum(1 for r in recs if r.ref["status"] != 200),
         "field_mismatch": {k: sum(1 for r in recs if r.ref[k] != r.lab[k]) for k in COMPARED},
@@ -353,28 +362,30 @@ def fmt_row(r: Record) -> str:
         return (f"slot {f['id_slot']} cache_n {f['cache_n']} prompt_n {f['prompt_n']} cached {f['tokens_cached']} "
                 f"pred {f['tokens_predicted']}")
     flag = "  <-- " + ",".join(r.mismatched) if r.mismatched else ""
-    regen = (" regen" if r.regenerate else "") + (" tainted" if r.tainted else "")
+    regen = (" regen" if r.regenerate else "") + (" tainted" if r.tainted else " cross" if r.cross else "")
     return (f"  #{r.index:<3} user {r.user} turn {r.turn}{regen} n_prompt {r.n_prompt:4d} | ref: {side(r.ref)} | "
             f"lab: {side(r.lab)}{flag}")
 
 
 def print_report(results: list[dict], args: argparse.Namespace) -> int:
     print()
-    print(f"{'setting':<22} {'flags':<36} {'resp':>4} {'match':>5} {'mism':>4} {'clean':>5} {'gen=':>4} "
-          f"{'4xx':>3}  per-field mismatches")
+    print(f"{'setting':<22} {'flags':<36} {'resp':>4} {'match':>5} {'mism':>4} {'clean':>5} {'cross':>5} "
+          f"{'gen=':>4} {'4xx':>3}  per-field mismatches")
     failed = False
     for res in results:
         s = summarize(res)
         per = " ".join(f"{k}:{v}" for k, v in s["field_mismatch"].items() if v)
         err = f"  ERROR {res['error']}" if res["error"] else ""
         print(f"{s['setting']:<22} {' '.join(res['flags']):<36} {s['responses']:>4} {s['matches']:>5} "
-              f"{s['mismatches']:>4} {s['mismatch_clean']:>5} {s['gen_equal']:>4} {s['errors_4xx']:>3}  "
+              f"{s['mismatches']:>4} {s['mismatch_clean']:>5} {s['mismatch_cross']:>5} {s['gen_equal']:>4} "
+              f"{s['errors_4xx']:>3}  "
               f"{per or '-'}{err}")
         failed |= bool((s["mismatches"] if args.strict else s["mismatch_clean"]) or res["error"])
-    print("\nresp = responses compared; clean = mismatches on requests whose user had no generated-token divergence"
-          "\nbefore (a 'tainted' prompt holds llama-server tokens that slotlab generated differently, so its prefix"
-          "\nmatch on slotlab is shorter: numerics, not scheduling); gen= = responses with equal generated tokens;"
-          "\n4xx = requests llama-server rejected. Exit 1 on a clean mismatch (any mismatch with --strict).")
+    print("\nresp = responses compared; clean = mismatches on requests after no generated-token divergence at all"
+          "\n(a 'tainted' prompt holds llama-server tokens that slotlab generated differently, so its prefix match on"
+          "\nslotlab is shorter; 'cross' = another user diverged earlier, and its cache entries can steer this"
+          "\nrequest: numerics, not scheduling); gen= = responses with equal generated tokens; 4xx = requests"
+          "\nllama-server rejected. Exit 1 on a clean mismatch (any mismatch with --strict).")
     for res in results:
         recs: list[Record] = res["records"]
         ctx = res.get("slots_n_ctx", {})
@@ -400,7 +411,7 @@ def records_json(results: list[dict]) -> list[dict]:
     return [{**{k: v for k, v in res.items() if k != "records"},
              "summary": summarize(res),
              "records": [{"index": r.index, "user": r.user, "turn": r.turn, "regenerate": r.regenerate,
-                          "n_prompt": r.n_prompt, "ref": r.ref, "lab": r.lab, "tainted": r.tainted}
+                          "n_prompt": r.n_prompt, "ref": r.ref, "lab": r.lab, "tainted": r.tainted, "cross": r.cross}
                          for r in res["records"]]} for res in results]
 
 
