@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -144,6 +145,13 @@ class _Workers:
         self._inboxes = [queue.SimpleQueue() for _ in range(n)]
         for i, inbox in enumerate(self._inboxes):
             threading.Thread(target=self._serve, args=(inbox,), name=f"slotlab-matmul-{i}", daemon=True).start()
+        # the threads hold only their inbox: when this object is collected, they are told to exit
+        self._finalizer = weakref.finalize(self, _Workers._stop, self._inboxes)
+
+    @staticmethod
+    def _stop(inboxes: list[queue.SimpleQueue]) -> None:
+        for inbox in inboxes:
+            inbox.put(None)
 
     @staticmethod
     def _serve(inbox: queue.SimpleQueue) -> None:
@@ -186,8 +194,7 @@ class _Workers:
             raise error
 
     def close(self) -> None:
-        for inbox in self._inboxes:
-            inbox.put(None)
+        self._finalizer()                              # runs _stop once
 
 
 class Rope:

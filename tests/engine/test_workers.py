@@ -90,3 +90,22 @@ def test_ffn_split_over_threads_equals_the_plain_ffn(tiny_gguf, monkeypatch):
     monkeypatch.setattr(llama, "_FUSED_FFN", False)
     np.testing.assert_allclose(fused, two.forward_logits(ids), atol=1e-5)
     assert len(calls) == two.hparams.n_layer
+
+
+def test_worker_threads_exit_when_the_pool_is_collected_or_closed():
+    import gc
+    import time
+
+    def ours():
+        return {t for t in threading.enumerate() if t.name.startswith("slotlab-matmul")}
+    before = ours()
+    mms = [Matmul(3) for _ in range(4)]
+    mine = ours() - before                  # other tests' pools may exit meanwhile: follow these 8 only
+    assert len(mine) == 8
+    mms[0].close()
+    del mms
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while any(t.is_alive() for t in mine) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(t.is_alive() for t in mine)
