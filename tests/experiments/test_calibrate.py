@@ -8,7 +8,6 @@ import pandas as pd
 import pytest
 
 from engine.core.types import ForwardCall, Task
-from engine.model.tiny import write_tiny_gguf
 from experiments.calibrate import (GridPoint, KINDS, add_calibrate_parser, build_plan, calibration_grid,
                                    run_calibrate, side_files)
 from sim.backend import SimBackend
@@ -20,11 +19,6 @@ def parse(*argv):
     parser = argparse.ArgumentParser()
     add_calibrate_parser(parser.add_subparsers())
     return parser.parse_args(["calibrate", *argv])
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_gguf(tmp_path_factory.mktemp("m") / "tiny.gguf", n_ctx_train=512)
 
 
 @pytest.fixture(scope="module")

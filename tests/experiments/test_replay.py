@@ -5,16 +5,10 @@ import json
 import pandas as pd
 import pytest
 
-from engine.model.tiny import write_tiny_gguf
 from experiments.cli import main
 
 WORKLOAD = ["--workload", "poisson", "--rate", "20", "--requests", "6", "--prompt-tokens", "10-40",
             "--output-tokens", "3-8", "-np", "2", "-c", "512", "--seed", "5"]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_gguf(tmp_path_factory.mktemp("m") / "tiny.gguf", n_ctx_train=512)
 
 
 def test_replay_writes_the_simulate_layout_with_measured_times(tiny, tmp_path):

@@ -7,7 +7,6 @@ import math
 import pandas as pd
 import pytest
 
-from engine.model.tiny import write_tiny_gguf
 from experiments.validate import (FILES, add_validate_parser, aggregate_errors, compare_requests,
                                   per_request_summary, read_validation, run_validate)
 from sim.latency import ParametricLatency, save_calibration
@@ -22,11 +21,6 @@ def parse(*argv):
     parser = argparse.ArgumentParser()
     add_validate_parser(parser.add_subparsers())
     return parser.parse_args(["validate", *argv])
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_gguf(tmp_path_factory.mktemp("m") / "tiny.gguf", n_ctx_train=512)
 
 
 @pytest.fixture(scope="module")
