@@ -42,6 +42,11 @@ def server_of(request: Request) -> ServerState:
 
 # --- request bodies -----------------------------------------------------------------------------------------
 
+def _not_supported(what: str, flag: str) -> JSONResponse:
+    """llama-server's 501 for a feature the server was not started with."""
+    return error_response(ErrorType.NOT_SUPPORTED, f"This server does not support {what}. Start it with `{flag}`")
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"invalid literal '{name}'")
 
@@ -400,8 +405,7 @@ async def props(request: Request) -> Response:
     opts = state.options
     if request.method == "POST":
         if not opts.endpoint_props:
-            return error_response(ErrorType.NOT_SUPPORTED,
-                                  "This server does not support changing global properties. Start it with `--props`")
+            return _not_supported("changing global properties", "--props")
         await read_json(request)
         return JSONResponse({"success": True})
     tok = state.tokenizer
@@ -454,8 +458,7 @@ def _slot_json(state: ServerState, slot, task: Task | None) -> dict[str, Any]:
 async def slots(request: Request) -> Response:
     state = server_of(request)
     if not state.options.endpoint_slots:
-        return error_response(ErrorType.NOT_SUPPORTED,
-                              "This server does not support slots endpoint. Start it with `--slots`")
+        return _not_supported("slots endpoint", "--slots")
     core, engine = state.core, state.engine
 
     def snapshot():
@@ -472,8 +475,7 @@ async def slot_action(request: Request) -> Response:
     state = server_of(request)
     opts = state.options
     if not opts.slot_save_path:
-        return error_response(ErrorType.NOT_SUPPORTED,
-                              "This server does not support slots action. Start it with `--slot-save-path`")
+        return _not_supported("slots action", "--slot-save-path")
     raw_id = request.path_params["id_slot"]
     try:
         id_slot = int(raw_id)
@@ -547,8 +549,7 @@ async def slot_action(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     state = server_of(request)
     if not state.options.endpoint_metrics:
-        return error_response(ErrorType.NOT_SUPPORTED,
-                              "This server does not support metrics endpoint. Start it with `--metrics`")
+        return _not_supported("metrics endpoint", "--metrics")
     core, engine = state.core, state.engine
 
     def snapshot() -> MetricsSnapshot:
@@ -568,11 +569,9 @@ async def metrics(request: Request) -> Response:
 
 
 async def not_supported_embeddings(request: Request) -> Response:
-    return error_response(ErrorType.NOT_SUPPORTED,
-                          "This server does not support embeddings. Start it with `--embeddings`")
+    return _not_supported("embeddings", "--embeddings")
 
 
 async def not_supported_rerank(request: Request) -> Response:
-    return error_response(ErrorType.NOT_SUPPORTED,
-                          "This server does not support reranking. Start it with `--reranking`")
+    return _not_supported("reranking", "--reranking")
 
