@@ -415,11 +415,7 @@ class GgmlRope(Rope):
 
     def apply(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
         """rotate_pairs as compiled: x0' = fma(x0, cos, -(x1*sin)), x1' = fma(x0, sin, x1*cos)."""
-        if self.mode == "norm":
-            x0, x1 = x[..., 0:self.n_rot:2], x[..., 1:self.n_rot:2]
-        else:
-            half = self.n_rot // 2
-            x0, x1 = x[..., :half], x[..., half:self.n_rot]
+        x0, x1 = self.pairs(x)
         r0 = _fma(x0, cos, -(x1 * sin))
         r1 = _fma(x0, sin, x1 * cos)
         x0[...] = r0

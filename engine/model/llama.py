@@ -227,13 +227,17 @@ class Rope:
             self._grow(max(top, 2 * self._cos.shape[0]))
         return self._cos[pos], self._sin[pos]
 
+    def pairs(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Views of the two members of each rotated pair of x [..., head_dim]: NORM (2i, 2i+1), NEOX
+        (i, i + n_rot/2); each [..., n_rot/2]."""
+        if self.mode == "norm":
+            return x[..., 0:self.n_rot:2], x[..., 1:self.n_rot:2]
+        half = self.n_rot // 2
+        return x[..., :half], x[..., half:self.n_rot]
+
     def apply(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
         """Rotate x [..., head_dim] in place; cos/sin broadcast against x[..., :n_rot/2]."""
-        if self.mode == "norm":
-            x0, x1 = x[..., 0:self.n_rot:2], x[..., 1:self.n_rot:2]
-        else:
-            half = self.n_rot // 2
-            x0, x1 = x[..., :half], x[..., half:self.n_rot]
+        x0, x1 = self.pairs(x)
         r0 = x0 * cos - x1 * sin
         r1 = x0 * sin + x1 * cos
         x0[...] = r0
