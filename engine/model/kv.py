@@ -343,23 +343,14 @@ class KVStore:
     def _replace(self, seq: int, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> None:
         n = pos.shape[0]
         s = self._seqs[seq]
-        s.n = 0
-        if n <= self._pool_cap_max:
-            s.pooled = True
-            if n > self.pool_cap:
-                new_cap = max(_MIN_CAPACITY, self.pool_cap)
-                while new_cap < n:
-                    new_cap *= 2
-                self._grow_pool(min(new_cap, self._pool_cap_max))
-            elif self.pool_k is not None:
-                s.k, s.v = self.pool_k[:, seq], self.pool_v[:, seq]
-                s.pos = np.zeros(self.pool_cap, np.int32)
-            else:                                  # n == 0 and no pool yet
-                empty = self._private(seq, 0)
-                s.k, s.v, s.pos = empty.k, empty.v, empty.pos
+        s.n, s.pooled = 0, True                    # rejoin the pool; _reserve moves it out if it is too long
+        if self.pool_k is not None:
+            s.k, s.v = self.pool_k[:, seq], self.pool_v[:, seq]
+            s.pos = np.zeros(self.pool_cap, np.int32)
         else:
-            fresh = self._private(seq, max(_MIN_CAPACITY, n))
-            s.k, s.v, s.pos, s.pooled = fresh.k, fresh.v, fresh.pos, False
+            empty = self._private(seq, 0)
+            s.k, s.v, s.pos = empty.k, empty.v, empty.pos
+        self._reserve(s, n)
         s.k[:, :, :n] = k
         s.v[:, :, :n] = v
         s.pos[:n] = pos

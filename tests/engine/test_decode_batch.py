@@ -120,3 +120,18 @@ def test_unified_pool_holds_up_to_twice_the_per_sequence_share(tiny_model, monke
     got = _decode(model, kv, 3, [0, 1], monkeypatch, batched=True)
     want = _decode(model, ref, 3, [0, 1], monkeypatch, batched=False)
     np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_a_private_sequence_rejoins_the_pool_when_a_state_that_fits_replaces_it(tiny_model, monkeypatch):
+    model = tiny_model()
+    hp = model.hparams
+    cell_bytes = 2 * hp.n_layer * hp.n_head_kv * hp.head_dim * 4
+    kv = _filled(model, pool_max_bytes=8 * 8 * cell_bytes)           # pool capacity 8 cells per sequence
+    ref = _filled(model)
+    assert not kv._seqs[3].pooled
+    for store in (kv, ref):
+        store.state_load(3, store.state_save(0))                     # 3 cells: fits the pool
+    assert kv._seqs[3].pooled and kv.positions(3).tolist() == [0, 1, 2]
+    got = _decode(model, kv, 2, [0, 3, 4], monkeypatch, batched=True)
+    want = _decode(model, ref, 2, [0, 3, 4], monkeypatch, batched=False)
+    np.testing.assert_allclose(got, want, atol=1e-5)
