@@ -29,7 +29,7 @@ _SPLIT_ALIGN = 16                 # column split points on 64-byte boundaries
 _ELEMENTWISE_ROWS = 64            # rows per task when element-wise work is split over threads
 _DECODE_BATCH_MIN = 2             # one-token chunks attended together (_DecodeBatch) from this many on
 _DECODE_SPLIT_MIN = 8             # ... and split over the threads from this many sequences on
-_FUSED_FFN = True
+_FUSED_FFN = True                 # FFN of 2..SMALL_M_MAX tokens as one piece per thread (_ffn_split)
 _GEMV_PIECES_PER_THREAD = 2       # one-row products: pieces per thread (late workers leave fewer to wait for)
 
 
@@ -255,18 +255,23 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x * (1.0 / np.sqrt(ms + np.float32(eps)))[:, None] * w  # [T, D]
 
 
+def _silu_mul(g: np.ndarray, u: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """out = silu(g) * u = g / (1 + e^-g) * u, element-wise (out may not alias g or u)."""
+    np.negative(g, out=out)
+    np.exp(out, out=out)
+    out += 1.0
+    np.divide(g, out, out=out)
+    out *= u
+    return out
+
+
 def _swiglu(gu: np.ndarray, n_ff: int, mm: Matmul) -> np.ndarray:
     """silu(gate) * up for gu [T, 2 * n_ff] -> [T, n_ff]; long batches split by rows over mm's threads."""
     n_tokens = gu.shape[0]
     h = np.empty((n_tokens, n_ff), np.float32)                                       # [T, n_ff]
 
     def rows(a: int, b: int) -> None:
-        g, u, hh = gu[a:b, :n_ff], gu[a:b, n_ff:], h[a:b]                            # [b-a, n_ff] each
-        np.negative(g, out=hh)
-        np.exp(hh, out=hh)
-        hh += 1.0
-        np.divide(g, hh, out=hh)                                                     # silu(g) = g / (1 + e^-g)
-        hh *= u
+        _silu_mul(gu[a:b, :n_ff], gu[a:b, n_ff:], h[a:b])                            # [b-a, n_ff] each
 
     step = _ELEMENTWISE_ROWS
     if n_tokens <= step or mm.n_threads == 1:
@@ -347,23 +352,18 @@ def _ffn_split(gate_up: Linear, down: Linear, xn: np.ndarray, n_ff: int, mm: Mat
     cols = gb.shape[2]
     n_half = n_ff // cols                                     # gate blocks 0..n_half-1, up blocks n_half..
     m = xn.shape[0]
-    cuts = mm._cuts(n_half, 1, mm.n_threads)
-    partial: list[np.ndarray | None] = [None] * (len(cuts) - 1)
+    partial: dict[int, np.ndarray] = {}                       # first gate block -> [nb_d, M, cols_d]
 
-    def piece(i: int) -> None:
-        a, b = cuts[i], cuts[i + 1]
+    def piece(a: int, b: int) -> None:
         g = np.matmul(xn, gb[a:b])                            # [b-a, M, cols]
         u = np.matmul(xn, gb[n_half + a:n_half + b])          # [b-a, M, cols]
-        h = np.negative(g)
-        np.exp(h, out=h)
-        h += 1.0
-        np.divide(g, h, out=h)                                # silu(g) = g / (1 + e^-g), as _swiglu
-        h *= u
+        h = _silu_mul(g, u, np.empty_like(g))
         hm = h.transpose(1, 0, 2).reshape(m, (b - a) * cols)  # [M, (b-a)*cols]: hidden units a*cols..b*cols
-        partial[i] = np.matmul(hm, db[:, a * cols:b * cols])  # [nb_d, M, cols_d]
-    mm._pool.run([lambda i=i: piece(i) for i in range(len(partial))])
-    y = partial[0]
-    for p in partial[1:]:
+        partial[a] = np.matmul(hm, db[:, a * cols:b * cols])
+    mm.split(piece, n_half)
+    parts = [partial[a] for a in sorted(partial)]             # a fixed summation order
+    y = parts[0]
+    for p in parts[1:]:
         y += p
     return y.transpose(1, 0, 2).reshape(m, db.shape[0] * db.shape[2])   # [M, n_embd]
 
@@ -393,7 +393,7 @@ class _DecodeBatch:
         visible[self.sel] = self.n_old + 1
         visible[visible == 0] = 1                               # range members not in the batch: any finite row
         mask = np.where(np.arange(self.n_keys)[None, :] < visible[:, None], np.float32(0), np.float32(-np.inf))
-        self.mask = mask.astype(np.float32)[:, None, None, :]  # [R, 1, 1, n_keys]
+        self.mask = mask[:, None, None, :]                      # [R, 1, 1, n_keys] float32
 
     def attend(self, kv: KVStore, il: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, attn: np.ndarray,
                mm: Matmul) -> None:
