@@ -464,7 +464,8 @@ def forward_batch(w: Weights, hp: HParams, rope: Rope, kv: KVStore, chunks: Sequ
     cos, sin = cos[:, None, :], sin[:, None, :]                                      # [T, 1, n_rot/2]
     kv_f16 = kv.dtype != np.float32
     # one-token chunks of pooled sequences are attended together (_DecodeBatch); the rest one by one
-    batched = [ic for ic, s in enumerate(seqs) if sizes[ic] == 1 and s.pooled]
+    # (ggml mode keeps per-chunk attention: its kernels' summation order is per sequence)
+    batched = [ic for ic, s in enumerate(seqs) if sizes[ic] == 1 and s.pooled] if numerics == "f32" else []
     dec = None
     if len(batched) >= _DECODE_BATCH_MIN:
         dec = _DecodeBatch([seqs[ic].seq for ic in batched], [offsets[ic] for ic in batched],
@@ -478,7 +479,6 @@ def forward_batch(w: Weights, hp: HParams, rope: Rope, kv: KVStore, chunks: Sequ
         from engine.model import ggml
         norm, swiglu = ggml.rms_norm, ggml.swiglu
         attend = ggml.make_attend(ggml.attention_scale(head_dim), kv_f16)
-        dec, loop = None, list(range(len(chunks)))                                   # per-chunk attention only
 
     lw0 = w.layers[0] if w.layers else None
     fused_ffn = (_FUSED_FFN and numerics == "f32" and mm.n_threads > 1 and lw0 is not None
