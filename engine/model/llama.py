@@ -29,7 +29,7 @@ _SPLIT_ALIGN = 16                 # column split points on 64-byte boundaries
 _ELEMENTWISE_ROWS = 64            # rows per task when element-wise work is split over threads
 _DECODE_BATCH_MIN = 2             # one-token chunks attended together (_DecodeBatch) from this many on
 _DECODE_SPLIT_MIN = 8             # ... and split over the threads from this many sequences on
-_FUSED_FFN = True                 # FFN of 2..SMALL_M_MAX tokens as one piece per thread (_ffn_split)
+_FUSED_FFN = True                 # FFN of 1..SMALL_M_MAX tokens as one piece per thread (_ffn_split)
 _GEMV_PIECES_PER_THREAD = 2       # one-row products: pieces per thread (late workers leave fewer to wait for)
 
 
@@ -85,9 +85,10 @@ class Matmul:
         self._run(lambda a, b: np.matmul(x, lin.t[:, a:b], out=out[:, a:b]), n_out, _SPLIT_ALIGN, split)
         return out
 
-    def split(self, part: Callable[[int, int], object], n: int) -> None:
-        """part(a, b) over [0, n) cut into n_threads near-equal ranges, in parallel."""
-        self._run(part, n, 1, self._pool is not None)
+    def split(self, part: Callable[[int, int], object], n: int, align: int = 1) -> None:
+        """part(a, b) over [0, n) cut into n_threads near-equal ranges (bounds multiples of `align`), in
+        parallel."""
+        self._run(part, n, align, self._pool is not None)
 
     def _run(self, part: Callable[[int, int], object], n: int, align: int, split: bool) -> None:
         """part(a, b) over [0, n) cut into n_threads aligned ranges, run on the threads."""
@@ -341,13 +342,38 @@ def _ffn_splittable(gate_up: Linear, down: Linear, n_ff: int) -> bool:
             and n_ff // gate_up.blocks.shape[2] >= 2 and down.blocks.shape[0] > 1)
 
 
+def _ffn_split_row(gate_up: Linear, down: Linear, xn: np.ndarray, n_ff: int, mm: Matmul) -> np.ndarray:
+    """The FFN of one row (decode of a single sequence), one piece per thread.
+
+    Each piece takes a range of the n_ff hidden units: its gate and its up columns of `gate_up.t` (two
+    strided views, ~3 KB contiguous per row for SmolLM2 on 2 threads), their SwiGLU, and the matching rows
+    (an input band) of `down.t`; the caller adds the partial outputs. One hand-off instead of three (gate/up,
+    down, each split over input bands), and no serial SwiGLU between them: ~13% faster FFN measured on 2
+    threads. More, narrower pieces measured slower (strided reads), so there is one piece per thread."""
+    t, td = gate_up.t, down.t                                 # [n_in, 2 * n_ff], [n_ff, n_embd]
+    partial: dict[int, np.ndarray] = {}                       # first hidden unit -> [1, n_embd]
+
+    def piece(a: int, b: int) -> None:
+        g = xn @ t[:, a:b]                                    # [1, b-a]
+        u = xn @ t[:, n_ff + a:n_ff + b]                      # [1, b-a]
+        partial[a] = _silu_mul(g, u, np.empty_like(g)) @ td[a:b]   # [1, n_embd]
+    mm.split(piece, n_ff, _SPLIT_ALIGN)
+    parts = [partial[a] for a in sorted(partial)]             # a fixed summation order
+    y = parts[0]
+    for p in parts[1:]:
+        y += p
+    return y
+
+
 def _ffn_split(gate_up: Linear, down: Linear, xn: np.ndarray, n_ff: int, mm: Matmul) -> np.ndarray:
-    """silu(xn @ Wgate.T) * (xn @ Wup.T) @ Wdown.T for 2..SMALL_M_MAX rows, one piece per thread.
+    """silu(xn @ Wgate.T) * (xn @ Wup.T) @ Wdown.T for 1..SMALL_M_MAX rows, one piece per thread.
 
     Each piece takes a range of the n_ff hidden units: its gate and up column blocks, their SwiGLU, and the
     product with the matching rows (input band) of every Wdown column block; the caller adds the pieces'
     partial outputs. One hand-off per FFN instead of two, and each piece's hidden units stay in its cache.
     Equal to the unfused path up to float32 summation order."""
+    if xn.shape[0] == 1:
+        return _ffn_split_row(gate_up, down, xn, n_ff, mm)
     gb, db = gate_up.blocks, down.blocks                      # [nb, n_in, cols], [nb_d, n_ff, cols_d]
     cols = gb.shape[2]
     n_half = n_ff // cols                                     # gate blocks 0..n_half-1, up blocks n_half..
@@ -482,7 +508,7 @@ def forward_batch(w: Weights, hp: HParams, rope: Rope, kv: KVStore, chunks: Sequ
 
     lw0 = w.layers[0] if w.layers else None
     fused_ffn = (_FUSED_FFN and numerics == "f32" and mm.n_threads > 1 and lw0 is not None
-                 and 1 < n_tokens <= gguf_loader.SMALL_M_MAX and _ffn_splittable(lw0.w_gate_up, lw0.w_down, hp.n_ff))
+                 and 1 <= n_tokens <= gguf_loader.SMALL_M_MAX and _ffn_splittable(lw0.w_gate_up, lw0.w_down, hp.n_ff))
     x = w.tok_embd[tokens]                                                           # [T, D]
     with np.errstate(over="ignore"):                                                 # exp(-g) -> inf is fine in SiLU
         for il, lw in enumerate(w.layers):

@@ -92,6 +92,26 @@ def test_ffn_split_over_threads_equals_the_plain_ffn(tiny_gguf, monkeypatch):
     assert len(calls) == two.hparams.n_layer
 
 
+def test_one_token_ffn_split_over_hidden_units_equals_the_plain_ffn(tiny_gguf, monkeypatch):
+    """A one-token decode step with 2 threads runs each FFN as one piece per thread over a range of hidden
+    units (strided gate/up columns, SwiGLU, an input band of down); the logits equal 1 thread's."""
+    import engine.model.llama as llama
+    from engine.model import load
+    one, two = load(tiny_gguf(), n_threads=1), load(tiny_gguf(), n_threads=2)
+    calls = []
+    real = llama._ffn_split_row
+    monkeypatch.setattr(llama, "_ffn_split_row", lambda *a: calls.append(a[2].shape) or real(*a))
+    ids = [int(i) for i in np.random.default_rng(4).integers(0, one.hparams.n_vocab, 9)]
+    out = {}
+    for name, model in (("one", one), ("two", two)):
+        kv = model.new_kv(1, 16)
+        model.forward_batch(kv, [(0, ids[:-1], 0, False)])
+        [out[name]] = model.forward_batch(kv, [(0, ids[-1:], len(ids) - 1, True)])
+    assert calls == [(1, one.hparams.n_embd)] * two.hparams.n_layer
+    np.testing.assert_allclose(out["two"], out["one"], atol=1e-5)
+    np.testing.assert_allclose(out["two"][0], one.forward_logits(ids)[-1], atol=1e-5)
+
+
 def test_worker_threads_exit_when_the_pool_is_collected_or_closed():
     import gc
     import time
