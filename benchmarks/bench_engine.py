@@ -55,6 +55,13 @@ print(json.dumps(out))
 """
 
 
+def settle() -> None:
+    """Wait for OpenBLAS's own threads to stop spinning after a multi-threaded measurement (they spin-wait
+    ~0.1 s for more work; meanwhile they hold the second core and this engine's worker thread runs late,
+    which measured +20-30% on the next decode steps)."""
+    time.sleep(0.5)
+
+
 def best_and_median(times: list[float]) -> tuple[float, float]:
     return min(times), statistics.median(times)
 
@@ -74,6 +81,22 @@ def measure_bandwidth(n_bytes: int, reps: int, n_threads: int) -> dict[str, floa
                 run()
                 times[name].append(time.perf_counter() - t0)
     return {name: n_bytes / min(ts) / 1e9 for name, ts in times.items()}
+
+
+def measure_gemv_floor(model: Model, reps: int, n_threads: int) -> float:
+    """Seconds of the one-row products of a decode step alone (every layer's weights and the output head,
+    `x @ t`, OpenBLAS with n_threads of its own, no other work); best of `reps`. What BLAS itself reaches on
+    these matrices: the step can approach it, not pass it."""
+    lins = [lin for lw in model.weights.layers for lin in lw.linears] + [model.weights.output]
+    xs = {lin.t.shape[0]: np.ones((1, lin.t.shape[0]), np.float32) for lin in lins}
+    times = []
+    with threadpool_limits(limits=n_threads, user_api="blas"):
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for lin in lins:
+                xs[lin.t.shape[0]] @ lin.t
+            times.append(time.perf_counter() - t0)
+    return min(times)
 
 
 def measure_sgemm(n: int, reps: int) -> float:
@@ -161,6 +184,7 @@ def main() -> None:
     bw = measure_bandwidth(512 << 20, 5, args.threads)
     with threadpool_limits(limits=args.threads, user_api="blas"):
         gflops = measure_sgemm(2048, 3)
+    settle()
     bandwidth = max(bw.values())
     stream = model.weights.n_stream_bytes
     bound_s = stream / (bandwidth * 1e9)
@@ -193,8 +217,13 @@ def main() -> None:
             bw_after = measure_bandwidth(512 << 20, 3, args.threads)
             bandwidth = max(bandwidth, *bw_after.values())
             bound_s = stream / (bandwidth * 1e9)
+            floor_s = measure_gemv_floor(model, 5, args.threads)
+            settle()
             line += (f"\n          streaming bound {bound_s * 1e3:.1f} ms at {bandwidth:.1f} GB/s (best of before/after): "
-                     f"best step {best / bound_s:.2f}x, median {med / bound_s:.2f}x the bound")
+                     f"best step {best / bound_s:.2f}x, median {med / bound_s:.2f}x the bound"
+                     f"\n          BLAS floor: the step's {len(model.weights.layers) * 4 + 1} one-row products alone, "
+                     f"OpenBLAS {args.threads} threads, {floor_s * 1e3:.1f} ms = {floor_s / bound_s:.2f}x the bound; "
+                     f"best step {best / floor_s:.2f}x the floor")
         print(line)
     print(f"          load average after the run {os.getloadavg()[0]:.2f}")
     if args.llamacpp_python:
