@@ -167,6 +167,27 @@ def test_rope_rerotation_by_delta_equals_rotation_at_the_new_position(tiny_model
         np.testing.assert_allclose(at_p, at_new, atol=1e-5)
 
 
+
+def test_rope_rotation_of_a_batch_equals_the_pairwise_formula(tiny_model):
+    """`rotate(x, rotation(pos))` (complex64 products for NORM pairs, cos/sin for NEOX) equals the real
+    formula x0' = x0 cos - x1 sin, x1' = x0 sin + x1 cos on the mode's pairs, written out here."""
+    for arch, mode in (("llama", "norm"), ("qwen2", "neox")):
+        rope = Rope(tiny_model(arch=arch).hparams)
+        assert rope.mode == mode and rope.complex_pairs == (mode == "norm")
+        x = np.random.default_rng(1).standard_normal((4, 3, 16)).astype(np.float32)   # [T, n_heads, head_dim]
+        pos = np.array([0, 5, 77, 1000])
+        got = x.copy()
+        rope.rotate(got, rope.rotation(pos))
+        half = rope.n_rot // 2
+        i0 = np.arange(0, rope.n_rot, 2) if mode == "norm" else np.arange(half)
+        i1 = i0 + 1 if mode == "norm" else i0 + half
+        ang = pos[:, None].astype(np.float64) * rope.inv_freq[None, :]                  # [T, n_rot/2]
+        c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+        want = x.astype(np.float64)
+        want[..., i0], want[..., i1] = x[..., i0] * c - x[..., i1] * s, x[..., i0] * s + x[..., i1] * c
+        np.testing.assert_allclose(got, want, atol=1e-5)
+        assert not np.allclose(got, x, atol=1e-3)                                       # it did rotate
+
 # --- bad batches change nothing -------------------------------------------------------------------------
 
 def _state(kv, n_seq):
