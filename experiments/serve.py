@@ -44,7 +44,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8080, help="port to listen on (default: 8080)")
     g.add_argument("--api-prefix", default="", metavar="PREFIX", help="prefix of every route (default: none)")
     g.add_argument("-t", "--threads", type=int, default=-1, metavar="N",
-                   help="BLAS threads for the forward pass (default: -1 = number of CPUs)")
+                   help="compute threads for the forward pass (default: -1 = number of CPUs; matmuls split "
+                        "over N threads, BLAS itself held at 1)")
     g.add_argument("-a", "--alias", default="", metavar="NAMES", help="model name(s) in responses, comma separated")
     g.add_argument("--numerics", choices=("f32", "ggml"), default="f32",
                    help="engine arithmetic: f32 (default) or ggml (llama.cpp's CPU arithmetic, f16 KV; much slower)")
@@ -214,7 +215,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     state.start_loading(on_error)
     print(f"slotlab serve: listening on http://{args.host}:{args.port}{options.api_prefix} "
-          f"(model loads in the background; 503 until ready), BLAS threads {options.n_threads}, "
+          f"(model loads in the background; 503 until ready), compute threads {options.n_threads}, "
           f"numerics {options.numerics}",
           file=sys.stderr, flush=True)
     server.run()

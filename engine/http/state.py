@@ -118,9 +118,10 @@ class ServerState:
         self.engine = Engine(core, backend)
         self.engine.start()
         self.load_s = time.perf_counter() - t0
-        log.info("model loaded in %.2f s: %d slots, n_ctx %d (per slot %d), %s KV, BLAS threads %d, numerics %s",
+        log.info("model loaded in %.2f s: %d slots, n_ctx %d (per slot %d), %s KV, %s, numerics %s",
                  self.load_s, resolved.n_slots, resolved.n_ctx, resolved.n_ctx_slot,
-                 "unified" if resolved.kv_unified else "per-slot", backend.n_threads,
+                 "unified" if resolved.kv_unified else "per-slot",
+                 getattr(model, "threads_desc", f"{backend.n_threads} threads"),
                  getattr(model, "numerics", "f32"))
         self.ready = True
 

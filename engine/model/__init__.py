@@ -79,6 +79,15 @@ class Model:
         # threads doing matmul work during compute
         self.n_threads = self.matmul.n_threads if split else self.blas_threads
 
+    @property
+    def threads_desc(self) -> str:
+        """The thread settings in force during compute, for figures and logs."""
+        plural = "s" if self.n_threads != 1 else ""
+        if self.threading == "split" and self.n_threads_requested is not None:
+            how = "matmuls split over Python threads, " if self.n_threads > 1 else ""
+            return f"{self.n_threads} compute thread{plural} ({how}BLAS {self.blas_threads})"
+        return f"{self.n_threads} compute thread{plural} (BLAS's own threads)"
+
     # --- tokenizer ------------------------------------------------------------------------------------
 
     @property

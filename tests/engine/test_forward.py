@@ -275,6 +275,8 @@ def test_split_threading_gives_the_same_logits_as_one_thread(tiny_gguf, monkeypa
     monkeypatch.setattr(llama, "_ELEMENTWISE_ROWS", 8)        # and SwiGLU rows over the threads
     one, two = load(tiny_gguf(), n_threads=1), load(tiny_gguf(), n_threads=2)
     assert (two.n_threads, two.blas_threads, two.threading) == (2, 1, "split")
+    assert two.threads_desc == "2 compute threads (matmuls split over Python threads, BLAS 1)"
+    assert one.threads_desc == "1 compute thread (BLAS 1)"
     ids = [int(i) for i in np.random.default_rng(5).integers(0, one.hparams.n_vocab, 100)]
     np.testing.assert_allclose(two.forward_logits(ids), one.forward_logits(ids), atol=1e-5)
 
@@ -283,6 +285,7 @@ def test_blas_threading_hands_the_threads_to_openblas(tiny_gguf):
     from engine.model import load
     model = load(tiny_gguf(), n_threads=2, threading="blas")
     assert (model.n_threads, model.blas_threads, model.matmul.n_threads) == (2, 2, 1)
+    assert model.threads_desc == "2 compute threads (BLAS's own threads)"
 
 
 def test_bad_logit_rows_are_rejected_without_changes(tiny_model):

@@ -39,4 +39,4 @@ def test_replay_with_missing_model_is_a_usage_error(tmp_path, capsys):
 def test_generate_prints_text_and_stats(tiny, capsys):
     assert main(["generate", "-m", tiny, "-p", "hello world", "-n", "5", "--temp", "0", "--threads", "1"]) == 0
     err = capsys.readouterr().err
-    assert "5 generated" in err and "BLAS threads" in err
+    assert "5 generated" in err and "1 compute thread (BLAS 1)" in err
