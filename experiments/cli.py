@@ -677,7 +677,7 @@ def cmd_replay(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print(f"slotlab replay: {one_line_summary(summary)} -> {out}")
     else:
         print(format_summary(summary))
-        print(f"results: {out}/   (numpy engine, {model.threads_desc})")
+        print(f"results: {out}/   (numpy engine, {summary['threads_desc']})")
     return 0
 
 

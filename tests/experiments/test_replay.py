@@ -19,6 +19,15 @@ def test_replay_writes_the_simulate_layout_with_measured_times(tiny, tmp_path):
     assert (rows["ttft_s"] > 0).all()
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["backend"] == "numpy" and cfg["threads"] == 1
+    assert cfg["threads_desc"] == json.loads((out / "run.json").read_text())["threads_desc"] == "1 compute thread (BLAS 1)"
+
+
+def test_replay_prints_its_summary_and_thread_settings(tiny, tmp_path, capsys):
+    out = tmp_path / "r"
+    assert main(["replay", "-m", tiny, "--threads", "2", "--no-plots", "--out", str(out), *WORKLOAD]) == 0
+    printed = capsys.readouterr().out
+    assert "requests: 6 (0 errors)" in printed
+    assert f"results: {out}/   (numpy engine, 2 compute threads (matmuls split over Python threads, BLAS 1))" in printed
 
 
 def test_replay_and_simulate_see_the_same_requests(tiny, tmp_path):
