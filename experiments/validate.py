@@ -109,11 +109,11 @@ def per_request_summary(per: pd.DataFrame) -> dict[str, Any]:
 def format_errors(errors: pd.DataFrame, summary: Mapping[str, Any]) -> str:
     """The aggregate table for the terminal, then the per-request errors and decision-match rates."""
     names = {"ttft": "TTFT", "tpot": "TPOT", "e2e": "E2E", "queue": "queue"}
-    lines = [f"{'metric':<7}{'stat':<6}{'real (s)':>11}{'sim (s)':>11}{'sim-real':>11}{'rel err':>9}"]
+    lines = [f"{'metric':<7}{'stat':<6}{'real (s)':>11}{'sim (s)':>11}{'sim-real':>11} {'rel err':>9}"]
     for _, r in errors.iterrows():
         rel = f"{100 * r['rel_err']:+.1f}%" if math.isfinite(r["rel_err"]) else "n/a"
         lines.append(f"{names[r['metric']]:<7}{r['stat']:<6}{r['real_s']:>11.4g}{r['sim_s']:>11.4g}"
-                     f"{r['abs_err_s']:>+11.3g}{rel:>9}")
+                     f"{r['abs_err_s']:>+11.3g} {rel:>9}")   # a space: errors of 1000%+ stay apart
     lines.append("per request |rel err|: " + ", ".join(
         f"{names[m]} median {100 * summary[f'{m}_median_ape']:.1f}% mean {100 * summary[f'{m}_mape']:.1f}%"
         for m in ("ttft", "tpot", "e2e")))
