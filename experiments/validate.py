@@ -325,6 +325,25 @@ def check_same_run(real: Any, values: Mapping[str, Any], model: str) -> None:
         raise ValueError(f"{real.path} ran model {real.config.get('model')}, here: {model}")
 
 
+def calibration_mismatch(latency: Any, model: str, threads: int) -> str | None:
+    """Why `latency`'s calibration does not describe this run (another model file or thread count), or None.
+
+    The simulator then predicts another setup's step times, and sim-vs-real errors mostly measure that."""
+    measured = getattr(latency, "measured_on", None)
+    if measured is None:
+        return None
+    differences = []
+    if measured.model and Path(measured.model).name != Path(model).name:
+        differences.append(f"model {Path(measured.model).name} (this run: {Path(model).name})")
+    if measured.threads is not None and measured.threads != threads:
+        differences.append(f"{measured.threads} thread{'s' if measured.threads != 1 else ''} (this run: {threads})")
+    if not differences:
+        return None
+    return (f"the latency model was calibrated with {' and '.join(differences)}; sim-vs-real errors will mostly "
+            f"measure that difference. Calibrate this setup with `slotlab calibrate -m {model} --threads {threads} "
+            f"--out cal.json` and pass `--latency parametric:cal.json`")
+
+
 def run_validate(args: argparse.Namespace) -> int:
     """`slotlab validate`; returns the exit code (2 = bad usage or input)."""
     from tqdm import tqdm
@@ -350,6 +369,9 @@ def run_validate(args: argparse.Namespace) -> int:
     except (cli.UsageError, ValueError, OSError) as exc:
         print(f"slotlab validate: error: {exc}", file=sys.stderr)
         return 2
+    mismatch = calibration_mismatch(latency, model, args.threads)
+    if mismatch:
+        print(f"slotlab validate: warning: {mismatch}", file=sys.stderr)
     argv = _validate_argv(values, model, args.threads, args.temp)
     context = cli._context(argv, desc)
     load_start = os.getloadavg()
@@ -381,7 +403,7 @@ def run_validate(args: argparse.Namespace) -> int:
     summary = per_request_summary(per)
     summary.update(
         model=model, threads=real.config.get("threads"), latency=values["latency"],
-        latency_model=latency.describe(), load_average_start=list(load_start), load_average_after_real=list(load_mid),
+        latency_model=latency.describe(), latency_mismatch=mismatch, load_average_start=list(load_start), load_average_after_real=list(load_mid),
         load_average_end=list(os.getloadavg()), real_dir=str(real.path), real_reused=reused is not None,
         sim_dir=str(out / "sim"), real_sim_s=real.summary.get("sim_s"), sim_sim_s=sim.summary.get("sim_s"),
         real_steps=real.run.get("steps"), sim_steps=sim.run.get("steps"), command=context["command"])

@@ -156,3 +156,23 @@ def test_real_run_with_other_options_is_refused(validated, tiny, calib, tmp_path
     assert run_validate(parse("-m", tiny, "--latency", f"parametric:{calib}", "--real-run",
                               str(validated[1] / "real"), "--out", str(tmp_path), *args)) == 2
     assert "ran different options" in capsys.readouterr().err
+
+
+def test_a_calibration_of_another_model_or_thread_count_is_named():
+    from experiments.validate import MEASURED_CALIBRATION, calibration_mismatch
+    from sim.latency import get_latency_model
+    smollm2 = get_latency_model(f"parametric:{MEASURED_CALIBRATION}")       # SmolLM2 Q4_1, 2 threads
+    assert calibration_mismatch(smollm2, "/x/SmolLM2-135M-Instruct.Q4_1.gguf", 2) is None
+    other = calibration_mismatch(smollm2, "/tmp/tiny.gguf", 1)
+    assert "model SmolLM2-135M-Instruct.Q4_1.gguf (this run: tiny.gguf)" in other
+    assert "2 threads (this run: 1)" in other and "slotlab calibrate -m /tmp/tiny.gguf --threads 1" in other
+    assert calibration_mismatch(get_latency_model("constant:0.01"), "/tmp/tiny.gguf", 1) is None
+
+
+def test_validate_warns_when_the_calibration_is_of_another_setup(tiny, calib, tmp_path, capsys):
+    assert run_validate(parse("-m", tiny, "--threads", "2", "--latency", f"parametric:{calib}", "--quiet",
+                              "--no-plots", "--out", str(tmp_path / "v"), *WORKLOAD)) == 0
+    err = capsys.readouterr().err
+    assert "warning: the latency model was calibrated with 1 thread (this run: 2)" in err
+    _, _, summary = read_validation(tmp_path / "v")
+    assert summary["latency_mismatch"].startswith("the latency model")
