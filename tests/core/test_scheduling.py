@@ -172,6 +172,28 @@ def test_cache_reuse_shifts_matching_chunk_left():
     assert t.n_prompt_cached == 30
 
 
+
+def test_cache_reuse_of_two_chunks_leaves_cells_at_exactly_the_prompt_positions():
+    """llama-server's reuse loop over two separated matching chunks, the first one not at position 0: each
+    chunk's gap is removed and the chunk shifted left; the fully cached prompt then re-evaluates its last
+    token. The fake backend tracks cell positions, so the forward is checked against cells 0..6. (No
+    prompt cache, so that the slot's own cells are reused rather than first saved.)"""
+    core = make_core(n_ctx=2048, n_parallel=1, n_cache_reuse=4, cache_ram_mib=0)
+    be = FakeBackend(tokens_for=lambda t, k: 7)
+    first = list(range(1000, 1104)) + list(range(5062, 5097))              # 139 tokens
+    core.submit(task(first, n_predict=0), 0.0)
+    run(core, be)
+    t = core.submit(task(list(range(1100, 1104)) + list(range(5093, 5097)), n_predict=1), 10.0)
+    plan = core.schedule(10.0)
+    kv = [p for p in plan.program if isinstance(p, KVOp)]
+    assert kv == [KVOp("seq_rm", seq=0, p0=0, p1=100), KVOp("seq_add", seq=0, p0=100, p1=104, delta=-100),
+                  KVOp("seq_rm", seq=0, p0=4, p1=135), KVOp("seq_add", seq=0, p0=135, p1=139, delta=-131),
+                  KVOp("seq_rm", seq=0, p0=7, p1=-1)]
+    (fc,) = plan.forwards
+    assert [(c.pos0, list(c.tokens)) for c in fc.chunks] == [(7, [5096])]
+    be.execute(plan)                                                           # asserts cells 0..6 first
+    assert be.pos[0] == list(range(8)) and t.n_prompt_cached == 7
+
 # --- batch building ----------------------------------------------------------------------------------
 def test_decode_tokens_come_before_prompt_chunks_in_slot_order():
     core = make_core(n_ctx=4096, n_parallel=3)
