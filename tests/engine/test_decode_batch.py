@@ -14,9 +14,12 @@ PROMPTS = {0: [5, 77, 12], 1: [200, 3, 9, 150, 33, 281, 64], 3: [7, 120, 44, 2, 
            4: [31], 6: [8, 16, 24, 32, 40]}
 
 
-def _filled(model, dtype=np.float32, pool_max_bytes=None, n_ctx_seq=200):
+def _filled(model, dtype=np.float32, pool_cells=None, n_ctx_seq=200):
+    """8 sequences filled with PROMPTS; pool_cells: cap the pool at that many cells per sequence (through
+    pool_max_bytes), so longer sequences go private."""
     hp = model.hparams
-    kw = {} if pool_max_bytes is None else {"pool_max_bytes": pool_max_bytes}
+    cell_bytes = 2 * hp.n_layer * hp.n_head_kv * hp.head_dim * np.dtype(dtype).itemsize
+    kw = {} if pool_cells is None else {"pool_max_bytes": 8 * pool_cells * cell_bytes}
     kv = KVStore(8, n_ctx_seq, hp.n_layer, hp.n_head_kv, hp.head_dim, model.rope, dtype=dtype, **kw)
     for seq, ids in PROMPTS.items():
         model.forward_batch(kv, [(seq, ids, 0, False)])
@@ -54,9 +57,7 @@ def test_batched_decode_sees_only_its_own_cells(tiny_model, monkeypatch):
 
 def test_sequences_too_long_for_the_pool_get_their_own_arrays(tiny_model, monkeypatch):
     model = tiny_model()
-    hp = model.hparams
-    cell_bytes = 2 * hp.n_layer * hp.n_head_kv * hp.head_dim * 4
-    kv = _filled(model, pool_max_bytes=8 * 8 * cell_bytes)           # pool capacity 8 cells per sequence
+    kv = _filled(model, pool_cells=8)
     assert [kv._seqs[s].pooled for s in (0, 1, 3, 4, 6)] == [True, True, False, True, True]
     got = _decode(model, kv, 5, [0, 1, 3, 4, 6], monkeypatch, batched=True)   # 1 and 6 leave the pool too
     want = _decode(model, _filled(model), 5, [0, 1, 3, 4, 6], monkeypatch, batched=False)
@@ -124,9 +125,7 @@ def test_unified_pool_holds_up_to_twice_the_per_sequence_share(tiny_model, monke
 
 def test_a_private_sequence_rejoins_the_pool_when_a_state_that_fits_replaces_it(tiny_model, monkeypatch):
     model = tiny_model()
-    hp = model.hparams
-    cell_bytes = 2 * hp.n_layer * hp.n_head_kv * hp.head_dim * 4
-    kv = _filled(model, pool_max_bytes=8 * 8 * cell_bytes)           # pool capacity 8 cells per sequence
+    kv = _filled(model, pool_cells=8)
     ref = _filled(model)
     assert not kv._seqs[3].pooled
     for store in (kv, ref):
