@@ -401,24 +401,25 @@ def load_gguf(path: str | os.PathLike[str], n_workers: int = 2, numerics: str = 
         if int(t.data_offset) + int(t.n_bytes) > size:
             raise GGUFError(path, f"file is truncated: tensor {name!r} ends past byte {size}")
     names = sorted(set(expected) | (optional & set(tensors)))
+    ggml = None
     if numerics == "ggml":
         from engine.model import ggml
 
-        def split(t: Any) -> tuple[np.ndarray, Any]:
-            blocks = None
-            if t.tensor_type in ggml.EXACT_DOT_TYPES and len(t.shape) == 2:
-                blocks = ggml.block_params(t.data, t.tensor_type, (int(t.shape[1]), int(t.shape[0])))
-            return _dequantize(t), blocks
-        with ThreadPoolExecutor(max_workers=max(1, n_workers)) as pool:
-            pairs = dict(zip(names, pool.map(lambda n: split(tensors[n]), names)))
-        arrays = {n: w for n, (w, _) in pairs.items()}
-        types = {n: tensors[n].tensor_type for n in names}
-        qinfo = (types, {n: b for n, (_, b) in pairs.items() if b is not None})
-        weights = _build_weights(hp, arrays, path, qinfo)
-        return LoadedGGUF(hparams=hp, weights=weights, summary=_summary(reader, path), reader=reader)
+    def read(name: str) -> tuple[np.ndarray, Any]:
+        """The tensor in float32, and (ggml numerics, Q4_1/Q5_1 matrices) its integer quants and block scales."""
+        t = tensors[name]
+        blocks = None
+        if ggml is not None and t.tensor_type in ggml.EXACT_DOT_TYPES and len(t.shape) == 2:
+            blocks = ggml.block_params(t.data, t.tensor_type, (int(t.shape[1]), int(t.shape[0])))
+        return _dequantize(t), blocks
+
     with ThreadPoolExecutor(max_workers=max(1, n_workers)) as pool:
-        arrays = dict(zip(names, pool.map(lambda n: _dequantize(tensors[n]), names)))
-    weights = _build_weights(hp, arrays, path)
+        pairs = dict(zip(names, pool.map(read, names)))
+    arrays = {n: w for n, (w, _) in pairs.items()}
+    qinfo = None
+    if ggml is not None:
+        qinfo = ({n: tensors[n].tensor_type for n in names}, {n: b for n, (_, b) in pairs.items() if b is not None})
+    weights = _build_weights(hp, arrays, path, qinfo)
     return LoadedGGUF(hparams=hp, weights=weights, summary=_summary(reader, path), reader=reader)
 
 
