@@ -71,11 +71,10 @@ def run_replay(values: dict[str, Any], workload, model_path: str, threads: int, 
     sim = Simulation(cfg, None, seed=values["seed"], backend=backend, progress=progress,
                      vocab_size=tok.n_vocab, reserved_tokens=reserved, task_defaults={"ignore_eos": True})
     result = sim.run(workload)
-    result.run["threads"] = backend.n_threads
-    result.run["threads_desc"] = model.threads_desc
-    result.run["model"] = model_path
-    config = {"slotlab_results": 1, **context, "backend": "numpy", "model": model_path, "threads": backend.n_threads,
-              "threads_desc": model.threads_desc, "temperature": temp, "rerun": "slotlab replay " + " ".join(simulate_argv(values)[2:]),
+    threads = {"threads": backend.n_threads, "threads_desc": model.threads_desc}
+    result.run.update(threads, model=model_path)
+    config = {"slotlab_results": 1, **context, "backend": "numpy", "model": model_path, **threads,
+              "temperature": temp, "rerun": "slotlab replay " + " ".join(simulate_argv(values)[2:]),
               "options": values, "server_config": cfg, "seed": values["seed"], "fast_forward": False}
     summary = write_run(out_dir, result, config, csv=csv, plots=plots, n_slots=resolved.n_slots)
-    return {**summary, "threads_desc": model.threads_desc}
+    return {**summary, "threads_desc": threads["threads_desc"]}
