@@ -327,7 +327,7 @@ def measured_on(model: Any, *, grid_name: str, n_points: int, repeats: int, load
 
     text = (f"median of {repeats} executions per point over {n_points} batch shapes ({grid_name} grid of "
             f"experiments.calibrate); load average 1/5/15 min {fmt(load_start)} at start, {fmt(load_end)} at end; "
-            f"threading={model.threading}, BLAS threads {model.blas_threads}; sampling temperature {temp}; "
+            f"threading={model.threading}, {model.threads_desc}; sampling temperature {temp}; "
             f"numpy {np.__version__}")
     return {
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} logical CPUs, "
@@ -508,6 +508,6 @@ def run_calibrate(args: argparse.Namespace) -> int:
         print(format_residuals(steps))
         print(format_coefficients(fit.model))
     print(format_fit(fit))
-    print(f"threads {info['threads']} ({model.threading}), load average {load_start[0]:.2f} -> {load_end[0]:.2f}; "
+    print(f"{model.threads_desc}, load average {load_start[0]:.2f} -> {load_end[0]:.2f}; "
           f"wrote {out}, {steps_csv.name}" + ("" if args.no_plots else f", {png.name}"))
     return 0
