@@ -73,23 +73,9 @@ class NumpyBackend:
     def n_vocab(self) -> int:
         return self.model.hparams.n_vocab
 
-    def llama_state_sizes(self) -> tuple[int, int]:
-        """(bytes per token, header bytes) of a sequence state as llama.cpp serializes it with its default
-        f16 KV cache (`llama_state_seq_get_size`): K and V rows of every layer plus 12 bytes of cell metadata
-        per token; 20 bytes plus 24 per layer of header.
-
-        Deliberate: this engine keeps KV in f32 (`kv_bytes_per_token`, twice as large), but the serving core
-        sizes host-RAM prompt-cache entries with llama.cpp's numbers, so `--cache-ram` makes upstream's
-        keep/evict decisions (the real copies held in RAM are the f32 ones)."""
-        hp = self.model.hparams
-        n_embd_kv = hp.n_head_kv * hp.head_dim
-        return hp.n_layer * 2 * n_embd_kv * 2 + 12, 20 + 24 * hp.n_layer
-
     def config_facts(self) -> dict[str, Any]:
-        """Keyword arguments for `ServerConfig` that describe this model."""
-        per_token, header = self.llama_state_sizes()
-        return {"n_ctx_train": self.n_ctx_train, "kv_bytes_per_token": per_token, "kv_state_header_bytes": header,
-                "eog_ids": self.eog_ids, "add_bos_token": self.add_bos_token, "can_shift": True}
+        """Keyword arguments for `ServerConfig` that describe the model (`Model.config_facts`)."""
+        return self.model.config_facts()
 
     # --- execution -------------------------------------------------------------------------------------------
     def execute(self, plan: BatchPlan) -> StepResult:

@@ -88,6 +88,28 @@ class Model:
             return f"{self.n_threads} compute thread{plural} ({how}BLAS {self.blas_threads})"
         return f"{self.n_threads} compute thread{plural} (BLAS's own threads)"
 
+    # --- facts a server builds its configuration from --------------------------------------------------
+
+    def llama_state_sizes(self) -> tuple[int, int]:
+        """(bytes per token, header bytes) of a sequence state as llama.cpp serializes it with its default
+        f16 KV cache (`llama_state_seq_get_size`): K and V rows of every layer plus 12 bytes of cell metadata
+        per token; 20 bytes plus 24 per layer of header.
+
+        Deliberate: the f32 mode keeps KV in float32 (twice as large), but the serving core sizes host-RAM
+        prompt-cache entries with llama.cpp's numbers, so `--cache-ram` makes upstream's keep/evict decisions
+        (the real copies held in RAM are this engine's own)."""
+        hp = self.hparams
+        n_embd_kv = hp.n_head_kv * hp.head_dim
+        return hp.n_layer * 2 * n_embd_kv * 2 + 12, 20 + 24 * hp.n_layer
+
+    def config_facts(self) -> dict[str, Any]:
+        """Keyword arguments for `engine.core.ServerConfig` that describe this model."""
+        per_token, header = self.llama_state_sizes()
+        tok = self.tokenizer
+        return {"n_ctx_train": self.hparams.n_ctx_train, "kv_bytes_per_token": per_token,
+                "kv_state_header_bytes": header, "eog_ids": frozenset(tok.eog_ids),
+                "add_bos_token": bool(tok.add_bos), "can_shift": True}
+
     # --- tokenizer ------------------------------------------------------------------------------------
 
     @property
