@@ -24,6 +24,7 @@ from typing import Any
 
 from engine.core.config import ResolvedConfig, ServerConfig
 from engine.core.errors import ErrorType
+from engine.core.kv_cells import KVCells
 from engine.core.metrics import Metrics
 from engine.core.prompt_cache import CacheLoadFailed, PromptCache
 from engine.core.protocols import Policies
@@ -65,8 +66,7 @@ class ServerCore:
         self._eog = self.base.eog_ids
         # per slot: id of a cache entry known to contain its current tokens (skips alloc's O(entries) scan)
         self._saved_in: list[int] = [-1] * len(self.slots)
-        # unified KV: child slot -> [parent slot, leading cells still shared with it] (seq_cp shares cells)
-        self._shared: dict[int, list[int]] = {}
+        self.kv = KVCells(self.slots, self.cfg.kv_unified, self.cfg.n_ctx, self.cfg.n_ctx_slot)
         self.cache: PromptCache | None = None
         if self.cfg.cache_enabled:
             self.cache = PromptCache(self.cfg.cache_limit_bytes, self.cfg.n_ctx, policies.eviction,
@@ -136,23 +136,13 @@ class ServerCore:
         s = self.slots[slot_id]
         if s.is_processing:
             raise RuntimeError(f"slot {slot_id} is processing; its tokens can change only when idle")
-        self._truncated(slot_id, 0)
+        self.kv.truncated(slot_id, 0)
         self._saved_in[slot_id] = -1
         s.tokens = list(tokens)
 
     def kv_cells_used(self) -> int:
         """KV cells in use: every slot's tokens, counting cells shared by seq_cp once (unified KV)."""
-        return sum(len(s.tokens) for s in self.slots) - sum(v[1] for v in self._shared.values())
-
-    def _truncated(self, slot_id: int, keep: int) -> None:
-        """A slot's tokens were cut to `keep`: cells beyond it are no longer shared with anyone."""
-        if not self._shared:
-            return
-        for child, v in list(self._shared.items()):
-            if child == slot_id or v[0] == slot_id:
-                v[1] = min(v[1], keep)
-                if v[1] == 0:
-                    del self._shared[child]
+        return self.kv.used()
 
     @property
     def n_processing(self) -> int:
@@ -256,8 +246,7 @@ class ServerCore:
     def _prompt_load(self, slot: Slot, tokens: list[int], now_s: float) -> bool:
         can_restore = None
         if self.cfg.kv_unified:
-            # restoring first drops the slot's own cells, then needs room for the entry in the shared pool
-            free = self.cfg.n_ctx - (self.kv_cells_used() - len(slot.tokens))
+            free = self.kv.room_to_restore(slot)
             can_restore = lambda e: len(e.tokens) <= free  # noqa: E731
         try:
             entry = self.cache.load(slot.tokens, tokens, now_s, can_restore)
@@ -266,7 +255,7 @@ class ServerCore:
         if entry is not None:
             keep = self.base.cache_hit == "copy"
             self._ops.append(KVOp("cache_load", seq=slot.id, entry=entry.id, n_tokens=len(entry.tokens), keep=keep))
-            self._truncated(slot.id, 0)
+            self.kv.truncated(slot.id, 0)
             slot.tokens = list(entry.tokens)
             self._saved_in[slot.id] = entry.id if keep else -1
         return True
@@ -275,7 +264,7 @@ class ServerCore:
         if slot.tokens:
             self._ops.append(KVOp("seq_rm", seq=slot.id, p0=-1, p1=-1))
             slot.tokens = []
-            self._truncated(slot.id, 0)
+            self.kv.truncated(slot.id, 0)
         self._saved_in[slot.id] = -1
 
     # ------------------------------------------------------------------ batch building (pre_decode)
@@ -403,7 +392,7 @@ class ServerCore:
         self.metrics.n_prompt_tokens_cached_total += n_past
         if len(s.tokens) > n_past:
             s.tokens = s.tokens[:n_past]     # (a fresh list: cheaper than deleting a long tail in place)
-            self._truncated(s.id, n_past)
+            self.kv.truncated(s.id, n_past)
             ops.append(KVOp("seq_rm", seq=s.id, p0=n_past, p1=-1))
         self._saved_in[s.id] = -1
         s.n_past = n_past
@@ -417,7 +406,7 @@ class ServerCore:
         """`--cache-reuse`: move matching chunks of the slot's KV left to where the new prompt needs them."""
         cache = s.tokens
         head_c = head_p = n_past
-        self._truncated(s.id, n_past)
+        self.kv.truncated(s.id, n_past)
         while head_c < len(cache) and head_p < len(new):
             n_match = 0
             while (head_c + n_match < len(cache) and head_p + n_match < len(new)
@@ -450,7 +439,7 @@ class ServerCore:
         ops.append(KVOp("seq_rm", seq=s.id, p0=n_keep, p1=n_keep + n_discard))
         ops.append(KVOp("seq_add", seq=s.id, p0=n_keep + n_discard, p1=n_tokens, delta=-n_discard))
         del s.tokens[n_keep:n_keep + n_discard]
-        self._truncated(s.id, n_keep)
+        self.kv.truncated(s.id, n_keep)
         task.truncated = True
         self._saved_in[s.id] = -1
         self.metrics.n_context_shifts += 1
@@ -458,86 +447,27 @@ class ServerCore:
 
     # --- decode(): KV capacity, idle-slot purge, n_batch halving --------------------------------------
     def _decode_views(self, chunks: list[Chunk], added: list[int], ops: list, now_s: float) -> tuple[str, bool]:
-        """Cut the batch into llama_decode calls of at most n_batch tokens, checking KV capacity per call.
-
-        Returns (fatal error message or "", whether the batch went as one call). A call that does not fit
-        first purges one idle slot (unified KV only), else halves n_batch; a 1-token call that does not fit
-        is fatal.
-        """
-        slots = self.slots
-        unified = self.cfg.kv_unified
-        cap = self.cfg.n_ctx if unified else self.cfg.n_ctx_slot
+        """Cut the batch into llama_decode calls of at most n_batch tokens that fit in the KV cells
+        (`KVCells.split`: idle-slot purge, n_batch halving). Returns (fatal error message or "", whether the
+        batch went as one call)."""
         n_total = sum(added)
-        n_batch_max = self.cfg.n_batch
-        busy = self._n_busy
-        n_shared = sum(v[1] for v in self._shared.values()) if self._shared else 0
-        if n_total <= n_batch_max:
-            # common case: one llama_decode call; fits if the cells after it are within capacity
-            lens = list(map(len, [s.tokens for s in slots]))
-            fits = (sum(lens) - n_shared if unified else max(lens)) <= cap
-            if fits:
-                ops.append(ForwardCall(tuple(chunks), n_total))
-                self.metrics.n_decode_total += 1
-                self.metrics.n_busy_slots_total += busy
-                if self._n_parents_busy and any(len(c.sample_for) > 1 for c in chunks):
-                    self._after_forward(chunks, ops, lens)
-                return "", True
-        cells = [len(s.tokens) - added[s.id] for s in slots]
-        used = sum(cells) - n_shared
-        n_batch = n_batch_max
-        queue = deque(chunks)
-        off = 0
-        while off < n_total:
-            n = min(n_batch, n_total - off)
-            # take n tokens' worth of chunks (splitting the last one if needed)
-            view: list[Chunk] = []
-            need = n
-            for c in queue:
-                if need == 0:
-                    break
-                k = min(need, len(c.tokens))
-                view.append(c if k == len(c.tokens) else Chunk(c.seq, c.task_id, c.tokens[:k], c.pos0, (), c.is_prompt))
-                need -= k
-            if unified:
-                fits = used + n <= cap
-            else:
-                fits = all(cells[c.seq] + len(c.tokens) <= cap for c in view)
-            if fits:
-                for c in view:
-                    cells[c.seq] += len(c.tokens)
-                    head = queue[0]
-                    if len(c.tokens) == len(head.tokens):
-                        queue.popleft()
-                    else:
-                        k = len(c.tokens)
-                        queue[0] = Chunk(head.seq, head.task_id, head.tokens[k:], head.pos0 + k, head.sample_for,
-                                         head.is_prompt)
-                used += n
-                off += n
-                n_batch = n_batch_max
-                ops.append(ForwardCall(tuple(view), n))
-                self.metrics.n_decode_total += 1
-                self.metrics.n_busy_slots_total += busy
-                if self._after_forward(view, ops, cells):
-                    n_shared = sum(v[1] for v in self._shared.values())
-                    used = sum(cells) - n_shared      # children's copied cells
-                continue
-            if n_batch == 1:
-                self.rec.record(now_s, "decode_fatal", used=used, cap=cap)
-                return MSG_CTX_EXCEEDED, False
-            purged = self._try_clear_idle_slots(ops, cells, now_s)
-            if purged:
-                n_shared = sum(v[1] for v in self._shared.values())
-                used = sum(cells) - n_shared
-            else:
-                n_batch //= 2
-                self.metrics.n_batch_halvings += 1
-                self.rec.record(now_s, "batch_halved", off=off, n_batch=n_batch, used=used, cap=cap)
+        if n_total <= self.cfg.n_batch and self.kv.fits_as_is():
+            # common case: one llama_decode call
+            ops.append(ForwardCall(tuple(chunks), n_total))
+            self.metrics.n_decode_total += 1
+            self.metrics.n_busy_slots_total += self._n_busy
+            if self._n_parents_busy and any(len(c.sample_for) > 1 for c in chunks):
+                self._after_forward(chunks, ops)
+            return "", True
+        ok, used = self.kv.split(chunks, added, self.cfg.n_batch, _Views(self, ops, now_s))
+        if not ok:
+            self.rec.record(now_s, "decode_fatal", used=used, cap=self.kv.capacity)
+            return MSG_CTX_EXCEEDED, False
         return "", False
 
-    def _after_forward(self, view: list[Chunk], ops: list, cells: list[int]) -> bool:
-        """n_cmpl: once a parent's prompt is decoded, copy its state to its waiting children."""
-        copied = False
+    def _after_forward(self, view: list[Chunk], ops: list) -> list[int]:
+        """n_cmpl: once a parent's prompt is decoded, copy its state to its waiting children (their ids)."""
+        copied = []
         for c in view:
             if not c.sample_for or len(c.sample_for) == 1:
                 continue
@@ -546,32 +476,28 @@ class ServerCore:
                 child = self.slots[sid]
                 ops.append(KVOp("seq_rm", seq=sid, p0=-1, p1=-1))
                 ops.append(KVOp("seq_cp", seq=parent.id, dst=sid, p0=-1, p1=-1))
-                self._truncated(sid, 0)
+                self.kv.truncated(sid, 0)
                 child.tokens = list(parent.tokens)
-                if self.cfg.kv_unified:
-                    self._shared[sid] = [parent.id, len(parent.tokens)]
+                self.kv.copied(sid, parent.id, len(parent.tokens))
                 self._saved_in[sid] = -1
-                cells[sid] = len(child.tokens)
                 ct = child.task
                 ct.t_start_s = parent.task.t_start_s
                 ct.n_prompt_cached = parent.task.n_prompt_cached
                 ct.n_prompt_processed = parent.task.n_prompt_processed
                 child.state = DONE_PROMPT
-                copied = True
+                copied.append(sid)
         return copied
 
-    def _try_clear_idle_slots(self, ops: list, cells: list[int], now_s: float) -> bool:
-        if not self.cfg.kv_unified:
-            return False
+    def _clear_idle_slot(self, now_s: float) -> int:
+        """`try_clear_idle_slots`: drop the cells of the first idle slot that holds any; its id, or -1."""
         for s in self.slots:
             if s.is_processing or not s.tokens:
                 continue
             self.rec.record(now_s, "purge_idle_slot", slot=s.id, n_tokens=len(s.tokens))
-            self._prompt_clear(s)            # its seq_rm lands in `ops` (the same list as self._ops)
-            cells[s.id] = 0
+            self._prompt_clear(s)            # its seq_rm lands in self._ops, the batch's op list
             self.metrics.n_kv_purges += 1
-            return True
-        return False
+            return s.id
+        return -1
 
     # ------------------------------------------------------------------ commit (post_decode)
     _pending_fatal: BatchPlan | None = None
@@ -676,8 +602,7 @@ class ServerCore:
             n_predict = task.n_predict_max
             if n_predict != -1:
                 k = min(k, n_predict - task.n_decoded)   # the stop lands in the last step's commit
-        if self.cfg.kv_unified:
-            k = min(k, (self.cfg.n_ctx - self.kv_cells_used()) // len(gen))
+        k = min(k, self.kv.decode_steps_left(len(gen)))
         return max(k, 0), gen
 
     def fast_forward(self, gen: list[Slot], tokens: dict[int, list[int]], end_times_s: list[float],
@@ -790,3 +715,29 @@ class ServerCore:
     def slots_of(self, states: Iterable[SlotState]) -> list[Slot]:
         st = set(states)
         return [s for s in self.slots if s.state in st]
+
+
+class _Views:
+    """`KVCells.split`'s sink for one batch: emits the calls into the batch's op list, clears idle slots."""
+
+    __slots__ = ("core", "ops", "now_s", "busy")
+
+    def __init__(self, core: ServerCore, ops: list, now_s: float) -> None:
+        self.core = core
+        self.ops = ops
+        self.now_s = now_s
+        self.busy = core._n_busy
+
+    def emit(self, view: list[Chunk], n_tokens: int) -> list[int]:
+        core = self.core
+        self.ops.append(ForwardCall(tuple(view), n_tokens))
+        core.metrics.n_decode_total += 1
+        core.metrics.n_busy_slots_total += self.busy
+        return core._after_forward(view, self.ops)
+
+    def purge_idle(self) -> int:
+        return self.core._clear_idle_slot(self.now_s)
+
+    def halved(self, off: int, n_batch: int, used: int, cap: int) -> None:
+        self.core.metrics.n_batch_halvings += 1
+        self.core.rec.record(self.now_s, "batch_halved", off=off, n_batch=n_batch, used=used, cap=cap)
