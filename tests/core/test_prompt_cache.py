@@ -1,4 +1,8 @@
-"""Host-RAM prompt cache: alloc / load / update, idle-slot caching, eviction policies (REFERENCE §2.9-2.10)."""
+"""Host-RAM prompt cache: alloc / load / update, idle-slot caching, eviction policies.
+
+Upstream: `server_prompt_cache::alloc`, `load` and `update` (tools/server/server-task.cpp); idle slots saved
+(and cleared with unified KV) after each launch in `process_single_task` (tools/server/server-context.cpp).
+"""
 
 import pytest
 
