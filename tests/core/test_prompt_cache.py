@@ -63,6 +63,8 @@ def test_seed_003_example_entry_chosen_with_fkeep_and_fsim():
 
 
 def test_seed_003_example_through_the_core_gives_n_past_6144():
+    """The same worked example through ServerCore: the idle slot's 7168 tokens are saved, then loaded for the
+    8192-token request, which starts at n_past 6144."""
     rec = Recorder()
     core = make_core(rec, n_ctx=16384, cache_ram_mib=-1)    # auto: 4 unified slots, idle slots cached+cleared
     be = FakeBackend()
