@@ -1,4 +1,4 @@
-"""Slot selection policies (`get_available_slot`, server-context.cpp)."""
+"""Slot selection policies (`get_available_slot`, tools/server/server-context.cpp)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ class LcpLru:
                 if f_sim > f_sim_best and f_sim > similarity:
                     f_sim_best, ret, reason = f_sim, s, "similarity"
             if ret is not None:
-                # for an id_slot pick this is 0 -> update_cache (upstream quirk, kept: REFERENCE 2.2)
+                # an id_slot pick that no similarity match confirmed has f_sim_best 0, so f_keep 0 ->
+                # update_cache, as in upstream's get_available_slot (tools/server/server-context.cpp)
                 f_keep = f_sim_best * n / len(ret.tokens) if ret.tokens else 0.0
                 update_cache = f_keep < 0.5
         if ret is None:

@@ -1,4 +1,5 @@
-"""Server configuration with llama-server's names, flags and defaults (`common_params`, `server.cpp`).
+"""Server configuration with llama-server's names, flags and defaults (`common_params` in common/common.h,
+`common_params_parser_init` in common/arg.cpp, start-up resolution in tools/server/server.cpp).
 
 `ServerConfig` holds what the user asked for; `resolve()` turns it into the values the server actually runs
 with (auto slots, padded context, per-slot context, effective batch sizes), as llama-server does at start-up.
@@ -10,7 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from engine.core.errors import ConfigError
 
-CTX_PAD = 256  # GGML_PAD(n_ctx, 256) in llama-context.cpp
+CTX_PAD = 256  # GGML_PAD(n_ctx, 256) in the llama_context constructor, src/llama-context.cpp
 
 
 def pad256(n: int) -> int:

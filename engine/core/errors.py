@@ -1,4 +1,5 @@
-"""Errors of the serving core, with llama-server's error types (`server-common.cpp` error_type)."""
+"""Errors of the serving core, with llama-server's error types (`error_type` in tools/server/server-common.h,
+mapped to type strings and HTTP codes by `format_error_response` in tools/server/server-common.cpp)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Host-RAM prompt cache (`server_prompt_cache` in server-task.cpp: alloc / load / update).
+"""Host-RAM prompt cache (`server_prompt_cache` in tools/server/server-task.cpp: alloc / load / update).
 
 The cache keeps token lists and sizes; the KV bytes live in the backend, keyed by entry id (the core emits
 `cache_save` / `cache_load` / `cache_drop` operations). Which entry leaves when room is needed is an

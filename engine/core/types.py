@@ -14,7 +14,7 @@ from engine.core.errors import ErrorType
 
 
 class SlotState(IntEnum):
-    """`slot_state` of server-context.cpp."""
+    """`slot_state` of tools/server/server-context.cpp."""
 
     IDLE = 0
     STARTED = 1

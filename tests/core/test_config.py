@@ -1,4 +1,11 @@
-"""ServerConfig: llama-server's defaults and start-up resolution (REFERENCE §1)."""
+"""ServerConfig: llama-server's defaults and start-up resolution.
+
+Upstream: defaults in `common_params` (common/common.h) with `-np` auto (-1) for the server
+(`common_params_parser_init`, common/arg.cpp); auto resolved to 4 slots + unified KV at start-up
+(tools/server/server.cpp); n_ctx padding and per-slot context in the `llama_context` constructor
+(src/llama-context.cpp); the rest in `server_context_impl::load_model` and `init`
+(tools/server/server-context.cpp).
+"""
 
 import pytest
 

@@ -1,4 +1,10 @@
-"""KV cell accounting, idle-slot purge and n_batch halving (REFERENCE §2.8, §5 test_completion_unified)."""
+"""KV cell accounting, idle-slot purge and n_batch halving.
+
+Upstream's decode-failure fallback (`decode`, `try_clear_idle_slots` in tools/server/server-context.cpp): a
+call that finds no free KV cells purges one idle slot (unified KV only) or halves n_batch and retries; at
+n_batch 1 it is fatal for every processing slot. The four cases of upstream's `test_completion_unified`
+(tools/server/tests/unit/test_completion.py: 4 slots sharing 256 cells, 2-token prompt) are reproduced here.
+"""
 
 import pytest
 

@@ -1,4 +1,8 @@
-"""Host-RAM prompt cache: alloc / load / update, idle-slot caching, eviction policies (REFERENCE §2.9-2.10)."""
+"""Host-RAM prompt cache: alloc / load / update, idle-slot caching, eviction policies.
+
+Upstream: `server_prompt_cache::alloc`, `load` and `update` (tools/server/server-task.cpp); idle slots saved
+(and cleared with unified KV) after each launch in `process_single_task` (tools/server/server-context.cpp).
+"""
 
 import pytest
 
@@ -59,6 +63,8 @@ def test_seed_003_example_entry_chosen_with_fkeep_and_fsim():
 
 
 def test_seed_003_example_through_the_core_gives_n_past_6144():
+    """The same worked example through ServerCore: the idle slot's 7168 tokens are saved, then loaded for the
+    8192-token request, which starts at n_past 6144."""
     rec = Recorder()
     core = make_core(rec, n_ctx=16384, cache_ram_mib=-1)    # auto: 4 unified slots, idle slots cached+cleared
     be = FakeBackend()

@@ -1,4 +1,12 @@
-"""Slot selection, the defer queue, prompt reuse, batch building, stops (REFERENCE §2.1-2.6, §5)."""
+"""Slot selection, the defer queue, prompt reuse, batch building, context shift and stops.
+
+Upstream: `get_available_slot`, `process_single_task`, `update_slots`/`pre_decode`, `process_token` and the
+slot's `release` (tools/server/server-context.cpp); `server_queue::defer` and `pop_deferred_task`
+(tools/server/server-queue.cpp). Worked numbers from upstream's tests in tools/server/tests/unit/: a
+21-token prompt with 64 generated tokens leaves 84 tokens cached (test_slot_save.py,
+`test_slot_save_restore`); 8 prompt tokens in a 256-token slot without context shift give 248 tokens
+(test_ctx_shift.py, `test_ctx_shift_disabled_short_prompt`).
+"""
 
 from engine.core import Recorder, SlotState
 from engine.core.errors import ErrorType

@@ -1,4 +1,9 @@
-"""Native endpoints: response shapes and key order (REFERENCE §3.4-3.12), streaming, text endpoints."""
+"""Native endpoints: response shapes and key order, streaming, text endpoints.
+
+Upstream shapes: `server_task_result_cmpl_final::to_json_non_oaicompat`, `task_params::to_json` and
+`server_task_result_metrics::to_metrics` (tools/server/server-task.cpp); `/health`, `/props`, `/models`,
+`/slots`, `/tokenize`, `/detokenize` in `server_routes::init_routes` (tools/server/server-context.cpp).
+"""
 
 from __future__ import annotations
 
