@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 import simpy
-from simpy.events import NORMAL
+from simpy.events import NORMAL, Event
 
-from engine.core import Recorder, ServerConfig, ServerCore, Task
+from engine.core import Recorder, ServerConfig, ServerCore, Task, step
 from engine.core.types import Backend
 from policies import make_policies
 from sim.backend import SimBackend
@@ -63,6 +63,19 @@ class SimResult:
 
 def _s(ns: int) -> float:
     return ns / NS
+
+
+class Late(Event):
+    """An event that fires at the current instant, after every normal-priority event of that instant.
+
+    Built as SimPy's own `Timeout` and `Initialize` events are (`simpy/events.py`): triggered at creation
+    and scheduled with a priority; the public `env.event().succeed()` can only schedule at NORMAL."""
+
+    def __init__(self, env: simpy.Environment) -> None:
+        super().__init__(env)
+        self._ok = True
+        self._value = None
+        env.schedule(self, priority=LATE)
 
 
 class Simulation:
@@ -166,13 +179,6 @@ class Simulation:
             replies.append(task.generated[:turn.n_output] if turn.n_output > 0 else task.generated)
 
     # ------------------------------------------------------------------ server
-    def _late(self) -> simpy.Event:
-        ev = self.env.event()
-        ev._ok = True
-        ev._value = None
-        self.env.schedule(ev, priority=LATE)
-        return ev
-
     def _server(self):
         env = self.env
         core = self.core
@@ -190,7 +196,7 @@ class Simulation:
                     yield self._wakeup
                     self._wakeup = None
             if env.peek() <= env.now:
-                yield self._late()                  # let client events of this very instant run first
+                yield Late(env)                     # let client events of this very instant run first
             now_s = _s(env.now)
             if self._arr_i < len(self._arrivals):
                 self._inbox.extend(self._take_arrivals(env.now))
@@ -198,15 +204,14 @@ class Simulation:
                 for t in self._inbox:
                     core.submit(t, now_s)
                 self._inbox = []
-            plan = core.schedule(now_s)
-            res = backend.execute(plan)
-            dt = round(res.elapsed_s * NS)
+            # the step commits at its end time, computed in integer ns; its tasks finish once the clock is there
+            t0 = env.now
+            st = step(core, backend, now_s, lambda r: _s(t0 + round(r.elapsed_s * NS)))
+            dt = round(st.result.elapsed_s * NS)
             if dt > 0:
                 yield env.timeout(dt)
-            now_s = _s(env.now)
-            core.commit(plan, res, now_s)
             self._n_steps += 1
-            self._finish_tasks()
+            self._finish_tasks(st.finished)
             self._sample_timeline(env.now)
             if self.fast_forward:
                 yield from self._try_fast_forward()
@@ -253,11 +258,11 @@ class Simulation:
         core.fast_forward(gen, tokens, [_s(e) for e in ends], arrivals)
         self._n_steps += kk
         self._n_ff_steps += kk
-        self._finish_tasks()
+        self._finish_tasks(core.pop_finished())
         self._sample_timeline(env.now)
 
-    def _finish_tasks(self) -> None:
-        for task in self.core.pop_finished():
+    def _finish_tasks(self, finished: list[Task]) -> None:
+        for task in finished:
             req: SimRequest = task.user
             if task.is_child:
                 continue

@@ -4,11 +4,14 @@ Mirrors `server_context` (`process_single_task`, `get_available_slot`, `update_s
 `decode`, `process_token`, `release`). Time is injected: every entry point takes `now_s`. The core never
 touches KV memory: it emits KV operations and forward calls in a `BatchPlan`; a backend executes them.
 
-Loop: ``plan = core.schedule(now); result = backend.execute(plan); core.commit(plan, result, now + dt)``.
+Loop (`engine.core.loop.step`, the one place it is written): ``plan = core.schedule(now);
+result = backend.execute(plan); tokens = core.commit(plan, result, now + dt)``.
 
 Deliberate differences from upstream (also in docs/core.md):
 - A task naming a busy slot is deferred *without* the prompt-cache save/load upstream runs on that busy
-  slot first (REFERENCE 2.2 "latent bug"): saving/loading a running slot would corrupt it.
+  slot first: upstream's `get_available_slot` (tools/server/server-context.cpp) returns the named slot even
+  while it is processing, computes f_keep 0 and saves/loads its prompt before `process_single_task` defers
+  the task; saving/loading a running slot would corrupt it (a latent upstream bug, read from the source).
 - KV cell accounting is done here (the core knows every slot's tokens), so "KV full", idle-slot purges and
   n_batch halving happen identically in simulation and on the real engine. In unified mode the cells an
   n_cmpl child copies from its parent stay shared (as llama.cpp's seq_cp shares cells) until either side
@@ -33,6 +36,7 @@ from engine.core.slot import Slot
 from engine.core.tokens import common_prefix
 from engine.core.types import (
     STOP_EOS, STOP_LIMIT, STOP_WORD, BatchPlan, Chunk, ForwardCall, KVOp, SlotState, StepResult, Task, TaskError,
+    TokenEvent,
 )
 
 IDLE, STARTED, PROCESSING_PROMPT, DONE_PROMPT, GENERATING, WAIT_OTHER = (
@@ -43,7 +47,10 @@ MSG_CTX_EXCEEDED = "Context size has been exceeded."
 
 
 class ServerCore:
-    """One llama-server scheduling state machine. Not thread-safe: one thread (or one SimPy process) drives it."""
+    """One llama-server scheduling state machine. Not thread-safe: one thread (or one SimPy process) drives it.
+
+    `stream_tokens`: every sampled token is reported in `commit`'s events (tokens of tasks with a text hook
+    always are, with the hook's output)."""
 
     def __init__(self, config: ServerConfig | ResolvedConfig, policies: Policies,
                  recorder: Recorder | None = None, stream_tokens: bool = False) -> None:
@@ -57,7 +64,7 @@ class ServerCore:
         self.deferred: list[Task] = []             # queue_tasks_deferred
         self.metrics = Metrics()
         self.finished: list[Task] = []             # drained by pop_finished()
-        self.token_events: list[tuple[Task, int]] = []
+        self._events: list[TokenEvent] = []        # this commit's tokens (returned by commit)
         self._ops: list[KVOp | ForwardCall] = []   # KV ops decided outside a batch (launch, cache, cancel)
         self._next_task_id = 0
         self._n_busy = 0                           # slots not IDLE
@@ -116,10 +123,6 @@ class ServerCore:
 
     def pop_finished(self) -> list[Task]:
         out, self.finished = self.finished, []
-        return out
-
-    def pop_token_events(self) -> list[tuple[Task, int]]:
-        out, self.token_events = self.token_events, []
         return out
 
     def take_pending_ops(self) -> list[KVOp]:
@@ -503,8 +506,9 @@ class ServerCore:
     _pending_fatal: BatchPlan | None = None
     _uncommitted: BatchPlan | None = None
 
-    def commit(self, plan: BatchPlan, result: StepResult, now_s: float) -> None:
-        """Apply sampled tokens (`post_decode` + `process_token`), release finished slots."""
+    def commit(self, plan: BatchPlan, result: StepResult, now_s: float) -> list[TokenEvent]:
+        """Apply sampled tokens (`post_decode` + `process_token`), release finished slots. Returns the
+        step's token events (tasks with a text hook; every task when streaming), in slot order."""
         if plan is self._uncommitted:
             self._uncommitted = None
         self._last_commit_s = now_s
@@ -532,8 +536,8 @@ class ServerCore:
             gen = task.generated
             gen.append(tok)
             task.t_gen_last_s = now_s
-            if stream:
-                self.token_events.append((task, tok))
+            if stream and task.text_hook is None:
+                self._events.append(TokenEvent(task, tok))
             npm = task.n_predict_max
             if (task.text_hook is None and tok not in eog and (npm == -1 or len(gen) < npm)
                     and not (ctx_stop and len(s.tokens) + 1 >= s.n_ctx)):
@@ -549,12 +553,15 @@ class ServerCore:
                 if s.is_processing:
                     self._fail(s, ErrorType.SERVER, MSG_CTX_EXCEEDED, now_s)
                     self._prompt_clear(s)
+        events, self._events = self._events, []
+        return events
 
     def _process_token(self, s: Slot, task: Task, tok: int) -> bool:
         """Stop checks in upstream order; returns True when the task is done."""
         stop = False
         if task.text_hook is not None:
-            word = task.text_hook.push(tok)
+            word, out = task.text_hook.push(tok)
+            self._events.append(TokenEvent(task, tok, out))
             if word is not None:
                 task.stop_type, task.stopping_word = STOP_WORD, word
                 return True
@@ -606,7 +613,7 @@ class ServerCore:
         return max(k, 0), gen
 
     def fast_forward(self, gen: list[Slot], tokens: dict[int, list[int]], end_times_s: list[float],
-                     arrivals: dict[int, list[Task]] | None = None) -> None:
+                     arrivals: dict[int, list[Task]] | None = None) -> list[TokenEvent]:
         """Apply k = len(end_times_s) decode steps at once, exactly as k schedule/commit rounds would.
 
         `gen` and k (at most) must come from `decode_horizon`; `tokens[slot]` holds the k tokens sampled for
@@ -630,7 +637,7 @@ class ServerCore:
             task.generated.extend(new)
             task.t_gen_last_s = t_end
             if self.stream_tokens:
-                self.token_events.extend((task, t) for t in new)
+                self._events.extend(TokenEvent(task, t) for t in new)
         m.n_decode_total += k
         m.n_busy_slots_total += busy * k
         ids = [s.id for s in gen]
@@ -650,6 +657,8 @@ class ServerCore:
         n_max = max(len(s.tokens) for s in self.slots)
         if n_max > m.n_tokens_max:
             m.n_tokens_max = n_max
+        events, self._events = self._events, []
+        return events
 
     _last_commit_s: float = 0.0
 

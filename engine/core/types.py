@@ -31,10 +31,20 @@ class TextHook(Protocol):
     """Text-level stop processing attached to a task by the front end (engine/http).
 
     `push(token)` is called for every generated token in `process_token` order (first); it returns the
-    matched stop word, or None. The core stays free of text: it only acts on the verdict.
+    matched stop word (or None) and what the front end wants delivered with this token (the text it
+    released, say), which the core hands back untouched in the step's `TokenEvent`s. The core stays free of
+    text: it only acts on the verdict.
     """
 
-    def push(self, token: int) -> str | None: ...
+    def push(self, token: int) -> tuple[str | None, Any]: ...
+
+
+class TokenEvent(NamedTuple):
+    """One sampled token of a task, as a step reports it; `out` is the task's text hook output (or None)."""
+
+    task: "Task"
+    token: int
+    out: Any = None
 
 
 @dataclass(slots=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.core import ServerConfig, ServerCore, Task
+from engine.core import ServerConfig, ServerCore, Task, run_until_idle
 from engine.core.recorder import Recorder
 from engine.core.types import BatchPlan, ForwardCall, KVOp, StepResult
 from policies import make_policies
@@ -88,17 +88,9 @@ def make_core(rec: Recorder | None = None, **kw) -> ServerCore:
     return ServerCore(cfg, make_policies(cfg.policies), rec if rec is not None else Recorder())
 
 
-def run(core: ServerCore, backend: FakeBackend, t0: float = 0.0, max_steps: int = 100000) -> float:
-    """Drive schedule/execute/commit until the core has no work; returns the end time."""
-    now = t0
-    for _ in range(max_steps):
-        if not core.has_work():
-            return now
-        plan = core.schedule(now)
-        res = backend.execute(plan)
-        now += res.elapsed_s
-        core.commit(plan, res, now)
-    raise AssertionError("core did not finish")
+def run(core: ServerCore, backend: FakeBackend, t0: float = 0.0, max_steps: int = 100000, on_step=None) -> float:
+    """Drive the serving loop until the core has no work; returns the end time."""
+    return run_until_idle(core, backend, t0, max_steps, on_step)
 
 
 def task(tokens, **kw) -> Task:

@@ -8,7 +8,7 @@ n_batch 1 it is fatal for every processing slot. The four cases of upstream's `t
 
 import pytest
 
-from engine.core import Recorder
+from engine.core import Recorder, step
 from tests.core.fakes import FakeBackend, make_core, run, task
 
 
@@ -56,11 +56,8 @@ def test_backend_never_holds_more_cells_than_unified_pool():
         core.submit(task([1, 100 + i], n_predict=60), 0.0)
     now = 0.0
     while core.has_work():
-        plan = core.schedule(now)
-        res = be.execute(plan)
+        now = step(core, be, now).t_end_s
         assert sum(be.cells.values()) <= 256
-        now += res.elapsed_s
-        core.commit(plan, res, now)
 
 
 def test_split_kv_never_purges_other_slots():
@@ -75,16 +72,9 @@ def test_split_kv_never_purges_other_slots():
 @pytest.mark.parametrize("n_batch", [7, 64])
 def test_batch_larger_than_n_batch_is_split_into_several_decode_calls(n_batch):
     core = make_core(n_ctx=4096, n_parallel=1, n_batch=n_batch)
-    plan = core.schedule(0.0) if False else None
     core.submit(task(range(100), n_predict=1), 0.0)
     # a single slot's prompt is chunked by the batch builder itself: each plan is one call of <= n_batch
     be = FakeBackend()
     sizes = []
-    now = 0.0
-    while core.has_work():
-        plan = core.schedule(now)
-        sizes += [f.n_tokens for f in plan.forwards]
-        res = be.execute(plan)
-        now += res.elapsed_s
-        core.commit(plan, res, now)
+    run(core, be, on_step=lambda st: sizes.extend(f.n_tokens for f in st.plan.forwards))
     assert max(sizes) <= n_batch and sum(sizes) == 100

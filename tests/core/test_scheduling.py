@@ -8,17 +8,17 @@ slot's `release` (tools/server/server-context.cpp); `server_queue::defer` and `p
 (test_ctx_shift.py, `test_ctx_shift_disabled_short_prompt`).
 """
 
-from engine.core import Recorder, SlotState
+from engine.core import PolicyNames, Recorder, ServerConfig, ServerCore, SlotState
+from engine.core import step as loop_step
 from engine.core.errors import ErrorType
 from engine.core.types import ForwardCall, KVOp
+from policies import make_policies
 from tests.core.fakes import FakeBackend, make_core, run, task
 
 
 def step(core, be, now):
-    plan = core.schedule(now)
-    res = be.execute(plan)
-    core.commit(plan, res, now + res.elapsed_s)
-    return plan, now + res.elapsed_s
+    st = loop_step(core, be, now)
+    return st.plan, st.t_end_s
 
 
 # --- slot selection ---------------------------------------------------------------------------------
@@ -293,12 +293,25 @@ def test_text_hook_stop_word_ends_task_with_word_stop():
 
         def push(self, tok):
             self.n += 1
-            return "STOP" if self.n == 2 else None
+            return ("STOP" if self.n == 2 else None), f"piece {self.n}"
 
     core = make_core(n_ctx=1024, n_parallel=1)
     t = core.submit(task(range(5), n_predict=10, text_hook=Hook()), 0.0)
-    run(core, FakeBackend())
+    events = []
+    run(core, FakeBackend(), on_step=lambda st: events.extend(st.tokens))
     assert (t.stop_type, t.stopping_word, t.n_decoded) == ("word", "STOP", 2)
+    # what the hook released travels with each token in the step's result
+    assert [(e.task, e.token, e.out) for e in events] == [(t, t.generated[0], "piece 1"), (t, t.generated[1], "piece 2")]
+
+
+def test_streaming_core_reports_every_token_of_hookless_tasks():
+    core = ServerCore(ServerConfig(n_ctx=1024, n_parallel=2), make_policies(PolicyNames()), stream_tokens=True)
+    a = core.submit(task(range(5), n_predict=3), 0.0)
+    b = core.submit(task(range(50, 58), n_predict=2), 0.0)
+    events = []
+    run(core, FakeBackend(), on_step=lambda st: events.extend(st.tokens))
+    assert [e.token for e in events if e.task is a] == a.generated and len(a.generated) == 3
+    assert [e.token for e in events if e.task is b] == b.generated and all(e.out is None for e in events)
 
 
 def test_prompt_at_slot_context_is_rejected_with_exceed_context_error():

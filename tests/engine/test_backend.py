@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from engine.backend import NumpyBackend
-from engine.core import ServerConfig, ServerCore, Task
+from engine.core import ServerConfig, ServerCore, Task, step
 from engine.core.types import BatchPlan, ForwardCall, KVOp
 from engine.model.sampling import SamplingParams
 from policies import make_policies
@@ -27,10 +27,7 @@ def drive(core: ServerCore, backend: NumpyBackend, max_steps: int = 5000) -> Non
     for _ in range(max_steps):
         if not core.has_work():
             return
-        plan = core.schedule(now)
-        res = backend.execute(plan)
-        now += max(res.elapsed_s, 1e-6)
-        core.commit(plan, res, now)
+        now = step(core, backend, now, lambda r, t=now: t + max(r.elapsed_s, 1e-6)).t_end_s
     raise AssertionError("core did not finish")
 
 
@@ -156,15 +153,13 @@ def test_probabilities_are_reported_when_n_probs_is_positive(tiny_model):
     core, backend = make_server(model)
     params = SamplingParams(temperature=0.0, n_probs=3)
     task = core.submit(Task(id=-1, tokens=model.tokenize("Hello"), n_predict=1, sampling=params), 0.0)
-    plans = []
+    results = []
     now = 0.0
     while core.has_work():
-        plan = core.schedule(now)
-        res = backend.execute(plan)
-        plans.append(res)
-        now += 1e-3
-        core.commit(plan, res, now)
-    [res] = [r for r in plans if r.sampled]
+        st = step(core, backend, now, lambda r, t=now: t + 1e-3)
+        results.append(st.result)
+        now = st.t_end_s
+    [res] = [r for r in results if r.sampled]
     got = res.extra[task.slot_id]
     assert got.token == task.generated[0] and len(got.probs) == 3
 
