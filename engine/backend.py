@@ -136,6 +136,17 @@ class NumpyBackend:
         else:
             raise ValueError(f"unknown KV operation {kind!r}")
 
+    def seq_state_save(self, seq: int) -> bytes:
+        """One sequence's KV state as bytes (`llama_state_seq_get_data`), for slot save."""
+        return self.kv.state_save(seq)
+
+    def seq_state_load(self, seq: int, data: bytes) -> int:
+        """Replace a sequence's KV with a `seq_state_save` blob (`llama_state_seq_set_data`); returns the
+        number of tokens it holds. A blob that does not fit raises (ValueError or KVCacheFull) before
+        anything changes."""
+        self.kv.state_load(seq, data)
+        return self.kv.n_tokens(seq)
+
     def release(self, task: Task) -> None:
         """Forget a finished task's sampler (the server calls this; stale ones are also pruned)."""
         self._samplers.pop(task.id, None)

@@ -5,7 +5,10 @@ side talking to it through queues: handlers post submits, cancels, slot actions 
 inbox; results (tokens, progress, final results, errors) go back through each request's asyncio queue with
 `loop.call_soon_threadsafe`. Time is `time.monotonic()`.
 
-Slot actions (save/restore/erase) on a busy slot wait until the slot is released, as upstream defers them.
+The engine thread drives the one serving loop (`engine.core.loop.step`) on wall time. Slot actions
+(`/slots/{id}?action=save|restore|erase`) are operations of this thread too (`save_slot`, `restore_slot`,
+`erase_slot`): they run between steps, on an idle slot (an action on a busy slot waits until the slot is
+released, as upstream defers it), and keep the core's record of the slot's tokens and the KV memory in step.
 """
 
 from __future__ import annotations
@@ -19,13 +22,14 @@ import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from engine.backend import NumpyBackend, SamplingFailed
-from engine.core import ServerCore, StepResult, Task
+from engine.core import ServerCore, Step, StepFailed, Task, TokenEvent, step
 from engine.core.errors import ErrorType
-from engine.core.types import SlotState, TaskError
+from engine.core.types import KVOp, SlotState, TaskError
 from engine.http.responses import TokenOut, progress_json
+from engine.model.kv import KVCacheFull
 from engine.model.textstream import TextStream, complete_utf8_prefix_len
 
 log = logging.getLogger("slotlab.engine")
@@ -33,32 +37,60 @@ log = logging.getLogger("slotlab.engine")
 IDLE_WAIT_S = 0.5
 
 
-class TextHook:
-    """The core's `text_hook`: runs the request's TextStream (stop strings, UTF-8 hold-back) per token and
-    keeps what each token released for the engine thread to forward."""
+class Released(NamedTuple):
+    """What one token released to the client: its text, and whether a stream may send it now."""
 
-    __slots__ = ("stream", "pending")
+    text: str
+    sendable: bool
+
+
+class TextHook:
+    """The core's `text_hook`: runs the request's TextStream (stop strings, UTF-8 hold-back) per token; what
+    each token released comes back in the step's token events."""
+
+    __slots__ = ("stream",)
 
     def __init__(self, stream: TextStream) -> None:
         self.stream = stream
-        self.pending: list[tuple[int, str, bool]] = []    # (token, text released, sendable)
 
-    def push(self, token: int) -> str | None:
+    def push(self, token: int) -> tuple[str | None, Released]:
         text, word = self.stream.push(token)
         gen = self.stream.generated
         tail = bytes(gen[-4:])
         # upstream sends no partial result for a token that leaves an incomplete UTF-8 character
         sendable = word is not None or complete_utf8_prefix_len(tail) == len(tail)
-        self.pending.append((token, text, sendable))
-        return word
+        return word, Released(text, sendable)
+
+
+class JobEvent(NamedTuple):
+    """What a request's handler receives: kind "token" (data: TokenOut), "progress" (data: the
+    prompt_progress dict) or "final" (data None; a failed task has `task.error` set)."""
+
+    kind: str
+    index: int          # the result's index in the response (prompt index x n_cmpl + child)
+    task: Task
+    data: Any = None
+
+
+class SlotRestoreError(ValueError):
+    """A slot state that cannot be restored (the slot has been cleared, as upstream's prompt_clear)."""
+
+
+class _Msg(NamedTuple):
+    """One message to the engine thread's inbox."""
+
+    kind: str                      # submit | cancel | call | slot | wake
+    job: "Job | None" = None
+    fn: Callable[[], Any] | None = None
+    fut: Future | None = None
+    slot: int = -1
 
 
 @dataclass(eq=False)
 class Job:
     """One HTTP request: its tasks (one per prompt; n_cmpl children hang off them) and its result queue.
 
-    Events put on `queue`: ("token", index, task, TokenOut), ("progress", index, task, dict),
-    ("final", index, task, None). Task errors arrive as "final" with `task.error` set.
+    Events put on `queue` are `JobEvent`s. Task errors arrive as "final" events with `task.error` set.
     """
 
     loop: asyncio.AbstractEventLoop
@@ -72,7 +104,7 @@ class Job:
     cancelled: bool = False
     _progress: dict[int, int] = field(default_factory=dict)
 
-    def put(self, event: tuple) -> None:
+    def put(self, event: JobEvent) -> None:
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
         except RuntimeError:       # the event loop is closed: nobody is listening any more
@@ -90,7 +122,7 @@ class Engine:
         self.core = core
         self.backend = backend
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._slot_actions: list[tuple[int, Callable[[], Any], Future]] = []
+        self._slot_actions: list[_Msg] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="slotlab-engine", daemon=True)
         self.n_cancelled_prompt_tokens = 0
@@ -105,7 +137,7 @@ class Engine:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
-        self.inbox.put(("wake",))
+        self.inbox.put(_Msg("wake"))
         self._thread.join(timeout_s)
 
     @property
@@ -113,22 +145,58 @@ class Engine:
         return self._thread.is_alive()
 
     def submit(self, job: Job) -> None:
-        self.inbox.put(("submit", job))
+        self.inbox.put(_Msg("submit", job))
 
     def cancel(self, job: Job) -> None:
-        self.inbox.put(("cancel", job))
+        self.inbox.put(_Msg("cancel", job))
 
     def call(self, fn: Callable[[], Any]) -> Future:
-        """Run `fn()` in the engine thread between steps; its result (or exception) lands in the Future."""
+        """Run `fn()` in the engine thread between steps; its result (or exception) lands in the Future.
+        For reads of the core's state (`/slots`, `/metrics`)."""
         fut: Future = Future()
-        self.inbox.put(("call", fn, fut))
+        self.inbox.put(_Msg("call", fn=fn, fut=fut))
         return fut
 
-    def slot_call(self, slot_id: int, fn: Callable[[], Any]) -> Future:
+    def _slot_call(self, slot_id: int, fn: Callable[[], Any]) -> Future:
         """Like `call`, but waits until slot `slot_id` is idle (upstream defers slot actions on busy slots)."""
         fut: Future = Future()
-        self.inbox.put(("slot", slot_id, fn, fut))
+        self.inbox.put(_Msg("slot", fn=fn, fut=fut, slot=slot_id))
         return fut
+
+    # --- slot actions: the Future gives the result once the slot was idle and the action ran ------------------
+    def erase_slot(self, slot_id: int) -> Future:
+        """Drop the slot's KV and tokens; the Future gives how many tokens it held."""
+        return self._slot_call(slot_id, lambda: self._erase(slot_id))
+
+    def save_slot(self, slot_id: int) -> Future:
+        """The slot's tokens and its KV state as bytes: Future of (tokens, state)."""
+        def save() -> tuple[list[int], bytes]:
+            self.flush_kv_ops()
+            return list(self.core.slots[slot_id].tokens), self.backend.seq_state_save(slot_id)
+        return self._slot_call(slot_id, save)
+
+    def restore_slot(self, slot_id: int, tokens: list[int], state: bytes) -> Future:
+        """Replace the slot's KV with `state` holding `tokens`; Future of the token count. A state that does
+        not load clears the slot and raises SlotRestoreError."""
+        def restore() -> int:
+            self.flush_kv_ops()
+            try:
+                n = self.backend.seq_state_load(slot_id, state)
+                if n != len(tokens):
+                    raise SlotRestoreError("the KV state and the token list disagree")
+            except (ValueError, KVCacheFull) as e:
+                self._erase(slot_id)
+                raise SlotRestoreError(str(e)) from None
+            self.core.set_slot_tokens(slot_id, tokens)
+            return len(tokens)
+        return self._slot_call(slot_id, restore)
+
+    def _erase(self, slot_id: int) -> int:
+        self.flush_kv_ops()
+        n = len(self.core.slots[slot_id].tokens)
+        self.backend.apply(KVOp("seq_rm", seq=slot_id, p0=-1, p1=-1))
+        self.core.set_slot_tokens(slot_id, [])
+        return n
 
     # --- the loop ---------------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -141,7 +209,7 @@ class Engine:
                 if core.has_work():
                     self._step()
                 else:
-                    self._route_finished()
+                    self._route_finished(core.pop_finished())     # ended outside a step (cancels)
             except Exception:      # noqa: BLE001 - keep serving; the failing step's tasks were answered
                 log.error("engine loop error:\n%s", traceback.format_exc())
 
@@ -157,11 +225,11 @@ class Engine:
             except queue.Empty:
                 return
 
-    def _handle(self, msg: tuple) -> None:
-        kind = msg[0]
+    def _handle(self, msg: _Msg) -> None:
+        kind = msg.kind
         now = time.monotonic()
         if kind == "submit":
-            job: Job = msg[1]
+            job = msg.job
             if job.cancelled:
                 return
             for task in job.tasks:
@@ -171,17 +239,16 @@ class Engine:
                     task.error = TaskError(ErrorType.INVALID_REQUEST if isinstance(e, ValueError)
                                            else ErrorType.SERVER, str(e))
                     task.done = True
-                    job.put(("final", job.index_of(task), task, None))
+                    job.put(JobEvent("final", job.index_of(task), task))
                     continue
                 for child in task.children:
                     child.text_hook = job.make_hook()
         elif kind == "cancel":
-            self._cancel(msg[1], now)
+            self._cancel(msg.job, now)
         elif kind == "call":
-            fn, fut = msg[1], msg[2]
-            self._resolve(fut, fn)
+            self._resolve(msg.fut, msg.fn)
         elif kind == "slot":
-            self._slot_actions.append((msg[1], msg[2], msg[3]))
+            self._slot_actions.append(msg)
 
     @staticmethod
     def _resolve(fut: Future, fn: Callable[[], Any]) -> None:
@@ -196,11 +263,11 @@ class Engine:
         if not self._slot_actions:
             return
         waiting = []
-        for slot_id, fn, fut in self._slot_actions:
-            if self.core.slots[slot_id].is_processing:
-                waiting.append((slot_id, fn, fut))
+        for msg in self._slot_actions:
+            if self.core.slots[msg.slot].is_processing:
+                waiting.append(msg)
             else:
-                self._resolve(fut, fn)
+                self._resolve(msg.fut, msg.fn)
         self._slot_actions = waiting
 
     def _cancel(self, job: Job, now: float) -> None:
@@ -222,39 +289,35 @@ class Engine:
     def _step(self) -> None:
         core = self.core
         t0 = time.monotonic()
-        plan = core.schedule(t0)
-        if plan.program:
-            try:
-                result = self.backend.execute(plan)
-            except Exception as e:  # noqa: BLE001
-                self._abort(plan, e)
-                return
-        else:
-            result = StepResult(0.0, {})
-        t1 = time.monotonic()
-        core.commit(plan, result, t1)
-        if plan.forwards:
+        try:
+            st = step(core, self.backend, t0, lambda _: time.monotonic())
+        except StepFailed as e:
+            self._abort(e.t_s, e.__cause__)
+            return
+        if st.plan.forwards:
             self.n_steps += 1
-            self.t_busy_s += t1 - t0
-        self._route(plan, result, t1)
-        if not plan.program and core.has_work():
+            self.t_busy_s += st.t_end_s - t0
+        self._route(st)
+        if not st.plan.program and core.has_work():
             time.sleep(0.001)       # nothing could run this round (should not happen); do not spin hot
 
-    def _route(self, plan, result: StepResult, now: float) -> None:
-        extra = result.extra or {}
-        for sid, task in plan.tasks.items():
-            hook = task.text_hook
-            if not isinstance(hook, TextHook) or task.user is None:
+    def _route(self, st: Step) -> None:
+        now = st.t_end_s
+        extra = st.result.extra or {}
+        released: dict[int, list[TokenEvent]] = {}        # task id -> its tokens of this step
+        for ev in st.tokens:
+            released.setdefault(ev.task.id, []).append(ev)
+        for sid, task in st.plan.tasks.items():
+            if not isinstance(task.text_hook, TextHook) or task.user is None:
                 continue
             job: Job = task.user[0]
-            pending, hook.pending = hook.pending, []
             if job.cancelled:
                 continue
             info = extra.get(sid)
             if isinstance(info, SamplingFailed) and not task.done:
                 task.error = TaskError(ErrorType.SERVER, f"sampling failed: {info.message}")
                 self.core.cancel(task, now)
-                job.put(("final", job.index_of(task), task, None))
+                job.put(JobEvent("final", job.index_of(task), task))
                 continue
             self.last_task[sid] = task
             if not job.want_tokens:
@@ -262,8 +325,9 @@ class Engine:
             idx = job.index_of(task)
             if job.return_progress and task.n_decoded == 1:
                 self._progress(job, task, len(task.tokens), now)
-            for tok, text, sendable in pending:
-                job.put(("token", idx, task, TokenOut(tok, text, task.n_decoded, info, sendable)))
+            for ev in released.get(task.id, ()):
+                job.put(JobEvent("token", idx, task, TokenOut(ev.token, ev.out.text, task.n_decoded, info,
+                                                              ev.out.sendable)))
         for s in self.core.slots:
             t = s.task
             if t is None or t.user is None or s.state != SlotState.PROCESSING_PROMPT:
@@ -271,19 +335,19 @@ class Engine:
             job = t.user[0]
             if job.return_progress and not job.cancelled:
                 self._progress(job, t, len(s.tokens), now)
-        self._route_finished()
+        self._route_finished(st.finished + self.core.pop_finished())
 
     def _progress(self, job: Job, task: Task, processed: int, now: float) -> None:
         last = job._progress.get(task.id)
         if last is None:       # the first progress event reports only the cached part (processed == cache)
             last = task.n_prompt_cached
-            job.put(("progress", job.index_of(task), task, progress_json(task, last, now)))
+            job.put(JobEvent("progress", job.index_of(task), task, progress_json(task, last, now)))
         if processed != last:
-            job.put(("progress", job.index_of(task), task, progress_json(task, processed, now)))
+            job.put(JobEvent("progress", job.index_of(task), task, progress_json(task, processed, now)))
         job._progress[task.id] = processed
 
-    def _route_finished(self) -> None:
-        for task in self.core.pop_finished():
+    def _route_finished(self, finished: list[Task]) -> None:
+        for task in finished:
             self.backend.release(task)
             if task.slot_id >= 0:
                 self.last_task[task.slot_id] = task
@@ -291,14 +355,13 @@ class Engine:
                 continue
             job: Job = task.user[0]
             if not job.cancelled:
-                job.put(("final", job.index_of(task), task, None))
+                job.put(JobEvent("final", job.index_of(task), task))
 
-    def _abort(self, plan, exc: Exception) -> None:
-        """A forward pass failed: answer every running task with a 500 and start from empty slots."""
-        log.error("decode failed:\n%s", "".join(traceback.format_exception(exc)))
+    def _abort(self, now: float, exc: BaseException | None) -> None:
+        """A forward pass failed (the loop committed its plan as empty): answer every running task with a
+        500 and start from empty slots, since what the KV memory holds after a failed call is unknown."""
+        log.error("decode failed:\n%s", "".join(traceback.format_exception(exc)) if exc else "")
         core = self.core
-        now = time.monotonic()
-        core.commit(plan, StepResult(0.0, {}), now)
         victims = []
         for s in core.slots:
             if s.task is not None:
@@ -309,11 +372,12 @@ class Engine:
                 t.error = TaskError(ErrorType.SERVER, f"decode() failed: {exc}")
                 core.cancel(t, now)
                 if t.user is not None and not t.user[0].cancelled:
-                    t.user[0].put(("final", t.user[0].index_of(t), t, None))
+                    t.user[0].put(JobEvent("final", t.user[0].index_of(t), t))
         self.flush_kv_ops()
-        self.backend.kv.clear()
+        self.backend.apply(KVOp("clear"))
         for s in core.slots:
-            reset_slot_tokens(core, s.id)
+            core.set_slot_tokens(s.id, [])
+        self._route_finished(core.pop_finished())
 
     # --- helpers for slot actions (run in the engine thread) ----------------------------------------------------
     def flush_kv_ops(self) -> None:
@@ -324,11 +388,3 @@ class Engine:
         """
         for op in self.core.take_pending_ops():
             self.backend.apply(op)
-
-
-def reset_slot_tokens(core: ServerCore, slot_id: int, tokens: list[int] | None = None) -> None:
-    """Set what a slot's KV holds after the engine changed it directly (slot restore, abort).
-
-    The slot must be idle (slot actions wait for a busy slot; an abort has released every slot).
-    """
-    core.set_slot_tokens(slot_id, list(tokens or []))

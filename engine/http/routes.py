@@ -20,7 +20,7 @@ from engine.core.errors import ErrorType
 from engine.core.types import STOP_WORD
 from engine.http import responses as R
 from engine.http import slot_files
-from engine.http.engine_thread import Job, TextHook, reset_slot_tokens
+from engine.http.engine_thread import Job, JobEvent, SlotRestoreError, TextHook
 from engine.http.jsonutil import HTTPError, JSONResponse, bad_request, error_body, error_response
 from engine.http.metrics_text import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.http.metrics_text import MetricsSnapshot, render
@@ -28,7 +28,6 @@ from engine.http.oai_chat import chat_to_completion, render_messages
 from engine.http.params import parse_completion_params, tokenize_prompts
 from engine.http.sse import DONE, PING, SSE_HEADERS, SSE_MEDIA_TYPE, sse
 from engine.http.state import ServerState
-from engine.model.kv import KVCacheFull
 from engine.model.textstream import TextStream
 
 NATIVE, OAI_CMPL, OAI_CHAT = "native", "oai_cmpl", "oai_chat"
@@ -79,7 +78,7 @@ class Waiter:
         self.request = request
         self._get: asyncio.Future | None = None
 
-    async def next(self, timeout_s: float | None = None) -> tuple | None:
+    async def next(self, timeout_s: float | None = None) -> JobEvent | None:
         t_end = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             if self._get is None:
@@ -187,7 +186,7 @@ async def completion_endpoint(request: Request, kind: str) -> Response:
     try:
         while len(finals) < n_expected:
             ev = await waiter.next()
-            what, idx, task, payload = ev
+            what, idx, task, payload = ev.kind, ev.index, ev.task, ev.data
             if what == "token":
                 outs[idx].append(payload)
             elif what == "final":
@@ -211,8 +210,8 @@ async def completion_endpoint(request: Request, kind: str) -> Response:
     return JSONResponse(R.oai_chat_final(results, info))
 
 
-def _render(state: ServerState, ev: tuple, info: R.JobInfo, kind: str, role_sent: set[int]) -> list[bytes]:
-    what, idx, task, payload = ev
+def _render(state: ServerState, ev: JobEvent, info: R.JobInfo, kind: str, role_sent: set[int]) -> list[bytes]:
+    what, idx, task, payload = ev.kind, ev.index, ev.task, ev.data
     if what == "token":
         out: R.TokenOut = payload
         if not out.sendable:
@@ -252,16 +251,16 @@ async def _stream(state: ServerState, job: Job, info: R.JobInfo, kind: str, n_ex
     """The first event decides the status: an error before any data is a plain JSON error."""
     try:
         first = await waiter.next()
-        while first[0] == "token" and not first[3].sendable:     # nothing to send yet
+        while first.kind == "token" and not first.data.sendable:     # nothing to send yet
             first = await waiter.next()
     except ClientGone:
         waiter.close()
         state.engine.cancel(job)
         return Response(b"", status_code=400)
-    if first[0] == "final" and first[2].error is not None:
+    if first.kind == "final" and first.task.error is not None:
         waiter.close()
         state.engine.cancel(job)
-        return _task_error(first[2])
+        return _task_error(first.task)
     waiter.request = None          # from here on SSEResponse watches the connection
 
     async def events():
@@ -276,8 +275,8 @@ async def _stream(state: ServerState, job: Job, info: R.JobInfo, kind: str, n_ex
                 else:
                     for chunk in _render(state, ev, info, kind, role_sent):
                         yield chunk
-                    if ev[0] == "final":
-                        if ev[2].error is not None:
+                    if ev.kind == "final":
+                        if ev.task.error is not None:
                             break
                         n_final += 1
                         if n_final == n_expected:
@@ -483,18 +482,12 @@ async def slot_action(request: Request) -> Response:
         raise bad_request("Invalid slot ID") from None
     if id_slot < 0:
         raise bad_request("Invalid slot ID")
-    core, engine, backend = state.core, state.engine, state.backend
+    core, engine = state.core, state.engine
     sid = id_slot % len(core.slots)       # upstream's get_slot_by_id wraps around
     action = request.query_params.get("action", "")
     if action == "erase":
-        def erase():
-            engine.flush_kv_ops()
-            slot = core.slots[sid]
-            n = len(slot.tokens)
-            backend.kv.seq_rm(sid, -1, -1)
-            reset_slot_tokens(core, sid)
-            return {"id_slot": sid, "n_erased": n}
-        return JSONResponse(await asyncio.wrap_future(engine.slot_call(sid, erase)))
+        n = await asyncio.wrap_future(engine.erase_slot(sid))
+        return JSONResponse({"id_slot": sid, "n_erased": n})
     if action not in ("save", "restore"):
         raise bad_request("Invalid action")
     body = await read_json(request)
@@ -504,44 +497,33 @@ async def slot_action(request: Request) -> Response:
     if not slot_files.validate_filename(filename):
         raise bad_request("Invalid filename")
     path = os.path.join(opts.slot_save_path, filename)
+    t0 = time.perf_counter()
     if action == "save":
-        def save():
-            t0 = time.perf_counter()
-            engine.flush_kv_ops()
-            tokens = list(core.slots[sid].tokens)
-            data = slot_files.encode(tokens, backend.kv.state_save(sid))
-            tmp = path + ".tmp"
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-            return {"id_slot": sid, "filename": filename, "n_saved": len(tokens), "n_written": len(data),
-                    "timings": {"save_ms": (time.perf_counter() - t0) * 1e3}}
-        return JSONResponse(await asyncio.wrap_future(engine.slot_call(sid, save)))
-
-    def restore():
-        t0 = time.perf_counter()
-        engine.flush_kv_ops()
-        try:
-            with open(path, "rb") as f:
-                raw = f.read()
-            sf = slot_files.decode(raw)
-            n_vocab = state.tokenizer.n_vocab
-            if any(t < 0 or t >= n_vocab for t in sf.tokens):
-                raise slot_files.SlotFileError("the file holds token ids outside the vocabulary")
-            if len(sf.tokens) > core.slots[sid].n_ctx:
-                raise slot_files.SlotFileError("Restored prompt does not fit in the slot context")
-            backend.kv.state_load(sid, sf.state)
-            if backend.kv.n_tokens(sid) != len(sf.tokens):
-                raise slot_files.SlotFileError("the KV state and the token list disagree")
-        except (OSError, ValueError, KVCacheFull) as e:
-            backend.kv.seq_rm(sid, -1, -1)          # upstream: prompt_clear() on any error
-            reset_slot_tokens(core, sid)
-            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-            raise bad_request(f"Unable to restore slot: {reason}") from None
-        reset_slot_tokens(core, sid, sf.tokens)
-        return {"id_slot": sid, "filename": filename, "n_restored": len(sf.tokens), "n_read": sf.n_read,
-                "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3}}
-    return JSONResponse(await asyncio.wrap_future(engine.slot_call(sid, restore)))
+        tokens, kv_state = await asyncio.wrap_future(engine.save_slot(sid))
+        data = slot_files.encode(tokens, kv_state)
+        tmp = path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+        return JSONResponse({"id_slot": sid, "filename": filename, "n_saved": len(tokens), "n_written": len(data),
+                             "timings": {"save_ms": (time.perf_counter() - t0) * 1e3}})
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+        sf = slot_files.decode(raw)
+        n_vocab = state.tokenizer.n_vocab
+        if any(t < 0 or t >= n_vocab for t in sf.tokens):
+            raise slot_files.SlotFileError("the file holds token ids outside the vocabulary")
+        if len(sf.tokens) > core.slots[sid].n_ctx:
+            raise slot_files.SlotFileError("Restored prompt does not fit in the slot context")
+        n = await asyncio.wrap_future(engine.restore_slot(sid, sf.tokens, sf.state))
+    except (OSError, ValueError) as e:     # SlotFileError and SlotRestoreError are ValueErrors
+        if not isinstance(e, SlotRestoreError):
+            await asyncio.wrap_future(engine.erase_slot(sid))   # upstream: prompt_clear() on any error
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise bad_request(f"Unable to restore slot: {reason}") from None
+    return JSONResponse({"id_slot": sid, "filename": filename, "n_restored": n, "n_read": sf.n_read,
+                         "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3}})
 
 
 # --- /metrics -----------------------------------------------------------------------------------------------
