@@ -128,3 +128,31 @@ def test_503_loading_model_until_the_model_is_loaded(start_server, tiny_path):
         gate.set()
         assert srv.state.wait_ready(30)
         assert c.get("/health").json() == {"status": "ok"}
+
+
+def test_a_failing_forward_pass_answers_500_and_the_server_keeps_serving(start_server):
+    """A decode that raises fails the running request with a 500 (upstream: "decode() failed"); the engine
+    starts from empty slots and the next request is served."""
+    srv = start_server(n_parallel=2)
+    backend = srv.state.backend
+    real = backend.model.forward_batch
+    calls = {"n": 0}
+
+    def broken_once(kv, chunks):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise FloatingPointError("injected failure")
+        return real(kv, chunks)
+
+    backend.model.forward_batch = broken_once
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+            r = c.post("/completion", json={"prompt": "hello world", "n_predict": 4})
+            assert r.status_code == 500
+            assert "decode() failed: injected failure" in r.json()["error"]["message"]
+            assert all(s["n_ctx"] > 0 and not s["is_processing"] for s in c.get("/slots").json())
+            r = c.post("/completion", json={"prompt": "hello world", "n_predict": 4})
+            assert r.status_code == 200 and r.json()["tokens_predicted"] == 4
+            assert r.json()["timings"]["cache_n"] == 0       # the failed step's tokens were not kept as cached
+    finally:
+        backend.model.forward_batch = real
