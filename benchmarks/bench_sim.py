@@ -18,7 +18,7 @@ from pathlib import Path
 
 from engine.core import ServerConfig
 from sim.driver import Simulation
-from sim.latency import get_latency_model
+from sim.latency_spec import get_latency_model
 from traces import read_trace
 
 

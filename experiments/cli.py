@@ -518,7 +518,7 @@ def run_one(spec: RunSpec, workload: Trace | ChatWorkload,
     """Simulate one configuration and write its results directory; returns the summary row."""
     from experiments.results import write_run
     from sim.driver import Simulation
-    from sim.latency import get_latency_model
+    from sim.latency_spec import get_latency_model
 
     v = spec.values
     latency = get_latency_model(v["latency"])
@@ -544,7 +544,7 @@ def _usage_errors() -> Iterator[None]:
 
 
 def _validate(values: Mapping[str, Any]) -> None:
-    from sim.latency import get_latency_model
+    from sim.latency_spec import get_latency_model
 
     server_config(values, get_latency_model(values["latency"]))
 

@@ -236,7 +236,7 @@ def run_sim_twin(values: Mapping[str, Any], workload: Any, real_config: Mapping[
     from experiments.cli import simulate_argv
     from experiments.results import write_run
     from sim.driver import Simulation
-    from sim.latency import get_latency_model
+    from sim.latency_spec import get_latency_model
 
     if latency is None:
         latency = get_latency_model(values["latency"])
@@ -351,7 +351,7 @@ def run_validate(args: argparse.Namespace) -> int:
     from experiments import cli
     from experiments.replay import resolve_model, run_replay
     from experiments.results import load_results, write_json
-    from sim.latency import get_latency_model
+    from sim.latency_spec import get_latency_model
 
     values = cli._option_values(args)
     try:

@@ -12,7 +12,8 @@ from experiments.calibrate import (GridPoint, KINDS, add_calibrate_parser, build
                                    run_calibrate, side_files)
 from sim.backend import SimBackend
 from sim.latency import (COEFFICIENT_NAMES, ConstantLatency, ParametricLatency, decode_only_cost,
-                         get_latency_model, load_calibration, step_cost_from_chunks)
+                         load_calibration, step_cost_from_chunks)
+from sim.latency_spec import get_latency_model
 
 
 def parse(*argv):

@@ -7,7 +7,7 @@ import pytest
 from engine.core import PolicyNames, ServerConfig
 from experiments.cli import (OPTIONS, build_parser, default_kv_bytes, main, server_config, simulate_argv)
 from policies import BATCH_BUILDERS, CONTEXT_SHIFTS, EVICTIONS, QUEUE_ORDERS, SLOT_SELECTORS
-from sim.latency import get_latency_model
+from sim.latency_spec import get_latency_model
 
 
 def values_of(*argv: str) -> dict:

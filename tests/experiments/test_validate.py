@@ -160,7 +160,7 @@ def test_real_run_with_other_options_is_refused(validated, tiny, calib, tmp_path
 
 def test_a_calibration_of_another_model_or_thread_count_is_named():
     from experiments.validate import MEASURED_CALIBRATION, calibration_mismatch
-    from sim.latency import get_latency_model
+    from sim.latency_spec import get_latency_model
     smollm2 = get_latency_model(f"parametric:{MEASURED_CALIBRATION}")       # SmolLM2 Q4_1, 2 threads
     assert calibration_mismatch(smollm2, "/x/SmolLM2-135M-Instruct.Q4_1.gguf", 2) is None
     other = calibration_mismatch(smollm2, "/tmp/tiny.gguf", 1)

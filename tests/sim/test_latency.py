@@ -17,11 +17,11 @@ from sim.latency import (
     _nnls_by_elimination,
     decode_only_cost,
     fit_parametric,
-    get_latency_model,
     load_calibration,
     save_calibration,
     step_cost_from_chunks,
 )
+from sim.latency_spec import get_latency_model
 from sim.roofline import HW_PRESETS, MODEL_PRESETS, RooflineLatency, model_preset
 
 MEASURED_ON = MeasuredOn(machine="test box", cpu="test cpu", threads=2, engine="numpy", model="tiny",
