@@ -1,8 +1,14 @@
 """The llama-server compatible HTTP application (Starlette, served by uvicorn).
 
-Middleware order follows `server-http.cpp`: CORS headers, OPTIONS answered with 200, 503 "Loading model"
-while the model loads, API key check (/health exempt), then routing with a JSON 404 for unknown routes.
-Every response carries `Server: llama.cpp`.
+Middleware order follows `server_http_context::init` (tools/server/server-http.cpp): CORS headers, OPTIONS
+answered with 200, 503 "Loading model" while the model loads, API key check (/health, /models exempt), then
+routing with a JSON 404 for unknown routes. Every response carries `Server: llama.cpp`. CORS follows
+the `--cors-origins/-methods/-headers/-credentials` options with upstream's defaults (`common_params`,
+common/common.h).
+
+Header names go out in upstream's spelling (`Access-Control-Allow-Origin`, `Content-Type`,
+`Process-Start-Time-Unix`, ...): cpp-httplib sends them as the server code writes them, while Starlette
+lower-cases every name. Clients that read headers into a plain dict see the same keys as with llama-server.
 """
 
 from __future__ import annotations
@@ -26,21 +32,50 @@ from engine.http.state import ServerOptions, ServerState
 
 log = logging.getLogger("slotlab.http")
 
-PUBLIC_PATHS = ("/health", "/v1/health")
-_LOCAL_ORIGIN_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+# upstream's `get_public_endpoints` and `frontend_paths` (server-http.cpp), compared with the request path as
+# it is (an --api-prefix is not stripped, as upstream); "/" is the UI's path, which this server does not serve
+PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/"})
+FRONTEND_PATHS = frozenset({"/"})
+_LOCAL_ORIGIN_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
-def _cors_origin(setting: str, origin: str | None) -> str | None:
-    """The Access-Control-Allow-Origin value: echo (default "*"), localhost-only reflection, or the literal."""
-    if setting == "*":
-        return origin
-    if setting == "localhost":
-        if origin is None:
-            return None
-        host = origin.split("://", 1)[-1]
-        host = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-        return origin if host in _LOCAL_ORIGIN_HOSTS else None
-    return setting
+def origin_is_localhost(origin: str) -> bool:
+    """Upstream's `origin_is_localhost` (server-http.cpp) over `common_http_parse_url` (common/http.h):
+    an http(s) URL whose host, without user info, port or IPv6 brackets, is localhost, 127.0.0.1 or ::1."""
+    scheme, sep, rest = origin.partition("://")
+    if not sep or scheme not in ("http", "https"):
+        return False
+    rest = rest.rpartition("@")[2] if "@" in rest.partition("/")[0] else rest
+    host = rest.partition("/")[0]
+    port = ""
+    if host.startswith("["):
+        close = host.find("]")
+        if close < 0:
+            return False
+        after = host[close + 1:]
+        port = after[1:] if after.startswith(":") else ""
+        host = host[1:close]
+    elif ":" in host:
+        host, _, port = host.partition(":")
+    if port and not port.lstrip("+-").isdigit():        # std::stoi throws: not an origin upstream accepts
+        return False
+    return host in _LOCAL_ORIGIN_HOSTS
+
+
+def cors_origin(origins: str, credentials: bool, origin: str | None) -> str | None:
+    """The Access-Control-Allow-Origin value upstream sends, or None for no header: with credentials and
+    `*` (the defaults) the request's Origin is echoed (empty when it has none); `localhost` reflects only a
+    local origin; anything else is sent as it is."""
+    if credentials and origins == "*":
+        return origin or ""
+    if origins == "localhost":
+        return origin if origin and origin_is_localhost(origin) else None
+    return origins
+
+
+def header_name(name: bytes) -> bytes:
+    """A header name in the spelling cpp-httplib sends: each dash-separated word capitalized."""
+    return b"-".join(w[:1].upper() + w[1:].lower() for w in name.split(b"-"))
 
 
 class FrontMiddleware:
@@ -54,8 +89,9 @@ class FrontMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        opts = self.state.options
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        allow = _cors_origin(self.state.options.cors_origins, headers.get("origin"))
+        allow = cors_origin(opts.cors_origins, opts.cors_credentials, headers.get("origin"))
         extra = [(b"server", b"llama.cpp")]
         if allow is not None:
             extra.append((b"access-control-allow-origin", allow.encode("latin-1")))
@@ -64,23 +100,21 @@ class FrontMiddleware:
             if message["type"] == "http.response.start":
                 names = {k.lower() for k, _ in extra}
                 kept = [(k, v) for k, v in message.get("headers", []) if k.lower() not in names]
-                message = {**message, "headers": kept + extra}
+                message = {**message, "headers": [(header_name(k), v) for k, v in kept + extra]}
             await send(message)
 
         if scope["method"] == "OPTIONS":
             await _respond(send_with_headers, 200, b"", "text/html", [
-                (b"access-control-allow-credentials", b"true"),
-                (b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"),
-                (b"access-control-allow-headers", b"*")])
+                (b"access-control-allow-credentials", b"true" if opts.cors_credentials else b"false"),
+                (b"access-control-allow-methods", opts.cors_methods.encode("latin-1")),
+                (b"access-control-allow-headers", opts.cors_headers.encode("latin-1"))])
             return
-        if not self.state.ready:
+        path = scope["path"]
+        if not self.state.ready and path not in FRONTEND_PATHS:
             await _respond_json(send_with_headers, 503, error_body(ErrorType.UNAVAILABLE, "Loading model"))
             return
-        keys = self.state.options.api_keys
-        path = scope["path"]
-        prefix = self.state.options.api_prefix
-        public = {prefix + p for p in PUBLIC_PATHS}
-        if keys and path not in public:
+        keys = opts.api_keys
+        if keys and path not in PUBLIC_PATHS:
             key = headers.get("authorization") or headers.get("x-api-key") or ""
             if key.startswith("Bearer "):
                 key = key[len("Bearer "):]
@@ -159,15 +193,20 @@ def create_app(state: ServerState, load_on_startup: bool = True) -> Starlette:
     return app
 
 
+def uvicorn_config(app, host: str, port: int, log_level: str, **kw) -> uvicorn.Config:
+    """uvicorn as llama-server answers: no `server` or `date` header of its own (cpp-httplib sends neither;
+    `Server: llama.cpp` comes from the middleware), lifespan on, no websockets."""
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, server_header=False, date_header=False,
+                          lifespan="on", ws="none", **kw)
+
+
 class BackgroundServer:
     """uvicorn in a background thread (tests, notebooks): `start()` returns once the socket listens."""
 
     def __init__(self, state: ServerState, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
         self.state = state
         self.app = create_app(state)
-        config = uvicorn.Config(self.app, host=host, port=port, log_level=log_level, server_header=False,
-                                lifespan="on", timeout_graceful_shutdown=2, ws="none")
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn.Server(uvicorn_config(self.app, host, port, log_level, timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, name="slotlab-http", daemon=True)
 
     def start(self, timeout_s: float = 30.0) -> "BackgroundServer":

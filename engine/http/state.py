@@ -38,7 +38,10 @@ class ServerOptions:
     default_sampling: SamplingParams = field(default_factory=SamplingParams)
     aliases: tuple[str, ...] = ()
     api_keys: tuple[str, ...] = ()
-    cors_origins: str = "*"
+    cors_origins: str = "*"            # --cors-origins: "*", "localhost" or a literal value
+    cors_methods: str = "GET, POST, DELETE, OPTIONS"   # --cors-methods
+    cors_headers: str = "*"            # --cors-headers
+    cors_credentials: bool = True      # --cors-credentials / --no-cors-credentials
     endpoint_metrics: bool = False
     endpoint_slots: bool = True
     endpoint_props: bool = False
