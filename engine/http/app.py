@@ -163,7 +163,8 @@ def _routes(prefix: str) -> list[Route]:
         ("/models", r.models, ["GET"]), ("/v1/models", r.models, ["GET"]),
         ("/slots", r.slots, ["GET"]), ("/slots/{id_slot}", r.slot_action, ["POST"]),
         ("/completion", r.completion, ["POST"]),
-        ("/completions", r.oai_completions, ["POST"]), ("/v1/completions", r.oai_completions, ["POST"]),
+        ("/completions", r.completion, ["POST"]),            # native, as upstream (only /v1/ speaks OpenAI)
+        ("/v1/completions", r.oai_completions, ["POST"]),
         ("/chat/completions", r.chat_completions, ["POST"]), ("/v1/chat/completions", r.chat_completions, ["POST"]),
         ("/tokenize", r.tokenize, ["POST"]), ("/detokenize", r.detokenize, ["POST"]),
         ("/apply-template", r.apply_template, ["POST"]),

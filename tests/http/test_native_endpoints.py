@@ -196,3 +196,14 @@ def test_n_cmpl_returns_one_result_per_completion_sharing_the_prompt(client):
     assert [b["index"] for b in body] == [0, 1, 2]
     assert len({b["id_slot"] for b in body}) == 3 and all(b["tokens_predicted"] == 3 for b in body)
     wait_idle(client)
+
+
+def test_completions_without_v1_is_the_native_endpoint(client):
+    """Upstream routes `/completions` to `post_completions` (native body with `content`); only
+    `/v1/completions` speaks the OpenAI shape."""
+    body = {"prompt": "Hello", "n_predict": 3, "temperature": 0}
+    native = client.post("/completions", json=body).json()
+    assert "content" in native and "tokens_predicted" in native and "object" not in native
+    assert native["content"] == client.post("/completion", json=body).json()["content"]
+    oai = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0}).json()
+    assert oai["object"] == "text_completion"
