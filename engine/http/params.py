@@ -16,8 +16,9 @@ from engine.http.jsonutil import bad_request, json_type_name
 from engine.model.sampling import SamplingParams
 
 INT32_MAX = 2**31 - 1
-MSG_BAD_PROMPT = ('"prompt" must be a string, a list of tokens, a list of mixed strings & tokens, '
-                  'or a list of prompts')
+MSG_BAD_PROMPT = ('"prompt" elements must be a string, a list of tokens, a JSON object containing a prompt '
+                  'string, or a list of mixed strings & tokens.')
+MSG_NO_MTMD = "Multimodal data provided, but model does not support multimodal requests."
 
 
 @dataclass(slots=True)
@@ -153,36 +154,53 @@ def parse_completion_params(data: dict, defaults: ServerDefaults, *, n_vocab: in
 
 
 def tokenize_prompts(prompt: Any, tokenize, n_vocab: int) -> list[list[int]]:
-    """`tokenize_input_prompts`: a string, a token list, a mixed list, or a list of those -> token lists.
+    """`tokenize_input_prompts` (tools/server/server-common.cpp): the prompt shapes upstream accepts.
 
-    Strings get special tokens (BOS when the vocab adds it) and parse special-token text. Ids outside the
-    vocabulary raise 400 "Prompt contains invalid tokens" (upstream checks this when launching the slot).
+    - `"text"`, `[12, 34, 56]`, `[12, "text", 56]` (mixed), `{"prompt_string": ...}` (either of those
+      inside): one prompt;
+    - an array with no integer in it: one prompt per element, each of the shapes above.
+    Strings get special tokens only in the first position (BOS when the vocab adds it) and parse
+    special-token text. A shape upstream refuses is a 400 with its message (`handle_completions_impl`
+    answers every tokenization exception as an invalid request); `multimodal_data` gets upstream's answer
+    for a model without a multimodal projector. Ids outside the vocabulary raise 400 "Prompt contains
+    invalid tokens" (upstream checks this when launching the slot).
     """
-    if isinstance(prompt, str):
-        prompts = [_mixed([prompt], tokenize)]
-    elif isinstance(prompt, list) and prompt and any(_is_num(x) for x in prompt):
-        prompts = [_mixed(prompt, tokenize)]
-    elif isinstance(prompt, list) and prompt:
-        prompts = []
-        for item in prompt:
-            if isinstance(item, str):
-                prompts.append(_mixed([item], tokenize))
-            elif isinstance(item, list):
-                prompts.append(_mixed(item, tokenize))
-            else:
-                raise bad_request(MSG_BAD_PROMPT)
-    elif isinstance(prompt, list):
-        prompts = [[]]
+    if isinstance(prompt, list) and not any(_is_int(x) for x in prompt):
+        prompts = [_subprompt(p, tokenize) for p in prompt]
     else:
-        raise bad_request(MSG_BAD_PROMPT)
+        prompts = [_subprompt(prompt, tokenize)]
+    if not prompts:
+        raise bad_request('"prompt" must not be empty')
     for ids in prompts:
         if any(t < 0 or t >= n_vocab for t in ids):
             raise bad_request("Prompt contains invalid tokens")
     return prompts
 
 
+def _is_int(x: Any) -> bool:
+    """nlohmann's is_number_integer: a JSON integer (not a bool, not a number with a fraction or exponent)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _is_num(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _subprompt(p: Any, tokenize) -> list[int]:
+    """`tokenize_input_subprompt`: one prompt of any accepted shape."""
+    if isinstance(p, str) or (isinstance(p, list) and any(isinstance(x, str) for x in p)
+                              and any(_is_int(x) for x in p)):
+        return _mixed(p if isinstance(p, list) else [p], tokenize)
+    if isinstance(p, list) and all(_is_int(x) for x in p):
+        return list(p)
+    if isinstance(p, dict) and "prompt_string" in p:
+        if "multimodal_data" in p:
+            raise bad_request(MSG_NO_MTMD)
+        inner = p["prompt_string"]
+        if not isinstance(inner, (str, list)):
+            raise bad_request(f"[json.exception.type_error.302] type must be string, but is {json_type_name(inner)}")
+        return _mixed(inner if isinstance(inner, list) else [inner], tokenize)
+    raise bad_request(MSG_BAD_PROMPT)
 
 
 def _mixed(items: list, tokenize) -> list[int]:
