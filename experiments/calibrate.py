@@ -184,6 +184,8 @@ class _Bench:
         n_seq = max(p.n_sequences for p in grid) + 1
         self.max_ctx = max(p.max_cells for p in grid)
         self.backend = NumpyBackend(model, n_seq, self.max_ctx + 64, default_sampling=sampling)
+        # copies priced per byte as the simulator counts them: the server config's kv_bytes_per_token
+        self.sim_costs = SimBackend(ConstantLatency(0.0), model.config_facts()["kv_bytes_per_token"])
         self.scratch = n_seq - 1
         self.rng = rng
         self.n_vocab = model.hparams.n_vocab
@@ -238,8 +240,7 @@ class _Bench:
         """(StepCost as the simulator counts it, measured elapsed seconds) of one execution of the point."""
         self.prepare(point)
         plan = build_plan(point, self.tokens, self.tasks)
-        # copies priced per byte as the simulator counts them: the server config's kv_bytes_per_token
-        cost = SimBackend(ConstantLatency(0.0), self.backend.config_facts()["kv_bytes_per_token"]).cost(plan)
+        cost = self.sim_costs.cost(plan)
         result = self.backend.execute(plan)
         self.backend.cache.pop(ENTRY_SAVE, None)
         return cost, result.elapsed_s

@@ -46,7 +46,7 @@ def cmd_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     n_ctx = max(256, len(ids) + args.n_predict + 1)
     backend = NumpyBackend(model, 1, ((n_ctx + 255) // 256) * 256,
                            default_sampling=SamplingParams(temperature=args.temp, seed=args.seed & 0xFFFFFFFF))
-    cfg = ServerConfig(n_parallel=1, n_ctx=n_ctx, cache_ram_mib=0, **backend.config_facts())
+    cfg = ServerConfig(n_parallel=1, n_ctx=n_ctx, cache_ram_mib=0, **model.config_facts())
     core = ServerCore(cfg, make_policies(cfg.policies))
     task = core.submit(Task(id=-1, tokens=ids, n_predict=args.n_predict), 0.0)
     t0 = time.perf_counter()

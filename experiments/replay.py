@@ -43,18 +43,12 @@ def run_replay(values: dict[str, Any], workload, model_path: str, threads: int, 
     # every request generates exactly its trace length: EOG banned in the sampler (as ignore_eos upstream)
     sampling = SamplingParams(temperature=temp, seed=values["seed"] & 0xFFFFFFFF, ignore_eos=True,
                               logit_bias=tuple((t, -math.inf) for t in sorted(tok.eog_ids)))
-    cfg = server_config({**values, "kv_bytes_per_token": None})
-    probe = cfg.resolve()
-    backend = NumpyBackend(model, probe.n_slots, probe.n_ctx_slot, default_sampling=sampling)
-    facts = backend.config_facts()
-    if values["ctx_size"] == 0:
-        facts["n_ctx_train"] = backend.n_ctx_train
-    else:
+    facts = model.config_facts()
+    if values["ctx_size"] != 0:
         facts.pop("n_ctx_train")
-    cfg = dataclasses.replace(cfg, **facts)
+    cfg = dataclasses.replace(server_config({**values, "kv_bytes_per_token": None}), **facts)
     resolved = cfg.resolve()
-    if (resolved.n_slots, resolved.n_ctx_slot) != (probe.n_slots, probe.n_ctx_slot):
-        backend = NumpyBackend(model, resolved.n_slots, resolved.n_ctx_slot, default_sampling=sampling)
+    backend = NumpyBackend(model, resolved.n_slots, resolved.n_ctx_slot, default_sampling=sampling)
     # prompts are stand-in token ids: never control / user-defined / unused ids (they would act as markers)
     reserved = frozenset(i for i, a in enumerate(tok.attrs) if not a & (ATTR_NORMAL | ATTR_BYTE))
     sim = Simulation(cfg, None, seed=values["seed"], backend=backend, progress=progress,
