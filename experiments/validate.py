@@ -1,5 +1,5 @@
 """`slotlab validate`: one workload on the real numpy engine and in the simulator, compared request by request
-(DESIGN §7).
+(how far the simulator's predicted latencies are from measured ones, and whether the core decided the same).
 
 The real run is `slotlab replay` (measured step times); the simulated run uses the same server configuration
 (the one the real run resolved, with the engine's KV bytes per token and end-of-generation tokens), the same
@@ -16,11 +16,23 @@ import os
 import shlex
 import sys
 from collections.abc import Mapping
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
+from tqdm import tqdm
+
+from engine.core import PolicyNames, ServerConfig
+from engine.model.tokenizer import ATTR_BYTE, ATTR_NORMAL, Tokenizer
+from experiments.flags import VALIDATE, UsageError, add_flags, option_values, simulate_argv
+from experiments.replay import run_replay
+from experiments.results import load_results, write_json, write_run
+from experiments.runs import follow, out_dir, resolve_model, run_context, server_config
+from experiments.workloads import build_workload
+from sim.driver import Simulation
+from sim.latency_spec import get_latency_model
 
 METRICS = ("ttft", "tpot", "e2e", "queue")
 STATS = ("p50", "p90", "p99", "mean")
@@ -208,10 +220,6 @@ def plot_cdfs(real: pd.DataFrame, sim: pd.DataFrame, path: str | Path, title: st
 
 def server_config_from_json(data: Mapping[str, Any]):
     """The ServerConfig a results directory's config.json recorded (`server_config`)."""
-    from dataclasses import fields
-
-    from engine.core import PolicyNames, ServerConfig
-
     names = {f.name for f in fields(ServerConfig)}
     kw = {k: v for k, v in data.items() if k in names}
     kw["eog_ids"] = frozenset(kw.get("eog_ids") or ())
@@ -221,8 +229,6 @@ def server_config_from_json(data: Mapping[str, Any]):
 
 def token_space_of(model_path: str) -> tuple[int, frozenset[int]]:
     """(vocabulary size, reserved ids) as `slotlab replay` builds its prompts: only normal and byte tokens."""
-    from engine.model.tokenizer import ATTR_BYTE, ATTR_NORMAL, Tokenizer
-
     tok = Tokenizer.from_gguf_path(model_path)
     reserved = frozenset(i for i, a in enumerate(tok.attrs) if not a & (ATTR_NORMAL | ATTR_BYTE))
     return tok.n_vocab, reserved
@@ -233,11 +239,6 @@ def run_sim_twin(values: Mapping[str, Any], workload: Any, real_config: Mapping[
                  progress: Any = None, latency: Any = None) -> dict[str, Any]:
     """Simulate `workload` with the server configuration the real run used; write its results directory.
     `latency`: a LatencyModel object to use instead of the `values["latency"]` spec."""
-    from experiments.cli import simulate_argv
-    from experiments.results import write_run
-    from sim.driver import Simulation
-    from sim.latency_spec import get_latency_model
-
     if latency is None:
         latency = get_latency_model(values["latency"])
     cfg = server_config_from_json(real_config["server_config"])
@@ -266,33 +267,22 @@ VALIDATE_EPILOG = """examples:
 def add_validate_parser(subparsers: Any) -> argparse.ArgumentParser:
     """The `slotlab validate` subcommand: `simulate`'s workload, server and policy options, plus the real
     engine's (-m, --threads, --temp) and output options."""
-    from experiments import cli
-    from experiments.replay import add_replay_options
-
     p = subparsers.add_parser(
-        "validate", help="run one workload on the real engine and in the simulator, compare per request",
+        VALIDATE, help="run one workload on the real engine and in the simulator, compare per request",
         allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=VALIDATE_EPILOG,
         description="Run a workload on the numpy engine (`slotlab replay`) and in the simulator with the same\n"
                     "server configuration and a calibrated latency model (--latency parametric:FILE); write\n"
                     "both results directories (real/, sim/) under --out, then validation.csv (per request:\n"
                     "TTFT/TPOT/E2E/queue real, sim, errors; same slot, same n_cached), errors.csv (P50/P90/\n"
                     "P99/mean real vs sim), validation.json and plots.")
-    cli._add_options(p, sweep=False)
+    add_flags(p, VALIDATE)
     if MEASURED_CALIBRATION.is_file():
         p.set_defaults(latency=f"parametric:{MEASURED_CALIBRATION}")
-    cli._add_output(p, "validate")
-    add_replay_options(p)
-    p.add_argument("--real-run", metavar="DIR", default=None,
-                   help="compare with this existing real-engine results directory (a `slotlab replay` or a "
-                        "previous validate's real/) instead of running the engine again; its options must be "
-                        "the same as these (the latency model may differ)")
     p.set_defaults(func=run_validate)
     return p
 
 
 def _validate_argv(values: Mapping[str, Any], model: str, threads: int, temp: float) -> list[str]:
-    from experiments.cli import simulate_argv
-
     return ["validate", *simulate_argv(values)[2:], "-m", model, "--threads", str(threads), "--temp", str(temp)]
 
 
@@ -312,8 +302,6 @@ def _options_key(argv: list[str]) -> list[str]:
 def check_same_run(real: Any, values: Mapping[str, Any], model: str) -> None:
     """ValueError unless results directory `real` is a replay of these options (workload, server, policies)
     on this model: `--real-run` must not compare a simulation with a different experiment."""
-    from experiments.cli import simulate_argv
-
     rerun = str(real.config.get("rerun", ""))
     if real.config.get("backend") != "numpy" or not rerun.startswith("slotlab replay"):
         raise ValueError(f"{real.path}: not a real-engine run (slotlab replay / validate real/)")
@@ -346,45 +334,32 @@ def calibration_mismatch(latency: Any, model: str, threads: int) -> str | None:
 
 def run_validate(args: argparse.Namespace) -> int:
     """`slotlab validate`; returns the exit code (2 = bad usage or input)."""
-    from tqdm import tqdm
-
-    from experiments import cli
-    from experiments.replay import resolve_model, run_replay
-    from experiments.results import load_results, write_json
-    from sim.latency_spec import get_latency_model
-
-    values = cli._option_values(args)
+    values = option_values(args)
     try:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         model = resolve_model(args.model)
-        workload, desc = cli.build_workload(values)
+        workload, desc = build_workload(values)
         latency = get_latency_model(values["latency"])
-        cli.server_config({**values, "kv_bytes_per_token": None})
+        server_config({**values, "kv_bytes_per_token": None})
         reused = None
         if args.real_run:
             reused = load_results(args.real_run)
             check_same_run(reused, values, model)
-        out = cli._out_dir(args, "validate")
-    except (cli.UsageError, ValueError, OSError) as exc:
+        out = out_dir(args, VALIDATE)
+    except (UsageError, ValueError, OSError) as exc:
         print(f"slotlab validate: error: {exc}", file=sys.stderr)
         return 2
     mismatch = calibration_mismatch(latency, model, args.threads)
     if mismatch:
         print(f"slotlab validate: warning: {mismatch}", file=sys.stderr)
     argv = _validate_argv(values, model, args.threads, args.temp)
-    context = cli._context(argv, desc)
+    context = run_context(argv, desc)
     load_start = os.getloadavg()
 
     def bar(name: str):
         return tqdm(total=desc.get("n_requests"), unit="req", desc=f"validate: {name}", file=sys.stderr,
                     leave=False, disable=args.quiet)
-
-    def follow(b):
-        def progress(done: int, total: int) -> None:
-            b.total = total
-            b.update(done - b.n)
-        return progress
 
     if reused is None:
         with bar("real") as b:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from engine.core import PolicyNames, ServerConfig
-from experiments.cli import (OPTIONS, build_parser, default_kv_bytes, main, server_config, simulate_argv)
+from experiments.cli import build_parser, main
+from experiments.flags import OPTIONS, simulate_argv
+from experiments.runs import default_kv_bytes, server_config
 from policies import BATCH_BUILDERS, CONTEXT_SHIFTS, EVICTIONS, QUEUE_ORDERS, SLOT_SELECTORS
 from sim.latency_spec import get_latency_model
 
