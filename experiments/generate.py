@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.backend import NumpyBackend
-from engine.core import ServerConfig, ServerCore, Task
+from engine.core import ServerConfig, ServerCore, Task, run_until_idle
 from engine.model import load
 from engine.model.chat import apply_chat_template
 from engine.model.sampling import SamplingParams
@@ -50,12 +50,7 @@ def cmd_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     core = ServerCore(cfg, make_policies(cfg.policies))
     task = core.submit(Task(id=-1, tokens=ids, n_predict=args.n_predict), 0.0)
     t0 = time.perf_counter()
-    now = 0.0
-    while core.has_work():
-        plan = core.schedule(now)
-        res = backend.execute(plan)
-        now += res.elapsed_s
-        core.commit(plan, res, now)
+    run_until_idle(core, backend)
     wall = time.perf_counter() - t0
     print(tok.detokenize(task.generated, special=False))
     print(f"[{len(ids)} prompt tokens, {task.n_decoded} generated in {wall:.2f} s, stop: {task.stop_type}, "

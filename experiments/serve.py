@@ -99,7 +99,7 @@ def run_serve(args: argparse.Namespace) -> int:
     """Serve until interrupted; 1 on a bad model file, bad flags or a failed model load."""
     import uvicorn   # the HTTP stack (uvicorn, starlette) only when serving
 
-    from engine.http.app import create_app
+    from engine.http.app import create_app, uvicorn_config
     from engine.http.state import ServerState
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -110,9 +110,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 1
     state = ServerState(options)
     app = create_app(state, load_on_startup=False)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, server_header=False,
-                            lifespan="on", timeout_graceful_shutdown=3, ws="none")
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(app, args.host, args.port, args.log_level, timeout_graceful_shutdown=3))
     failed: list[str] = []
 
     def on_error(message: str) -> None:
