@@ -1,5 +1,5 @@
 """Results directories of `slotlab` runs: per-request and timeline tables, the one-row summary, config and run
-info; `write_run` writes one, `load_results` reads one back (DESIGN §8).
+info; `write_run` writes one, `load_results` reads one back (layout and columns: docs/cli.md, "Results directory").
 
 Frames are built here, once, from the plain rows the simulator collected (no pandas in the simulation loop).
 """

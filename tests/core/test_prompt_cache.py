@@ -48,7 +48,7 @@ def test_alloc_makes_room_by_evicting_oldest_first():
 
 
 # --- load ---------------------------------------------------------------------------------------------
-def test_seed_003_example_entry_chosen_with_fkeep_and_fsim():
+def test_worked_example_entry_chosen_with_fkeep_and_fsim():
     """7168-token cached entry; 8192-token request sharing 6144 -> f_keep 0.857, f_sim 0.75."""
     rec = Recorder()
     c = PromptCache(0, 0, EVICTIONS["fifo"](), "move", rec, lambda i: None)
@@ -62,7 +62,7 @@ def test_seed_003_example_entry_chosen_with_fkeep_and_fsim():
     assert hit[2]["f_sim"] == pytest.approx(0.75)
 
 
-def test_seed_003_example_through_the_core_gives_n_past_6144():
+def test_worked_example_through_the_core_gives_n_past_6144():
     """The same worked example through ServerCore: the idle slot's 7168 tokens are saved, then loaded for the
     8192-token request, which starts at n_past 6144."""
     rec = Recorder()
