@@ -11,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from experiments import calibrate, compare, generate, replay, serve, simulate, validate
+from experiments import calibrate, compare, generate, replay, serve, simulate, upstream_flags, validate
 from experiments.flags import UsageError
 
 
@@ -50,6 +50,8 @@ COMMANDS = {"simulate": simulate.cmd_simulate, "compare": compare.cmd_compare, "
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `slotlab` console script; returns the exit code (2 = bad usage or input)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:               # llama-server's LLAMA_ARG_* environment variables
+        argv = ["serve", *upstream_flags.env_argv(argv[1:])]
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -17,23 +17,31 @@ from dataclasses import replace
 from engine.core import ServerConfig
 from engine.core.errors import ConfigError
 from engine.model.sampling import LLAMA_DEFAULT_SEED, SamplingParams
+from experiments import upstream_flags as U
 from experiments.flags import SERVE, add_flags, config_fields
 
 GGUF_MAGIC = b"GGUF"
+EPILOG = ("Every other llama-server flag is accepted too (with its LLAMA_ARG_* environment variable), so a\n"
+          "llama-server command line starts: flags that only concern hardware or features this server does\n"
+          "not have print one warning each (docs/http_api.md, 'Flags').")
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Register `serve` on the `slotlab` sub-command parser."""
     p = subparsers.add_parser(SERVE, help="serve the llama-server HTTP API on the numpy engine",
-                              description=__doc__.split("\n\n")[0], allow_abbrev=False)
+                              description=__doc__.split("\n\n")[0], allow_abbrev=False, epilog=EPILOG,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     add_flags(p, SERVE)
+    U.add_upstream_flags(p)
     p.set_defaults(func=run_serve)
     return p
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="slotlab serve", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p = argparse.ArgumentParser(prog="slotlab serve", description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_flags(p, SERVE)
+    U.add_upstream_flags(p)
     return p
 
 
@@ -85,6 +93,20 @@ def options_from_args(args: argparse.Namespace):
     except ConfigError as e:
         raise ServeError(str(e)) from None
     seed = LLAMA_DEFAULT_SEED if args.seed == -1 else args.seed & 0xFFFFFFFF
+    dl = U.download_flag(args)
+    if dl is not None:
+        raise ServeError(f"{dl}: models cannot be downloaded here; pass a local GGUF file with -m FILE")
+    template = U.value_of(args, "--chat-template") or ""
+    template_file = U.value_of(args, "--chat-template-file")
+    if template_file:
+        try:
+            with open(template_file, encoding="utf-8") as f:
+                template = f.read()
+        except OSError as e:
+            raise ServeError(f"--chat-template-file {template_file}: {e.strerror}") from None
+    if template and "{%" not in template and "{{" not in template:
+        raise ServeError(f"--chat-template {template!r}: llama.cpp's built-in template names are not available "
+                         "here; pass the Jinja template itself (or --chat-template-file FILE)")
     return ServerOptions(
         model_path=args.model, config=config,
         n_threads=(os.cpu_count() or 1) if args.threads == -1 else args.threads,
@@ -92,7 +114,24 @@ def options_from_args(args: argparse.Namespace):
         aliases=tuple(a.strip() for a in args.alias.split(",") if a.strip()),
         api_keys=_api_keys(args), cors_origins=args.cors_origins, endpoint_metrics=args.metrics,
         endpoint_slots=args.slots, endpoint_props=args.props,
-        slot_save_path=args.slot_save_path, api_prefix=args.api_prefix.rstrip("/"), numerics=args.numerics)
+        slot_save_path=args.slot_save_path, api_prefix=args.api_prefix.rstrip("/"), numerics=args.numerics,
+        chat_template=template)
+
+
+def upstream_warnings(args: argparse.Namespace) -> list[str]:
+    """One line for every upstream flag on the command line that changes nothing here."""
+    out = []
+    for f, value in U.given(args):
+        if set(f.names) & U.IMPLEMENTED - {"--no-jinja"} and value is not False:
+            continue
+        pick = f.names if value is not False or not f.negative else f.negative
+        name = next((n for n in pick if n.startswith("--")), pick[0])
+        shown = name if value in (True, False) else f"{name} {' '.join(value) if isinstance(value, list) else value}"
+        if name == "--no-jinja":
+            out.append(f"{shown}: chat templates are always rendered with Jinja here")
+        else:
+            out.append(f"{shown}: accepted for compatibility, no effect: {U.reason(f.names)}")
+    return out
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -102,7 +141,15 @@ def run_serve(args: argparse.Namespace) -> int:
     from engine.http.app import create_app, uvicorn_config
     from engine.http.state import ServerState
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = "DEBUG" if U.value_of(args, "--verbose") else args.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_file = U.value_of(args, "--log-file")
+    if log_file:
+        handler = logging.FileHandler(str(log_file))
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logging.getLogger().addHandler(handler)
+    for line in upstream_warnings(args):
+        print(f"slotlab serve: warning: {line}", file=sys.stderr)
     try:
         options = options_from_args(args)
     except ServeError as e:
@@ -129,7 +176,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(U.env_argv(sys.argv[1:] if argv is None else argv))
     return run_serve(args)
 
 

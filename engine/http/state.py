@@ -48,6 +48,7 @@ class ServerOptions:
     slot_save_path: str = ""
     api_prefix: str = ""
     numerics: str = "f32"              # engine arithmetic (engine.model.load): "f32" or "ggml"
+    chat_template: str = ""            # --chat-template / --chat-template-file: overrides the model's template
 
     @property
     def model_name(self) -> str:
@@ -105,7 +106,7 @@ class ServerState:
         resolved = config.resolve()
         core = ServerCore(resolved, make_policies(config.policies))
         backend = NumpyBackend(model, resolved.n_slots, resolved.n_ctx_slot, opts.default_sampling)
-        template_src = str(meta.get("tokenizer.chat_template") or "")
+        template_src = opts.chat_template or str(meta.get("tokenizer.chat_template") or "")
         template = None
         if template_src:
             try:
