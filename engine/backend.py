@@ -73,10 +73,6 @@ class NumpyBackend:
     def n_vocab(self) -> int:
         return self.model.hparams.n_vocab
 
-    def config_facts(self) -> dict[str, Any]:
-        """Keyword arguments for `ServerConfig` that describe the model (`Model.config_facts`)."""
-        return self.model.config_facts()
-
     # --- execution -------------------------------------------------------------------------------------------
     def execute(self, plan: BatchPlan) -> StepResult:
         """Run the program; sample for every slot that asked for logits; elapsed_s is measured wall time."""

@@ -61,7 +61,8 @@ class ServerOptions:
 class ServerState:
     """The server's moving parts. `ready` flips once `load()` finished; `load_error` is set if it failed."""
 
-    def __init__(self, options: ServerOptions, loader: Callable[[str, int | None], Model] = load) -> None:
+    def __init__(self, options: ServerOptions, loader: Callable[..., Model] = load) -> None:
+        """`loader(model_path, n_threads, numerics=...)` loads the model (`engine.model.load`)."""
         self.options = options
         self.loader = loader
         self.ready = False
@@ -96,13 +97,9 @@ class ServerState:
     def load(self) -> None:
         t0 = time.perf_counter()
         opts = self.options
-        if opts.numerics == "f32":
-            model = self.loader(opts.model_path, opts.n_threads)
-        else:
-            model = self.loader(opts.model_path, opts.n_threads, numerics=opts.numerics)
+        model = self.loader(opts.model_path, opts.n_threads, numerics=opts.numerics)
         meta = read_gguf_metadata(opts.model_path)
-        probe = NumpyBackend(model, 1, 1)
-        config = replace(opts.config, **probe.config_facts())
+        config = replace(opts.config, **model.config_facts())
         resolved = config.resolve()
         core = ServerCore(resolved, make_policies(config.policies))
         backend = NumpyBackend(model, resolved.n_slots, resolved.n_ctx_slot, opts.default_sampling)

@@ -17,15 +17,18 @@ from typing import Any
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-from engine.model.gguf_loader import FileSummary, GGUFError, HParams, Weights, load_gguf
+from engine.model.gguf_loader import GGUFError, load_gguf
 from engine.model.kv import KVCacheFull, KVStore
-from engine.model.llama import BatchChunk, Matmul, Rope, forward_batch
+from engine.model.llama import forward_batch
+from engine.model.matmul import Matmul
+from engine.model.numerics import NUMERICS, NUMERICS_MODES, Numerics, resolve
+from engine.model.types import BatchChunk, FileSummary, HParams, Weights
 
-__all__ = ["NUMERICS_MODES", "BatchChunk", "GGUFError", "KVCacheFull", "KVStore", "Matmul", "Model", "load"]
+__all__ = ["NUMERICS", "NUMERICS_MODES", "BatchChunk", "GGUFError", "KVCacheFull", "KVStore", "Matmul", "Model",
+           "Numerics", "load"]
 
 
 THREADING_MODES = ("split", "blas")
-NUMERICS_MODES = ("f32", "ggml")
 
 
 class Model:
@@ -36,33 +39,29 @@ class Model:
     `n_threads` (faster prefill on an idle machine; collapses when another process holds a core).
     n_threads=None: BLAS threading is left as it is, no splitting.
 
-    numerics="f32" (default): weights dequantized to float32 once, float32 compute, float32 KV.
-    numerics="ggml": llama.cpp's CPU arithmetic (activations quantized to the weights' vec_dot_type, f16 KV,
-    ggml's RoPE / rms_norm / softmax; see engine.model.ggml); `weights` must come from
-    load_gguf(..., numerics="ggml").
+    numerics: a name of `NUMERICS` or a `Numerics`, resolved once here: `model.num` is the object (the
+    model's matmul, RoPE and default KV dtype come from it), `model.numerics` its name. "f32" (default):
+    weights dequantized to float32 once, float32 compute, float32 KV. "ggml": llama.cpp's CPU arithmetic
+    (activations quantized to the weights' vec_dot_type, f16 KV, ggml's RoPE / rms_norm / softmax; see
+    engine.model.ggml). `weights` must come from load_gguf(..., numerics=<the same>).
     """
 
     def __init__(self, path: str, hparams: HParams, weights: Weights, summary: FileSummary,
                  tokenizer: Any, tokenizer_error: str | None, n_threads: int | None, threading: str = "split",
-                 numerics: str = "f32"):
+                 numerics: str | Numerics = "f32"):
         if threading not in THREADING_MODES:
             raise ValueError(f"threading must be one of {THREADING_MODES}, got {threading!r}")
-        if numerics not in NUMERICS_MODES:
-            raise ValueError(f"numerics must be one of {NUMERICS_MODES}, got {numerics!r}")
+        num = resolve(numerics)
         if n_threads is not None and n_threads < 1:
             raise ValueError(f"n_threads must be >= 1, got {n_threads}")
         self.path = path
         self.hparams = hparams
         self.weights = weights
         self.summary = summary
-        self.numerics = numerics
-        self.kv_dtype = np.dtype(np.float16 if numerics == "ggml" else np.float32)   # new_kv's default
-        if numerics == "ggml":
-            from engine.model import ggml
-            rope_cls, matmul_cls = ggml.GgmlRope, ggml.GgmlMatmul
-        else:
-            rope_cls, matmul_cls = Rope, Matmul
-        self.rope = rope_cls(hparams, weights.rope_freqs)
+        self.num = num
+        self.numerics = num.name
+        self.kv_dtype = num.kv_dtype                                    # new_kv's default
+        self.rope = num.rope(hparams, weights.rope_freqs)
         self.threading = threading
         self.n_threads_requested = n_threads
         self._tokenizer = tokenizer
@@ -70,7 +69,7 @@ class Model:
         self._controller = ThreadpoolController()
         split = n_threads is not None and threading == "split"
         self._blas_limit = None if n_threads is None else (1 if split else n_threads)
-        self.matmul = matmul_cls(n_threads if split else 1)
+        self.matmul = num.matmul(n_threads if split else 1)
         with self.compute_threads():
             blas = self._controller.select(user_api="blas").info()
         # BLAS threads in force during compute (max over loaded BLAS libraries; 0 = none found)
@@ -146,7 +145,7 @@ class Model:
     def forward_batch(self, kv: KVStore, chunks: Sequence[BatchChunk | tuple]) -> list[np.ndarray]:
         """Run chunks (seq_id, token_ids, pos0, want_logits) as one batch; per chunk [n_rows, n_vocab] logits."""
         with self.compute_threads():
-            return forward_batch(self.weights, self.hparams, self.rope, kv, chunks, self.matmul, self.numerics)
+            return forward_batch(self.weights, self.hparams, self.num, self.rope, self.matmul, kv, chunks)
 
     def forward_logits(self, ids: Sequence[int]) -> np.ndarray:
         """Logits of every position of `ids` in a fresh context: [len(ids), n_vocab]."""
@@ -167,16 +166,15 @@ def _build_tokenizer(reader: Any, path: str) -> tuple[Any, str | None]:
 
 
 def load(path: str | os.PathLike[str], n_threads: int | None = None, threading: str = "split",
-         numerics: str = "f32") -> Model:
+         numerics: str | Numerics = "f32") -> Model:
     """Load a GGUF model (weights dequantized to float32 once); `n_threads` compute threads, `numerics`
-    "f32" or "ggml" (llama.cpp's CPU arithmetic), see Model."""
+    "f32" or "ggml" (llama.cpp's CPU arithmetic), resolved here once; see Model."""
     path = os.fspath(path)
-    if numerics not in NUMERICS_MODES:
-        raise ValueError(f"numerics must be one of {NUMERICS_MODES}, got {numerics!r}")
-    loaded = load_gguf(path, n_workers=n_threads or 2, numerics=numerics)
+    num = resolve(numerics)
+    loaded = load_gguf(path, n_workers=n_threads or 2, numerics=num)
     tokenizer, error = _build_tokenizer(loaded.reader, path)
     return Model(path, loaded.hparams, loaded.weights, loaded.summary, tokenizer, error, n_threads, threading,
-                 numerics)
+                 num)
 
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -45,8 +45,9 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from engine.model.gguf_loader import HParams, Linear
-from engine.model.llama import Matmul, Rope
+from engine.model.f32 import Rope
+from engine.model.matmul import Matmul
+from engine.model.types import HParams, Linear
 
 QK8 = 32          # block of Q8_0 / Q8_1 (and of Q4_0 .. Q8_0 weights)
 QK_K = 256        # super-block of Q8_K (and of the K-quants)
@@ -129,11 +130,17 @@ def softmax_rows(s: np.ndarray) -> np.ndarray:
     return e * (1.0 / sums).astype(np.float32)
 
 
-def swiglu(gu: np.ndarray, n_ff: int, mm: Matmul | None = None) -> np.ndarray:
-    """ggml_vec_swiglu_f32 for gu [T, 2 * n_ff] (gate, up): ggml_v_silu(g) = g / (1 + expf(0 - g)), times up."""
-    g, up = gu[:, :n_ff], gu[:, n_ff:]
+def silu_mul(g: np.ndarray, u: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """ggml_vec_swiglu_f32 element-wise: out = ggml_v_silu(g) * u, ggml_v_silu(g) = g / (1 + expf(0 - g))."""
     den = np.float32(1.0) + expf(np.float32(0.0) - g)
-    return (g / den) * up
+    np.divide(g, den, out=out)
+    out *= u
+    return out
+
+
+def swiglu(gu: np.ndarray, n_ff: int) -> np.ndarray:
+    """`silu_mul` of gu [T, 2 * n_ff] = (gate, up) -> [T, n_ff]."""
+    return silu_mul(gu[:, :n_ff], gu[:, n_ff:], np.empty((gu.shape[0], n_ff), np.float32))
 
 
 # --- activation quantizers (x [M, n] float32 -> what ggml's dot product sees) ------------------------------------
@@ -480,59 +487,57 @@ def _pad(a: np.ndarray, axis: int, multiple: int, value: float) -> np.ndarray:
     return np.pad(a, widths, constant_values=value)
 
 
-def make_attend(scale: float, kv_f16: bool) -> Callable[..., np.ndarray]:
-    """An attention function with `llama._attend`'s signature doing ggml's non-flash-attention arithmetic.
+def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_old: int, mm: Matmul | None = None) -> np.ndarray:
+    """`f32.attend` with ggml's non-flash-attention arithmetic: q [m, n_head, head_dim] (not scaled), k/v
+    [n_head_kv, >= n_old + m, head_dim] the sequence's cells as stored. Returns [m, n_head * head_dim].
     With an f32 KV store (not llama.cpp's default) the exact kernels do not apply: float32 BLAS products."""
-    scale = np.float32(scale)
+    m, n_head, head_dim = q.shape
+    scale = attention_scale(head_dim)
+    kv_f16 = k.dtype != np.float32
+    if kv_f16:
+        k, v = k[:, :n_old + m].astype(np.float32), v[:, :n_old + m].astype(np.float32)
+    n_head_kv = k.shape[0]
+    n_gqa = n_head // n_head_kv
+    kv_of = np.arange(n_head) // n_gqa                               # KV head of each query head
+    q = round_f16(q) if kv_f16 else q                               # Q to K's vec_dot_type (f16)
+    out = np.empty((m, n_head, head_dim), np.float32)
 
-    def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_old: int, mm: Matmul | None = None) -> np.ndarray:
-        """q [m, n_head, head_dim] (not scaled), k/v [n_head_kv, >= n_old + m, head_dim] (the KV store's values).
-        Returns [m, n_head * head_dim]."""
-        m, n_head, head_dim = q.shape
-        n_head_kv = k.shape[0]
-        n_gqa = n_head // n_head_kv
-        kv_of = np.arange(n_head) // n_gqa                               # KV head of each query head
-        q = round_f16(q) if kv_f16 else q                               # Q to K's vec_dot_type (f16)
-        out = np.empty((m, n_head, head_dim), np.float32)
+    def scores(qb: np.ndarray, n_keys: int, one: bool) -> np.ndarray:
+        """[n_head, rows, n_keys] = K . Q for query rows qb [rows, n_head, head_dim]."""
+        kk = k[kv_of, :n_keys]                                       # [n_head, n_keys, head_dim]
+        if not kv_f16:
+            return np.matmul(qb.transpose(1, 0, 2), kk.transpose(0, 2, 1))
+        prod = qb.transpose(1, 0, 2)[:, :, None, :] * kk[:, None, :, :]   # [n_head, rows, n_keys, hd]
+        return dot_f16_vec(prod) if one else dot_f16_tiny(prod)
 
-        def scores(qb: np.ndarray, n_keys: int, one: bool) -> np.ndarray:
-            """[n_head, rows, n_keys] = K . Q for query rows qb [rows, n_head, head_dim]."""
-            kk = k[kv_of, :n_keys]                                       # [n_head, n_keys, head_dim]
-            if not kv_f16:
-                return np.matmul(qb.transpose(1, 0, 2), kk.transpose(0, 2, 1))
-            prod = qb.transpose(1, 0, 2)[:, :, None, :] * kk[:, None, :, :]   # [n_head, rows, n_keys, hd]
-            return dot_f16_vec(prod) if one else dot_f16_tiny(prod)
+    def weighted(p: np.ndarray, n_keys: int, one: bool) -> np.ndarray:
+        """[rows, n_head, head_dim] = V . P for probabilities p [n_head, rows, n_keys_padded]."""
+        vv = v[kv_of, :n_keys]                                       # [n_head, n_keys, head_dim]
+        if not kv_f16:
+            return np.matmul(p[..., :n_keys], vv).transpose(1, 0, 2)
+        vt = _pad(vv.transpose(0, 2, 1), 2, 64 if one else 16, 0.0)  # [n_head, head_dim, n_pad]
+        prod = p[:, :, None, :] * vt[:, None, :, :]                 # [n_head, rows, head_dim, n_pad]
+        o = dot_f16_vec(prod) if one else dot_f16_tiny(prod)
+        return o.transpose(1, 0, 2)
 
-        def weighted(p: np.ndarray, n_keys: int, one: bool) -> np.ndarray:
-            """[rows, n_head, head_dim] = V . P for probabilities p [n_head, rows, n_keys_padded]."""
-            vv = v[kv_of, :n_keys]                                       # [n_head, n_keys, head_dim]
-            if not kv_f16:
-                return np.matmul(p[..., :n_keys], vv).transpose(1, 0, 2)
-            vt = _pad(vv.transpose(0, 2, 1), 2, 64 if one else 16, 0.0)  # [n_head, head_dim, n_pad]
-            prod = p[:, :, None, :] * vt[:, None, :, :]                 # [n_head, rows, head_dim, n_pad]
-            o = dot_f16_vec(prod) if one else dot_f16_tiny(prod)
-            return o.transpose(1, 0, 2)
+    def block(a: int, b: int) -> None:
+        n_keys = n_old + b
+        one = m == 1                                                 # ggml_vec_dot_f16 vs tinyBLAS
+        s = scores(q[a:b], n_keys, one) * scale                      # [n_head, rows, n_keys]
+        if b - a > 1:                                                # key j > query position: -inf
+            causal = np.arange(n_keys)[None, :] > (n_old + np.arange(a, b))[:, None]
+            s = np.where(causal[None], np.float32(-np.inf), s)
+        s = _pad(s, 2, 64 if one else 16, -np.inf)
+        p = softmax_rows(s)
+        if kv_f16:
+            p = round_f16(p)                                         # probabilities to V's vec_dot_type
+        out[a:b] = weighted(p, n_keys, one)
 
-        def block(a: int, b: int) -> None:
-            n_keys = n_old + b
-            one = m == 1                                                 # ggml_vec_dot_f16 vs tinyBLAS
-            s = scores(q[a:b], n_keys, one) * scale                      # [n_head, rows, n_keys]
-            if b - a > 1:                                                # key j > query position: -inf
-                causal = np.arange(n_keys)[None, :] > (n_old + np.arange(a, b))[:, None]
-                s = np.where(causal[None], np.float32(-np.inf), s)
-            s = _pad(s, 2, 64 if one else 16, -np.inf)
-            p = softmax_rows(s)
-            if kv_f16:
-                p = round_f16(p)                                         # probabilities to V's vec_dot_type
-            out[a:b] = weighted(p, n_keys, one)
-
-        starts = list(range(0, m, _QUERY_BLOCK))
-        tasks = [lambda a=a: block(a, min(m, a + _QUERY_BLOCK)) for a in reversed(starts)]
-        if mm is None or len(tasks) == 1:
-            for t in tasks:
-                t()
-        else:
-            mm.parallel(tasks)
-        return out.reshape(m, n_head * head_dim)
-
-    return attend
+    starts = list(range(0, m, _QUERY_BLOCK))
+    tasks = [lambda a=a: block(a, min(m, a + _QUERY_BLOCK)) for a in reversed(starts)]
+    if mm is None or len(tasks) == 1:
+        for t in tasks:
+            t()
+    else:
+        mm.parallel(tasks)
+    return out.reshape(m, n_head * head_dim)

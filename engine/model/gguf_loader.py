@@ -1,4 +1,5 @@
-"""Read a GGUF model into hyperparameters and float32 weights, dequantized once at load.
+"""Read a GGUF model into hyperparameters and weights: tensors dequantized to float32 once at load, then
+fused and laid out by the numerics (`engine.model.numerics`).
 
 Mirrors `llama_model_loader` + `llama_model::load_hparams` / `load_tensors` of llama.cpp for the
 `llama` and `qwen2` architectures.
@@ -15,6 +16,9 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, LlamaFileType
 from gguf import quants as gguf_quants
+
+from engine.model.numerics import Numerics, Piece, resolve
+from engine.model.types import FileSummary, HParams, LayerWeights, Weights
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
 # GGML rope modes: llama rotates ADJACENT pairs (x[2i], x[2i+1]) — GGUF conversion permuted Q/K rows for
@@ -93,146 +97,6 @@ class FastGGUFReader(GGUFReader):
         values = self._get(offs, nptype, n)
         parts += [values[i:i + 1] for i in range(n)]
         return 12 + int(values.nbytes), parts, list(range(2, 2 + n)), types
-
-
-@dataclass(frozen=True, slots=True)
-class HParams:
-    """Model hyperparameters (`llama_hparams` names)."""
-
-    arch: str
-    n_vocab: int
-    n_ctx_train: int
-    n_embd: int
-    n_layer: int
-    n_ff: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int              # n_embd_head_k == n_embd_head_v
-    n_rot: int                 # rotated dims per head (rope.dimension_count), <= head_dim
-    rope_type: str             # "norm" (adjacent pairs) | "neox" (halves)
-    rope_freq_base: float
-    rope_freq_scale: float     # 1 / linear scaling factor
-    f_norm_rms_eps: float
-    tied_embeddings: bool      # no output.weight: the head reuses token_embd.weight
-
-    @property
-    def n_gqa(self) -> int:
-        return self.n_head // self.n_head_kv
-
-    @property
-    def n_embd_k_gqa(self) -> int:
-        return self.n_head_kv * self.head_dim
-
-
-# Matmuls with 2..SMALL_M_MAX rows use the column-blocked layout: OpenBLAS sgemm with few rows spends most
-# of its time re-packing a large operand, while a stack of [n_in, ~64] blocks stays cache-sized (~1.5-2x
-# faster measured on this machine for 4..16 rows). One row is a gemv on the plain layout; many rows, a gemm.
-SMALL_M_MAX = 64
-_BLOCK_COLS = 64
-
-
-_SMALL_N_OUT = 1024    # narrower blocks for narrow matrices: more blocks to share between threads
-
-
-def _block_cols(n_out: int) -> int:
-    """The divisor of n_out closest to 64 columns (32 when n_out <= 1024; at least 32), or n_out itself.
-
-    SmolLM2's 576- and 960-wide matrices in 32-column blocks (18 and 30 of them instead of 9 and 15) split
-    evenly over 2 threads: 16-sequence decode steps measured ~3% faster, interleaved in one process."""
-    target = 32 if n_out <= _SMALL_N_OUT else _BLOCK_COLS
-    divisors = [d for d in range(32, min(n_out, 4 * _BLOCK_COLS) + 1) if n_out % d == 0]
-    return min(divisors, key=lambda d: abs(d - target)) if divisors else n_out
-
-
-@dataclass(frozen=True, slots=True)
-class Linear:
-    """A GGUF weight W [n_out, n_in] used as y = x @ W.T, kept in the two layouts BLAS streams best
-    (`engine.model.llama.Matmul` picks one by row count)."""
-
-    t: np.ndarray          # [n_in, n_out] C-contiguous (W.T): gemv for one row, gemm for many rows
-    blocks: np.ndarray     # [n_out / n_cols, n_in, n_cols] C-contiguous column blocks of t: 2..SMALL_M_MAX rows
-
-    @classmethod
-    def from_weight(cls, w: np.ndarray) -> Linear:
-        t = np.ascontiguousarray(w.T, dtype=np.float32)                       # [n_in, n_out]
-        n_in, n_out = t.shape
-        n_cols = _block_cols(n_out)
-        blocks = np.ascontiguousarray(t.reshape(n_in, n_out // n_cols, n_cols).transpose(1, 0, 2))
-        return cls(t=t, blocks=blocks)                                        # blocks: [n_blk, n_in, n_cols]
-
-    @property
-    def weight(self) -> np.ndarray:
-        """W in GGUF orientation [n_out, n_in] (a view)."""
-        return self.t.T
-
-    @property
-    def stream_bytes(self) -> int:
-        """Bytes one single-row matmul with this weight reads (`t`)."""
-        return self.t.nbytes
-
-    @property
-    def resident_bytes(self) -> int:
-        """Bytes held in RAM (both layouts)."""
-        return self.t.nbytes + self.blocks.nbytes
-
-
-@dataclass(frozen=True, slots=True)
-class LayerWeights:
-    """One transformer block; Q, K, V and gate/up are fused so each is one matmul over all tokens."""
-
-    attn_norm: np.ndarray      # [n_embd]
-    wqkv: Linear               # W [(n_head + 2*n_head_kv) * head_dim, n_embd]; Q rows pre-scaled by 1/sqrt(head_dim)
-    bqkv: np.ndarray | None    # [(n_head + 2*n_head_kv) * head_dim]; qwen2 only (Q part pre-scaled too)
-    # (numerics "ggml": every Linear is an engine.model.ggml.QLinear and neither Q nor its bias is pre-scaled)
-    wo: Linear                 # W [n_embd, n_head * head_dim]
-    ffn_norm: np.ndarray       # [n_embd]
-    w_gate_up: Linear          # W [2 * n_ff, n_embd]; outputs 0..n_ff-1 gate, n_ff.. up
-    w_down: Linear             # W [n_embd, n_ff]
-
-    @property
-    def linears(self) -> tuple[Linear, ...]:
-        return (self.wqkv, self.wo, self.w_gate_up, self.w_down)
-
-
-@dataclass(frozen=True, slots=True)
-class Weights:
-    tok_embd: np.ndarray            # [n_vocab, n_embd] (embedding lookup)
-    output_norm: np.ndarray         # [n_embd]
-    output: Linear                  # W [n_vocab, n_embd]; built from tok_embd when tied
-    layers: tuple[LayerWeights, ...]
-    rope_freqs: np.ndarray | None   # [n_rot // 2] frequency divisors (rope_freqs.weight), if present
-
-    @property
-    def n_stream_bytes(self) -> int:
-        """float32 bytes one decode step reads: every layer matrix and norm, the final norm and the head."""
-        n = self.output.stream_bytes + self.output_norm.nbytes
-        for lw in self.layers:
-            n += lw.attn_norm.nbytes + lw.ffn_norm.nbytes + sum(lin.stream_bytes for lin in lw.linears)
-            n += 0 if lw.bqkv is None else lw.bqkv.nbytes
-        return n
-
-    @property
-    def n_resident_bytes(self) -> int:
-        """float32 bytes held in RAM (both matmul layouts, embeddings, norms)."""
-        n = self.tok_embd.nbytes + self.output_norm.nbytes + self.output.resident_bytes
-        for lw in self.layers:
-            n += lw.attn_norm.nbytes + lw.ffn_norm.nbytes + sum(lin.resident_bytes for lin in lw.linears)
-            n += 0 if lw.bqkv is None else lw.bqkv.nbytes
-        return n
-
-
-@dataclass(frozen=True, slots=True)
-class FileSummary:
-    """What the file was: size, llama.cpp ftype, and the GGML type of every tensor (for reporting)."""
-
-    path: str
-    file_size_bytes: int
-    ftype: int                      # general.file_type (LlamaFileType), -1 when absent
-    ftype_name: str                 # e.g. "MOSTLY_Q4_1"
-    tensor_types: dict[str, str]    # tensor name -> GGML type name as stored, e.g. "Q4_1"
-    type_counts: dict[str, int]     # GGML type name -> number of tensors
-    n_params: int
-    n_tensor_bytes: int             # bytes of tensor data in the file
 
 
 @dataclass(frozen=True, slots=True)
@@ -372,14 +236,12 @@ def _dequantize(t: Any) -> np.ndarray:
     return out.reshape(tuple(int(n) for n in reversed(t.shape)))
 
 
-def load_gguf(path: str | os.PathLike[str], n_workers: int = 2, numerics: str = "f32") -> LoadedGGUF:
-    """Read, validate and dequantize a GGUF model (`n_workers` threads dequantize: numpy frees the GIL).
-
-    numerics="ggml": weights for llama.cpp's CPU arithmetic (`engine.model.ggml`): Q4_1/Q5_1 matrices are kept
-    as integer quants + block scales + block minimums, every matrix remembers its activation format."""
+def load_gguf(path: str | os.PathLike[str], n_workers: int = 2, numerics: str | Numerics = "f32") -> LoadedGGUF:
+    """Read, validate and dequantize a GGUF model (`n_workers` threads dequantize: numpy frees the GIL), and
+    prepare the weights as `numerics` computes with them (f32: float32 matrices, Q pre-scaled; ggml:
+    Q4_1/Q5_1 matrices also kept as integer quants + block scales + block minimums)."""
     path = os.fspath(path)
-    if numerics not in ("f32", "ggml"):
-        raise ValueError(f"numerics must be 'f32' or 'ggml', got {numerics!r}")
+    num = resolve(numerics)
     reader = open_reader(path)
     tensors = {t.name: t for t in reader.tensors}
     hp = read_hparams(reader, path, tensors)
@@ -401,62 +263,49 @@ def load_gguf(path: str | os.PathLike[str], n_workers: int = 2, numerics: str = 
         if int(t.data_offset) + int(t.n_bytes) > size:
             raise GGUFError(path, f"file is truncated: tensor {name!r} ends past byte {size}")
     names = sorted(set(expected) | (optional & set(tensors)))
-    ggml = None
-    if numerics == "ggml":
-        from engine.model import ggml
 
     def read(name: str) -> tuple[np.ndarray, Any]:
-        """The tensor in float32, and (ggml numerics, Q4_1/Q5_1 matrices) its integer quants and block scales."""
+        """The tensor in float32, and what else the numerics reads of it (ggml: Q4_1/Q5_1 block params)."""
         t = tensors[name]
-        blocks = None
-        if ggml is not None and t.tensor_type in ggml.EXACT_DOT_TYPES and len(t.shape) == 2:
-            blocks = ggml.block_params(t.data, t.tensor_type, (int(t.shape[1]), int(t.shape[0])))
-        return _dequantize(t), blocks
+        return _dequantize(t), num.tensor_extra(t)
 
     with ThreadPoolExecutor(max_workers=max(1, n_workers)) as pool:
         pairs = dict(zip(names, pool.map(read, names)))
     arrays = {n: w for n, (w, _) in pairs.items()}
-    qinfo = None
-    if ggml is not None:
-        qinfo = ({n: tensors[n].tensor_type for n in names}, {n: b for n, (_, b) in pairs.items() if b is not None})
-    weights = _build_weights(hp, arrays, path, qinfo)
+    extras = {n: e for n, (_, e) in pairs.items() if e is not None}
+    types = {n: tensors[n].tensor_type for n in names}
+    weights = _build_weights(hp, arrays, types, extras, path, num)
     return LoadedGGUF(hparams=hp, weights=weights, summary=_summary(reader, path), reader=reader)
 
 
-def _build_weights(hp: HParams, a: dict[str, np.ndarray], path: str,
-                   qinfo: tuple[dict[str, Any], dict[str, np.ndarray]] | None = None) -> Weights:
-    """Fuse per-layer matrices (QKV, gate/up), fold the attention scale 1/sqrt(head_dim) into the Q rows,
-    and lay every matrix out for BLAS (`Linear`).
+def _build_weights(hp: HParams, a: dict[str, np.ndarray], types: dict[str, GGMLQuantizationType],
+                   extras: dict[str, Any], path: str, num: Numerics) -> Weights:
+    """Fuse per-layer matrices (QKV, gate/up) and lay them out as `num` computes with them (`num.linear`);
+    `num.q_scale` (f32: the attention scale 1/sqrt(head_dim)) is folded into the Q rows and the Q bias."""
+    q_scale = num.q_scale(hp)
 
-    qinfo = (GGML type by name, ggml.block_params by name for Q4_1/Q5_1) selects ggml numerics: each matrix
-    becomes a `ggml.QLinear` and nothing is pre-scaled."""
-    if qinfo is not None:
-        return _build_weights_ggml(hp, a, path, *qinfo)
-    q_scale = np.float32(1.0 / np.sqrt(hp.head_dim))
+    def piece(name: str, scale: np.float32 | None = None) -> Piece:
+        w = a.pop(name)
+        return (w if scale is None else w * scale), types[name], extras.pop(name, None)
+
     layers = []
     for i in range(hp.n_layer):
         b = f"blk.{i}."
-        wq = a.pop(b + "attn_q.weight") * q_scale                        # [n_head * head_dim, n_embd]
-        wqkv = np.concatenate([wq, a.pop(b + "attn_k.weight"), a.pop(b + "attn_v.weight")])
-        bqkv = _fused_bias(hp, a, b, q_scale)
-        w_gate_up = np.concatenate([a.pop(b + "ffn_gate.weight"), a.pop(b + "ffn_up.weight")])
+        qkv = [piece(b + "attn_q.weight", q_scale), piece(b + "attn_k.weight"), piece(b + "attn_v.weight")]
         layers.append(LayerWeights(
             attn_norm=a.pop(b + "attn_norm.weight"),                      # [n_embd]
-            wqkv=Linear.from_weight(wqkv),                                # W [(n_head + 2*n_head_kv) * head_dim, n_embd]
-            bqkv=bqkv,
-            wo=Linear.from_weight(a.pop(b + "attn_output.weight")),      # W [n_embd, n_head * head_dim]
+            wqkv=num.linear(qkv),                                         # W [(n_head + 2*n_head_kv)*head_dim, n_embd]
+            bqkv=_fused_bias(hp, a, b, q_scale),
+            wo=num.linear([piece(b + "attn_output.weight")]),            # W [n_embd, n_head * head_dim]
             ffn_norm=a.pop(b + "ffn_norm.weight"),                        # [n_embd]
-            w_gate_up=Linear.from_weight(w_gate_up),                      # W [2 * n_ff, n_embd]
-            w_down=Linear.from_weight(a.pop(b + "ffn_down.weight")),     # W [n_embd, n_ff]
+            w_gate_up=num.linear([piece(b + "ffn_gate.weight"), piece(b + "ffn_up.weight")]),   # W [2 * n_ff, n_embd]
+            w_down=num.linear([piece(b + "ffn_down.weight")]),           # W [n_embd, n_ff]
         ))
-    tok_embd = a.pop("token_embd.weight")                                 # [n_vocab, n_embd]
-    return Weights(
-        tok_embd=tok_embd,
-        output_norm=a.pop("output_norm.weight"),                          # [n_embd]
-        output=Linear.from_weight(a.pop("output.weight", tok_embd)),      # W [n_vocab, n_embd]
-        layers=tuple(layers),
-        rope_freqs=_rope_freqs(hp, a, path),
-    )
+    name = "token_embd.weight"
+    tok_embd = a.pop(name)                                                # [n_vocab, n_embd]
+    output = num.output(a.pop("output.weight", tok_embd), types.get("output.weight", types[name]))  # [n_vocab, n_embd]
+    return Weights(tok_embd=tok_embd, output_norm=a.pop("output_norm.weight"), output=output,
+                   layers=tuple(layers), rope_freqs=_rope_freqs(hp, a, path))
 
 
 def _fused_bias(hp: HParams, a: dict[str, np.ndarray], b: str, q_scale: np.float32 | None) -> np.ndarray | None:
@@ -477,31 +326,3 @@ def _rope_freqs(hp: HParams, a: dict[str, np.ndarray], path: str) -> np.ndarray 
         raise GGUFError(path, f"tensor 'rope_freqs.weight' has shape {list(rope_freqs.shape)}, "
                               f"expected [{hp.n_rot // 2}]")
     return rope_freqs
-
-
-def _build_weights_ggml(hp: HParams, a: dict[str, np.ndarray], path: str, types: dict[str, Any],
-                        blocks: dict[str, Any]) -> Weights:
-    """`_build_weights` for ggml numerics: `ggml.QLinear` matrices, no pre-scaling of Q."""
-    from engine.model import ggml
-
-    def fused(*names: str) -> Any:
-        return ggml.qlinear([(a.pop(n), types[n], blocks.pop(n, None)) for n in names])
-
-    layers = []
-    for i in range(hp.n_layer):
-        b = f"blk.{i}."
-        layers.append(LayerWeights(
-            attn_norm=a.pop(b + "attn_norm.weight"),
-            wqkv=fused(b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"),
-            bqkv=_fused_bias(hp, a, b, None),
-            wo=fused(b + "attn_output.weight"),
-            ffn_norm=a.pop(b + "ffn_norm.weight"),
-            w_gate_up=fused(b + "ffn_gate.weight", b + "ffn_up.weight"),
-            w_down=fused(b + "ffn_down.weight"),
-        ))
-    name = "token_embd.weight"
-    tok_embd = a.pop(name)                                                # [n_vocab, n_embd]
-    # the head only makes logits (nothing downstream is re-quantized): the approximate BLAS path is enough
-    output = ggml.qlinear([(a.pop("output.weight", tok_embd), types.get("output.weight", types[name]), None)])
-    return Weights(tok_embd=tok_embd, output_norm=a.pop("output_norm.weight"), output=output,
-                   layers=tuple(layers), rope_freqs=_rope_freqs(hp, a, path))

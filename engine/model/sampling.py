@@ -31,7 +31,8 @@ _SUPPORTED_SAMPLERS = frozenset(DEFAULT_SAMPLERS)
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Per-request sampling settings; field names and defaults are llama-server's (REFERENCE §1)."""
+    """Per-request sampling settings; field names and defaults are llama-server's (llama.cpp common/common.h,
+    `common_params_sampling`)."""
 
     seed: int = LLAMA_DEFAULT_SEED
     temperature: float = 0.8

@@ -15,8 +15,7 @@ GREEDY = SamplingParams(temperature=0.0, seed=1)
 
 
 def make_server(model, **cfg) -> tuple[ServerCore, NumpyBackend]:
-    probe = NumpyBackend(model, 1, 16)
-    config = ServerConfig(**{"n_parallel": 2, "n_ctx": 512, **probe.config_facts(), **cfg})
+    config = ServerConfig(**{"n_parallel": 2, "n_ctx": 512, **model.config_facts(), **cfg})
     core = ServerCore(config, make_policies(config.policies))
     backend = NumpyBackend(model, core.cfg.n_slots, core.cfg.n_ctx_slot)
     return core, backend
@@ -171,10 +170,10 @@ def test_elapsed_time_is_measured_and_an_empty_plan_costs_nothing_to_sample(tiny
     assert res.sampled == {} and res.elapsed_s >= 0.0
 
 
-def test_backend_reports_the_model_facts_the_server_config_needs(tiny_model):
+def test_model_reports_the_facts_the_server_config_needs(tiny_model):
     model = tiny_model()
     backend = NumpyBackend(model, 1, 64)
-    facts = backend.config_facts()
+    facts = model.config_facts()
     assert facts["n_ctx_train"] == 512
     hp = model.hparams
     # prompt-cache entries are sized as llama.cpp's f16 sequence state, not this engine's f32 store

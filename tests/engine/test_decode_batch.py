@@ -1,4 +1,4 @@
-"""Batched one-token attention over the KV pool (`_DecodeBatch`) agrees with attending each sequence alone,
+"""Batched one-token attention over the KV pool (`f32.DecodeBatch`) agrees with attending each sequence alone,
 whatever the sequences' lengths, order, gaps between their ids, KV dtype and pool state."""
 
 from __future__ import annotations

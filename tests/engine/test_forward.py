@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from engine.model import BatchChunk, KVCacheFull
-from engine.model.llama import Rope
+from engine.model.f32 import Rope
 from engine.model.tiny import tiny_tensors
 
 PROMPT = [5, 77, 12, 200, 3, 9, 150, 33, 281, 64, 7, 120]
@@ -127,11 +127,11 @@ def test_logits_only_for_requested_rows(tiny_model):
 
 def test_long_chunk_attention_in_query_blocks_equals_reference_blocks(tiny_model, monkeypatch):
     """Chunks are attended in blocks of queries to bound memory; block size must not change results."""
-    import engine.model.llama as llama
+    import engine.model.f32 as f32
     model = tiny_model(n_ctx_train=1024)
     ids = [int(i) for i in np.random.default_rng(1).integers(0, model.hparams.n_vocab, 300)]
     whole = model.forward_logits(ids)
-    monkeypatch.setattr(llama, "_ATTN_SCORE_BUDGET", 4 * 300 * 7)      # ~7 query rows per block
+    monkeypatch.setattr(f32, "_ATTN_SCORE_BUDGET", 4 * 300 * 7)      # ~7 query rows per block
     np.testing.assert_allclose(model.forward_logits(ids), whole, atol=1e-4)
 
 
@@ -255,24 +255,25 @@ def test_smollm2_batched_decode_matches_single_sequence(smollm2):
 
 @pytest.mark.parametrize("n_threads", [1, 3])
 def test_matmul_layouts_and_thread_splits_agree_for_every_row_count(tiny_model, monkeypatch, n_threads):
-    import engine.model.llama as llama
-    monkeypatch.setattr(llama, "_SPLIT_MIN_MACS", 0)          # split even tiny products
+    import engine.model.matmul as matmul_mod
+    monkeypatch.setattr(matmul_mod, "_SPLIT_MIN_MACS", 0)     # split even tiny products
     lin = tiny_model().weights.layers[0].w_gate_up
     assert lin.blocks.shape[0] > 1
     x = np.random.default_rng(0).standard_normal((70, 64)).astype(np.float32)
     want = x.astype(np.float64) @ lin.weight.T.astype(np.float64)
-    matmul = llama.Matmul(n_threads)
+    matmul = matmul_mod.Matmul(n_threads)
     for m in (1, 2, 5, 64, 65, 70):
         np.testing.assert_allclose(matmul(lin, x[:m]), want[:m], rtol=1e-5, atol=1e-5)
     matmul.close()
 
 
 def test_split_threading_gives_the_same_logits_as_one_thread(tiny_gguf, monkeypatch):
-    import engine.model.llama as llama
+    import engine.model.f32 as f32
+    import engine.model.matmul as matmul_mod
     from engine.model import load
-    monkeypatch.setattr(llama, "_SPLIT_MIN_MACS", 0)          # split every matmul,
-    monkeypatch.setattr(llama, "_ATTN_QUERY_BLOCK", 16)       # attention query blocks
-    monkeypatch.setattr(llama, "_ELEMENTWISE_ROWS", 8)        # and SwiGLU rows over the threads
+    monkeypatch.setattr(matmul_mod, "_SPLIT_MIN_MACS", 0)     # split every matmul,
+    monkeypatch.setattr(f32, "_ATTN_QUERY_BLOCK", 16)         # attention query blocks
+    monkeypatch.setattr(matmul_mod, "_ELEMENTWISE_ROWS", 8)   # and SwiGLU rows over the threads
     one, two = load(tiny_gguf(), n_threads=1), load(tiny_gguf(), n_threads=2)
     assert (two.n_threads, two.blas_threads, two.threading) == (2, 1, "split")
     assert two.threads_desc == "2 compute threads (matmuls split over Python threads, BLAS 1)"

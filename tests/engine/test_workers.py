@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from engine.model.llama import Matmul, _Workers
+from engine.model.matmul import Matmul, _Workers
 
 
 def test_every_task_runs_exactly_once():
@@ -62,8 +62,8 @@ def test_an_exception_in_any_piece_reaches_the_caller():
 
 @pytest.mark.parametrize("n_threads", [2, 3])
 def test_one_row_product_split_over_input_bands_equals_the_plain_product(tiny_model, monkeypatch, n_threads):
-    import engine.model.llama as llama
-    monkeypatch.setattr(llama, "_SPLIT_MIN_MACS", 0)
+    import engine.model.matmul as matmul_mod
+    monkeypatch.setattr(matmul_mod, "_SPLIT_MIN_MACS", 0)
     for lin in tiny_model().weights.layers[0].linears:
         x = np.random.default_rng(1).standard_normal((1, lin.t.shape[0])).astype(np.float32)
         mm = Matmul(n_threads)
@@ -75,19 +75,19 @@ def test_one_row_product_split_over_input_bands_equals_the_plain_product(tiny_mo
 def test_ffn_split_over_threads_equals_the_plain_ffn(tiny_gguf, monkeypatch):
     """2..64 tokens with 2 threads run the FFN as one piece per thread (gate/up blocks, SwiGLU, a band of
     the down projection); the logits equal the one-thread forward and the unfused two-thread forward."""
-    import engine.model.llama as llama
+    import engine.model.matmul as matmul_mod
     from engine.model import load
     one, two = load(tiny_gguf(), n_threads=1), load(tiny_gguf(), n_threads=2)
     lw = two.weights.layers[0]
-    assert llama._ffn_splittable(lw.w_gate_up, lw.w_down, two.hparams.n_ff)
+    assert matmul_mod._ffn_splittable(lw.w_gate_up, lw.w_down, two.hparams.n_ff)
     calls = []
-    real = llama._ffn_split
-    monkeypatch.setattr(llama, "_ffn_split", lambda *a: calls.append(1) or real(*a))
+    real = matmul_mod._ffn_split
+    monkeypatch.setattr(matmul_mod, "_ffn_split", lambda *a: calls.append(1) or real(*a))
     ids = [int(i) for i in np.random.default_rng(3).integers(0, one.hparams.n_vocab, 12)]
     fused = two.forward_logits(ids)
     assert len(calls) == two.hparams.n_layer
     np.testing.assert_allclose(fused, one.forward_logits(ids), atol=1e-5)
-    monkeypatch.setattr(llama, "_FUSED_FFN", False)
+    monkeypatch.setattr(matmul_mod, "_FUSED_FFN", False)
     np.testing.assert_allclose(fused, two.forward_logits(ids), atol=1e-5)
     assert len(calls) == two.hparams.n_layer
 
@@ -95,12 +95,12 @@ def test_ffn_split_over_threads_equals_the_plain_ffn(tiny_gguf, monkeypatch):
 def test_one_token_ffn_split_over_hidden_units_equals_the_plain_ffn(tiny_gguf, monkeypatch):
     """A one-token decode step with 2 threads runs each FFN as one piece per thread over a range of hidden
     units (strided gate/up columns, SwiGLU, an input band of down); the logits equal 1 thread's."""
-    import engine.model.llama as llama
+    import engine.model.matmul as matmul_mod
     from engine.model import load
     one, two = load(tiny_gguf(), n_threads=1), load(tiny_gguf(), n_threads=2)
     calls = []
-    real = llama._ffn_split_row
-    monkeypatch.setattr(llama, "_ffn_split_row", lambda *a: calls.append(a[2].shape) or real(*a))
+    real = matmul_mod._ffn_split_row
+    monkeypatch.setattr(matmul_mod, "_ffn_split_row", lambda *a: calls.append(a[2].shape) or real(*a))
     ids = [int(i) for i in np.random.default_rng(4).integers(0, one.hparams.n_vocab, 9)]
     out = {}
     for name, model in (("one", one), ("two", two)):

@@ -115,9 +115,9 @@ def test_fail_on_no_slot_is_503_when_every_slot_is_busy(start_server):
 def test_503_loading_model_until_the_model_is_loaded(start_server, tiny_path):
     gate = threading.Event()
 
-    def slow_loader(path, n_threads):
+    def slow_loader(path, n_threads, numerics="f32"):
         gate.wait(30)
-        return load(path, n_threads)
+        return load(path, n_threads, numerics=numerics)
 
     srv = start_server(loader=slow_loader, wait=False)
     with httpx.Client(base_url=srv.base_url) as c:

@@ -1,0 +1,142 @@
+"""The arithmetic of the forward pass, chosen once at load: a `Numerics` object per mode.
+
+A numerics supplies everything in which the modes differ, so that neither the loader nor the forward pass
+tests a mode name: how weights are prepared at load (what else to read of a tensor, how matrices are laid
+out, whether the attention scale is folded into Q), the matmul and RoPE classes, the norm, the SwiGLU, the
+per-chunk attention, whether one-token chunks are attended together, and the KV store's dtype.
+
+`NUMERICS` maps the names users give (`engine.model.load(path, numerics=...)`) to the objects; `resolve` is
+the one place that reads a name.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from engine.model import f32, ggml
+from engine.model.matmul import Matmul, SiluMul
+from engine.model.types import HParams, Linear
+
+# (weight [n_out_i, n_in] float32, its GGML type, what `tensor_extra` read of it or None): parts of one matrix
+Piece = tuple[np.ndarray, GGMLQuantizationType, Any]
+# (q [m, n_head, head_dim], k, v [n_head_kv, >= n_old + m, head_dim] as stored, n_old, matmul) -> [m, n_head * head_dim]
+Attend = Callable[..., np.ndarray]
+
+
+class Numerics(ABC):
+    """One numerics mode. A model builds its `matmul`, `rope` and KV store (`kv_dtype`) from it once; the
+    forward pass calls `rms_norm`, `attend` and `decode_batch`, and hands `silu_mul` to `Matmul.ffn`; the
+    loader prepares the weights with `tensor_extra`, `q_scale`, `linear` and `output`."""
+
+    name: str
+    kv_dtype: np.dtype                               # the KV store's default dtype
+    rms_norm: Callable[[np.ndarray, np.ndarray, float], np.ndarray]   # (x [T, D], w [D], eps) -> [T, D]
+    silu_mul: SiluMul                                # out = silu(g) * u element-wise
+    attend: Attend                                   # one chunk's causal attention, see `f32.attend`
+    decode_batch: type[f32.DecodeBatch] | None       # attends one-token chunks of pooled sequences together
+
+    # --- load ---------------------------------------------------------------------------------------------
+    def tensor_extra(self, t: Any) -> Any:
+        """What to read of GGUF tensor `t` besides its float32 values (in the loader's parallel pass), or None."""
+        return None
+
+    def q_scale(self, hp: HParams) -> np.float32 | None:
+        """A factor folded into the Q rows (and Q bias) of every layer at load, or None."""
+        return None
+
+    @abstractmethod
+    def linear(self, pieces: list[Piece]) -> Any:
+        """A matrix for `matmul`: the pieces fused along the outputs."""
+
+    @abstractmethod
+    def output(self, w: np.ndarray, qtype: GGMLQuantizationType) -> Any:
+        """The output head's matrix (W [n_vocab, n_embd] float32, stored as `qtype`)."""
+
+    # --- compute ------------------------------------------------------------------------------------------
+    @abstractmethod
+    def matmul(self, n_threads: int) -> Matmul:
+        """The matmul object of a model: products of this mode's matrices, split over `n_threads` threads."""
+
+    @abstractmethod
+    def rope(self, hp: HParams, freq_factors: np.ndarray | None) -> f32.Rope:
+        """The RoPE of a model (also the KV store's re-rotation)."""
+
+    def __repr__(self) -> str:
+        return f"<numerics {self.name!r}>"
+
+
+class F32Numerics(Numerics):
+    """Weights dequantized to float32 once, the attention scale folded into Q, float32 compute and KV."""
+
+    name = "f32"
+    kv_dtype = np.dtype(np.float32)
+    decode_batch = f32.DecodeBatch
+    rms_norm = staticmethod(f32.rms_norm)
+    silu_mul = staticmethod(f32.silu_mul)
+    attend = staticmethod(f32.attend)
+
+    def q_scale(self, hp: HParams) -> np.float32:
+        return np.float32(1.0 / np.sqrt(hp.head_dim))
+
+    def linear(self, pieces: list[Piece]) -> Linear:
+        return Linear.from_weight(np.concatenate([w for w, _, _ in pieces]) if len(pieces) > 1 else pieces[0][0])
+
+    def output(self, w: np.ndarray, qtype: GGMLQuantizationType) -> Linear:
+        return Linear.from_weight(w)
+
+    def matmul(self, n_threads: int) -> Matmul:
+        return Matmul(n_threads)
+
+    def rope(self, hp: HParams, freq_factors: np.ndarray | None) -> f32.Rope:
+        return f32.Rope(hp, freq_factors)
+
+
+class GgmlNumerics(Numerics):
+    """llama.cpp's CPU arithmetic (`engine.model.ggml`): Q4_1/Q5_1 matrices kept as integer quants + block
+    scales + minimums, activations quantized to each matrix's vec_dot_type, f16 KV, ggml's RoPE, rms_norm,
+    softmax and SwiGLU; the attention scale is applied to the scores, as ggml does, not folded into Q."""
+
+    name = "ggml"
+    kv_dtype = np.dtype(np.float16)
+    decode_batch = None            # one-token chunks attended one by one: the kernels' order is per sequence
+    rms_norm = staticmethod(ggml.rms_norm)
+    silu_mul = staticmethod(ggml.silu_mul)
+    attend = staticmethod(ggml.attend)
+
+    def tensor_extra(self, t: Any) -> Any:
+        """Q4_1/Q5_1 matrices: their integer quants and block scales (`ggml.block_params`)."""
+        if t.tensor_type in ggml.EXACT_DOT_TYPES and len(t.shape) == 2:
+            return ggml.block_params(t.data, t.tensor_type, (int(t.shape[1]), int(t.shape[0])))
+        return None
+
+    def linear(self, pieces: list[Piece]) -> ggml.QLinear:
+        return ggml.qlinear(pieces)
+
+    def output(self, w: np.ndarray, qtype: GGMLQuantizationType) -> ggml.QLinear:
+        # the head only makes logits (nothing downstream is re-quantized): the approximate BLAS path is enough
+        return ggml.qlinear([(w, qtype, None)])
+
+    def matmul(self, n_threads: int) -> Matmul:
+        return ggml.GgmlMatmul(n_threads)
+
+    def rope(self, hp: HParams, freq_factors: np.ndarray | None) -> f32.Rope:
+        return ggml.GgmlRope(hp, freq_factors)
+
+
+NUMERICS: dict[str, Numerics] = {"f32": F32Numerics(), "ggml": GgmlNumerics()}
+NUMERICS_MODES = tuple(NUMERICS)
+
+
+def resolve(numerics: str | Numerics) -> Numerics:
+    """The numerics object of a mode name (a `Numerics` passes through); ValueError for an unknown name."""
+    if isinstance(numerics, Numerics):
+        return numerics
+    try:
+        return NUMERICS[numerics]
+    except (KeyError, TypeError):
+        raise ValueError(f"numerics must be one of {NUMERICS_MODES}, got {numerics!r}") from None
