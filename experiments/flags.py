@@ -264,8 +264,15 @@ FLAGS: tuple[Flag, ...] = (
     # serve: endpoints and access
     Flag(ACCESS, ("--api-key",), "API keys, comma separated (default: none)", _S, str, "", "KEYS"),
     Flag(ACCESS, ("--api-key-file",), "file with one API key per line", _S, str, "", "FNAME"),
-    Flag(ACCESS, ("--cors-origins",), "Access-Control-Allow-Origin: * = echo the Origin, 'localhost', or a "
-         "literal value", _S, str, "*", "ORIGINS"),
+    Flag(ACCESS, ("--cors-origins",), "allowed CORS origins: * (default; echoed with credentials), 'localhost' "
+         "(reflect only local origins), or a literal value", _S, str, "*", "ORIGINS"),
+    Flag(ACCESS, ("--cors-methods",), "Access-Control-Allow-Methods of a preflight (default: GET, POST, DELETE, "
+         "OPTIONS)", _S, str, "GET, POST, DELETE, OPTIONS", "METHODS"),
+    Flag(ACCESS, ("--cors-headers",), "Access-Control-Allow-Headers of a preflight (default: *)", _S, str, "*",
+         "HEADERS"),
+    Flag(ACCESS, ("--cors-credentials",), "allow credentials: with --cors-origins * the Origin is echoed "
+         "(default: on)", _S, default=True, off_flags=("--no-cors-credentials",),
+         off_help="Access-Control-Allow-Credentials false; * is sent as it is"),
     Flag(ACCESS, ("--metrics",), "enable /metrics (default: disabled)", _S, default=False),
     Flag(ACCESS, ("--slots",), "expose GET /slots (default: enabled)", _S, default=True, off_flags=("--no-slots",)),
     Flag(ACCESS, ("--props",), "enable POST /props (default: disabled)", _S, default=False),

@@ -112,7 +112,8 @@ def options_from_args(args: argparse.Namespace):
         n_threads=(os.cpu_count() or 1) if args.threads == -1 else args.threads,
         default_sampling=SamplingParams(temperature=max(0.0, args.temp), seed=seed),
         aliases=tuple(a.strip() for a in args.alias.split(",") if a.strip()),
-        api_keys=_api_keys(args), cors_origins=args.cors_origins, endpoint_metrics=args.metrics,
+        api_keys=_api_keys(args), cors_origins=args.cors_origins, cors_methods=args.cors_methods,
+        cors_headers=args.cors_headers, cors_credentials=args.cors_credentials, endpoint_metrics=args.metrics,
         endpoint_slots=args.slots, endpoint_props=args.props,
         slot_save_path=args.slot_save_path, api_prefix=args.api_prefix.rstrip("/"), numerics=args.numerics,
         chat_template=template)

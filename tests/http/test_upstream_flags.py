@@ -98,3 +98,11 @@ def test_slotlab_serve_reads_the_environment_too(monkeypatch, tiny_path, capsys)
     monkeypatch.setenv("LLAMA_ARG_MODEL", "/nonexistent/model.gguf")
     assert cli_main(["serve", "--port", "1"]) == 1
     assert "model file not found: /nonexistent/model.gguf" in capsys.readouterr().err
+
+
+def test_cors_flags_reach_the_server_options(tiny_path):
+    opts = options_from_args(parse(tiny_path, "--cors-origins", "localhost", "--cors-methods", "GET",
+                                   "--cors-headers", "X-A", "--no-cors-credentials"))
+    assert (opts.cors_origins, opts.cors_methods, opts.cors_headers, opts.cors_credentials) == \
+        ("localhost", "GET", "X-A", False)
+    assert not upstream_warnings(parse(tiny_path, "--cors-methods", "GET"))      # implemented, no warning
