@@ -25,7 +25,7 @@ from engine.http.jsonutil import HTTPError, JSONResponse, bad_request, error_bod
 from engine.http.metrics_text import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.http.metrics_text import MetricsSnapshot, render
 from engine.http.oai_chat import chat_to_completion, render_messages
-from engine.http.params import parse_completion_params, tokenize_prompts
+from engine.http.params import CompletionParams, parse_completion_params, tokenize_prompts
 from engine.http.sse import DONE, PING, SSE_HEADERS, SSE_MEDIA_TYPE, sse
 from engine.http.state import ServerState
 from engine.model.textstream import TextStream
@@ -392,8 +392,7 @@ async def models(request: Request) -> Response:
     })
 
 
-def _default_params(state: ServerState):
-    from engine.http.params import CompletionParams
+def _default_params(state: ServerState) -> CompletionParams:
     d = state.defaults
     return CompletionParams(n_predict=-1, n_keep=d.n_keep, n_cache_reuse=d.n_cache_reuse,
                             cache_prompt=d.cache_prompt, sampling=d.sampling)

@@ -22,6 +22,7 @@ from engine.model.kv import KVCacheFull, KVStore
 from engine.model.llama import forward_batch
 from engine.model.matmul import Matmul
 from engine.model.numerics import NUMERICS, NUMERICS_MODES, Numerics, resolve
+from engine.model.tokenizer import Tokenizer
 from engine.model.types import BatchChunk, FileSummary, HParams, Weights
 
 __all__ = ["NUMERICS", "NUMERICS_MODES", "BatchChunk", "GGUFError", "KVCacheFull", "KVStore", "Matmul", "Model",
@@ -156,12 +157,6 @@ class Model:
 
 
 def _build_tokenizer(reader: Any, path: str) -> tuple[Any, str | None]:
-    try:
-        from engine.model.tokenizer import Tokenizer   # written separately; optional until it exists
-    except ModuleNotFoundError as e:
-        if e.name != "engine.model.tokenizer":
-            raise
-        return None, "engine.model.tokenizer is not available"
     return Tokenizer.from_gguf(reader, path), None
 
 
