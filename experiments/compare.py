@@ -15,7 +15,7 @@ from typing import Any
 import pandas as pd
 from tqdm import tqdm
 
-from experiments.flags import COMPARE, SWEEP_DESTS, add_flags, option_values
+from experiments.flags import COMPARE, SWEEP_DESTS, add_command, option_values
 from experiments.results import load_results
 from experiments.runs import RunSpec, check_options, out_dir, run_context, run_one, usage_errors
 from experiments.workloads import build_workload
@@ -130,14 +130,11 @@ def format_comparison(table: pd.DataFrame) -> str:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(COMPARE, help="simulate several configurations (comma lists) on one workload",
-                              allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
-                              epilog=COMPARE_EPILOG,
-                              description="Run the cartesian product of comma-listed options on one workload in\n"
-                              "parallel processes; write one results directory per configuration, comparison.csv\n"
-                              "and comparison plots. On/off switches and workload options apply to every run.")
-    add_flags(p, COMPARE)
-    return p
+    return add_command(subparsers, COMPARE, "simulate several configurations (comma lists) on one workload",
+                       "Run the cartesian product of comma-listed options on one workload in\n"
+                       "parallel processes; write one results directory per configuration, comparison.csv\n"
+                       "and comparison plots. On/off switches and workload options apply to every run.",
+                       COMPARE_EPILOG)
 
 
 def _preload(plots: bool) -> None:

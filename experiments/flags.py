@@ -436,3 +436,12 @@ def simulate_argv(values: Mapping[str, Any]) -> list[str]:
 def flag_names(dests: Iterable[str]) -> str:
     """The canonical flags of run options, for messages ("--users, --turns")."""
     return ", ".join(OPT_BY_DEST[d].flag for d in dests)
+
+
+def add_command(subparsers: Any, command: str, help: str, description: str, epilog: str | None = None
+                ) -> argparse.ArgumentParser:
+    """Register a subcommand with its flags from the table (help text laid out as written)."""
+    p = subparsers.add_parser(command, help=help, allow_abbrev=False, epilog=epilog, description=description,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_flags(p, command)
+    return p

@@ -20,7 +20,7 @@ from engine.backend import NumpyBackend
 from engine.model import load
 from engine.model.sampling import SamplingParams
 from engine.model.tokenizer import ATTR_BYTE, ATTR_NORMAL
-from experiments.flags import REPLAY, UsageError, add_flags, option_values, simulate_argv
+from experiments.flags import REPLAY, UsageError, add_command, option_values, simulate_argv
 from experiments.results import write_run
 from experiments.runs import (follow, format_summary, one_line_summary, out_dir, resolve_model, run_context,
                               server_config, usage_errors)
@@ -67,15 +67,10 @@ def run_replay(values: dict[str, Any], workload, model_path: str, threads: int, 
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(REPLAY, help="run a workload on the real numpy engine (same core, same driver)",
-                              allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
-                              epilog=REPLAY_EPILOG,
-                              description="Replay a workload on the numpy engine with a GGUF model, through the "
-                              "same\nserving core and SimPy driver as `simulate`: time advances by measured step "
-                              "durations.\nWrites the same results directory as `simulate`, so the two compare "
-                              "row by row.")
-    add_flags(p, REPLAY)
-    return p
+    return add_command(subparsers, REPLAY, "run a workload on the real numpy engine (same core, same driver)",
+                       "Replay a workload on the numpy engine with a GGUF model, through the same\nserving core "
+                       "and SimPy driver as `simulate`: time advances by measured step durations.\nWrites the "
+                       "same results directory as `simulate`, so the two compare row by row.", REPLAY_EPILOG)
 
 
 def cmd_replay(args: argparse.Namespace, argv: Sequence[str]) -> int:

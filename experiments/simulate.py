@@ -10,7 +10,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from experiments.flags import SIMULATE, add_flags, option_values
+from experiments.flags import SIMULATE, add_command, option_values
 from experiments.runs import (RunSpec, check_options, follow, format_summary, one_line_summary, out_dir,
                               run_context, run_one, usage_errors)
 from experiments.workloads import build_workload
@@ -26,13 +26,10 @@ SIMULATE_EPILOG = """examples:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(SIMULATE, help="simulate one server configuration on a workload", allow_abbrev=False,
-                              formatter_class=argparse.RawDescriptionHelpFormatter, epilog=SIMULATE_EPILOG,
-                              description="Simulate one llama-server configuration on a workload; write "
-                              "per-request\nresults, a summary and plots. With no arguments: the built-in "
-                              "multi-turn chat workload.")
-    add_flags(p, SIMULATE)
-    return p
+    return add_command(subparsers, SIMULATE, "simulate one server configuration on a workload",
+                       "Simulate one llama-server configuration on a workload; write per-request\nresults, a "
+                       "summary and plots. With no arguments: the built-in multi-turn chat workload.",
+                       SIMULATE_EPILOG)
 
 
 def cmd_simulate(args: argparse.Namespace, argv: Sequence[str]) -> int:

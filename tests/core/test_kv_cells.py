@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from engine.core.kv_cells import KVCells
 from engine.core.slot import Slot
-from engine.core.types import Chunk, SlotState
+from engine.core.types import Chunk
 
 
 def slots(*lens: int, n_ctx: int = 100) -> list[Slot]:
