@@ -106,6 +106,8 @@ class Simulation:
         self.space = TokenSpace(vocab_size, frozenset(server_config.eog_ids) | reserved_tokens)
         self.materializer = PromptMaterializer(self.space, seed)
         self._reply_pool = self.materializer.tokens(stream_key(seed, DOMAIN_REPLY, -1), REPLY_POOL)
+        # stand-in replies are drawn from the token space, which excludes the EOG ids: then no stretch can hold one
+        self._reply_eog = any(t in server_config.eog_ids for t in self._reply_pool)
         self._inbox: list[Task] = []
         self._wakeup: simpy.Event | None = None
         self._rows: list[dict[str, Any]] = []
@@ -146,16 +148,21 @@ class Simulation:
         return self._arrivals[self._arr_i][0] if self._arr_i < len(self._arrivals) else math.inf
 
     def _take_arrivals(self, until_ns: int) -> list[Task]:
-        """Open-loop requests arriving at or before `until_ns`, as tasks (arrival time = trace time)."""
+        """Open-loop requests arriving at or before `until_ns`, as tasks (arrival time = trace time). Nobody can
+        wait on a trace request, so it gets no SimPy `done` event."""
         out = []
         arr = self._arrivals
+        i = self._arr_i
+        n = len(arr)
         mat = self.materializer
-        while self._arr_i < len(arr) and arr[self._arr_i][0] <= until_ns:
-            t_ns, r = arr[self._arr_i]
-            self._arr_i += 1
-            reply = self._reply(r.index, r.n_output)
-            req = SimRequest(r.index, t_ns, r.n_output, reply, r.session_id, 0, self.env.event())
-            out.append(Task(id=-1, tokens=mat.prompt(r), n_predict=r.n_output, user=req, **self.task_defaults))
+        defaults = self.task_defaults
+        reply = self._reply
+        while i < n and arr[i][0] <= until_ns:
+            t_ns, r = arr[i]
+            i += 1
+            req = SimRequest(r.index, t_ns, r.n_output, reply(r.index, r.n_output), r.session_id, 0, None)
+            out.append(Task(id=-1, tokens=mat.prompt(r), n_predict=r.n_output, user=req, **defaults))
+        self._arr_i = i
         return out
 
     def _session(self, wl: ChatWorkload, sess, index0: int):
@@ -179,87 +186,118 @@ class Simulation:
             replies.append(task.generated[:turn.n_output] if turn.n_output > 0 else task.generated)
 
     # ------------------------------------------------------------------ server
+    # The server keeps its own clock `now` (integer ns) and lets SimPy's clock catch up (one timeout) only
+    # when another process could act at or before `now` (an event is due: env.peek() <= now) or a finished
+    # task has a `done` event to fire. With nothing else scheduled -- an open-loop trace -- consecutive steps
+    # run without a SimPy event each; the order of everything any process sees is unchanged.
     def _server(self):
         env = self.env
         core = self.core
         backend = self.backend
+        ff = self.fast_forward
+        now = env.now
         while True:
             if not self._inbox and not core.has_work():
                 if self._n_done >= self._n_total:
+                    if now > env.now:
+                        yield env.timeout(now - env.now)
                     return
                 t_arr = self._next_arrival_ns()
                 if t_arr < math.inf:
-                    if t_arr > env.now:
-                        yield env.timeout(t_arr - env.now)
+                    if t_arr > now:
+                        now = t_arr
                 else:
+                    if now > env.now:
+                        yield env.timeout(now - env.now)
                     self._wakeup = env.event()
                     yield self._wakeup
                     self._wakeup = None
-            if env.peek() <= env.now:
-                yield Late(env)                     # let client events of this very instant run first
-            now_s = _s(env.now)
+                    now = env.now
+            if env.peek() <= now:
+                if now > env.now:
+                    yield env.timeout(now - env.now)
+                if env.peek() <= now:
+                    yield Late(env)                 # let client events of this very instant run first
+            now_s = _s(now)
             if self._arr_i < len(self._arrivals):
-                self._inbox.extend(self._take_arrivals(env.now))
+                self._inbox.extend(self._take_arrivals(now))
             if self._inbox:
                 for t in self._inbox:
                     core.submit(t, now_s)
                 self._inbox = []
             # the step commits at its end time, computed in integer ns; its tasks finish once the clock is there
-            t0 = env.now
+            t0 = now
             st = step(core, backend, now_s, lambda r: _s(t0 + round(r.elapsed_s * NS)))
-            dt = round(st.result.elapsed_s * NS)
-            if dt > 0:
-                yield env.timeout(dt)
+            now += round(st.result.elapsed_s * NS)
             self._n_steps += 1
-            self._finish_tasks(st.finished)
-            self._sample_timeline(env.now)
-            if self.fast_forward:
-                yield from self._try_fast_forward()
+            finished = st.finished
+            if env.peek() <= now or (finished and self._has_waiters(finished)):
+                if now > env.now:
+                    yield env.timeout(now - env.now)
+            if finished:
+                self._finish_tasks(finished)
+            self._sample_timeline(now)
+            if ff and not self._inbox:
+                t_ff = self._try_fast_forward(now)
+                if t_ff > now:
+                    now = t_ff
+                    finished = core.pop_finished()
+                    if env.peek() <= now or (finished and self._has_waiters(finished)):
+                        yield env.timeout(now - env.now)
+                    if finished:
+                        self._finish_tasks(finished)
+                    self._sample_timeline(now)
 
-    def _try_fast_forward(self):
-        env = self.env
+    @staticmethod
+    def _has_waiters(finished: list[Task]) -> bool:
+        for t in finished:
+            if t.user.done is not None:
+                return True
+        return False
+
+    def _try_fast_forward(self, now: int) -> int:
+        """Fast-forward a stretch of plain decode steps starting at `now` (ns); returns its end (`now` if none)."""
         core = self.core
-        if self._inbox:
-            return
         k, gen = core.decode_horizon()
         if k < 1:
-            return
+            return now
+        env = self.env
         t_client = env.peek()                        # next client (closed-loop) event; math.inf if none
-        if t_client <= env.now:
-            return
+        if t_client <= now:
+            return now
         all_busy = core.n_processing == len(core.slots)
         t_arr = self._next_arrival_ns()
         n = len(gen)
-        attn0 = sum(len(s.tokens) + 1 for s in gen)
-        now = env.now
+        attn0 = 0
+        for s in gen:
+            attn0 += len(s.tokens)
+        attn0 += n
         # step durations in ns exactly as single steps round them (round-half-even, like Python's round)
         dts = np.rint(np.asarray(self.latency.decode_only_times_s(n, attn0, k)) * NS).astype(np.int64)
         ends = now + np.cumsum(dts)                  # [k] end of each step
         starts = ends - dts                          # [k] start of each step
-        kk = int(np.searchsorted(starts, t_client, "left"))        # steps starting before a client event
-        if not all_busy:                             # an arrival would get a slot: stop before it
+        kk = int(np.searchsorted(starts, t_client, "left")) if t_client < math.inf else k
+        if not all_busy and t_arr <= starts[kk - 1 if kk else 0]:   # an arrival would get a slot: stop before it
             kk = min(kk, int(np.searchsorted(starts, t_arr, "left")))
-        arrivals: dict[int, list[Task]] = {}
-        if kk and all_busy and t_arr <= starts[kk - 1]:
-            # arrivals during the stretch can only be deferred: hand each to the step that first sees it
-            for task in self._take_arrivals(int(starts[kk - 1])):
-                j = int(np.searchsorted(starts, task.user.arrival_ns, "left"))
-                arrivals.setdefault(j, []).append(task)
         if kk == 0:
-            return
+            return now
+        arrivals: dict[int, list[Task]] = {}
+        if all_busy and t_arr <= starts[kk - 1]:
+            # arrivals during the stretch can only be deferred: hand each to the step that first sees it
+            tasks = self._take_arrivals(int(starts[kk - 1]))
+            js = np.searchsorted(starts[:kk], [t.user.arrival_ns for t in tasks], "left").tolist()
+            for task, j in zip(tasks, js):
+                arrivals.setdefault(j, []).append(task)
         ends = ends[:kk].tolist()
-        kk = len(ends)
         tokens = {s.id: SimBackend.tokens_for(s.task, kk) for s in gen}
         eog = self.config.eog_ids
-        if eog and any(tok in eog for toks in tokens.values() for tok in toks[:-1]):
+        if eog and self._reply_eog and any(tok in eog for toks in tokens.values() for tok in toks[:-1]):
             self._arr_i -= sum(len(v) for v in arrivals.values())
-            return                                   # an EOS inside the stretch: step normally
-        yield env.timeout(ends[-1] - env.now)
-        core.fast_forward(gen, tokens, [_s(e) for e in ends], arrivals)
+            return now                               # an EOS inside the stretch: step normally
+        core.fast_forward(gen, tokens, [e / NS for e in ends], arrivals)
         self._n_steps += kk
         self._n_ff_steps += kk
-        self._finish_tasks(core.pop_finished())
-        self._sample_timeline(env.now)
+        return ends[-1]
 
     def _finish_tasks(self, finished: list[Task]) -> None:
         for task in finished:
@@ -270,7 +308,8 @@ class Simulation:
             self._n_done += 1
             if self.progress is not None:
                 self.progress(self._n_done, self._n_total)
-            req.done.succeed(task)
+            if req.done is not None:
+                req.done.succeed(task)
 
     def _row(self, task: Task, req: SimRequest) -> dict[str, Any]:
         arrival = _s(req.arrival_ns)
