@@ -48,11 +48,28 @@ def _mix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
+_U30, _U27, _U31 = np.uint64(30), np.uint64(27), np.uint64(31)
+_UM1, _UM2, _UGOLDEN = np.uint64(_M1), np.uint64(_M2), np.uint64(_GOLDEN)
+
+
 def _mix64_np(z: np.ndarray) -> np.ndarray:
     """`_mix64` on a uint64 array (numpy uint64 arithmetic wraps modulo 2**64)."""
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(_M1)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(_M2)
-    return z ^ (z >> np.uint64(31))
+    z = (z ^ (z >> _U30)) * _UM1
+    z = (z ^ (z >> _U27)) * _UM2
+    return z ^ (z >> _U31)
+
+
+def _mix64_np_inplace(z: np.ndarray) -> np.ndarray:
+    """`_mix64_np` overwriting `z` (a fresh uint64 array the caller owns): no temporaries but one."""
+    t = z >> _U30
+    z ^= t
+    z *= _UM1
+    np.right_shift(z, _U27, out=t)
+    z ^= t
+    z *= _UM2
+    np.right_shift(z, _U31, out=t)
+    z ^= t
+    return z
 
 
 def stream_key(*parts: int) -> int:
@@ -78,14 +95,16 @@ class PromptMaterializer:
     skipped by an order-preserving remap of [0, n_allowed) onto the allowed ids.
     """
 
-    __slots__ = ("space", "seed", "_n_allowed", "_gaps", "_pos_mult", "_table", "_blocks", "_block_size")
+    __slots__ = ("space", "seed", "_n_allowed", "_u_allowed", "_gaps", "_pos_mult", "_table", "_blocks",
+                 "_block_size")
 
-    BLOCK_CACHE_TOKENS = 1 << 22   # ~4M token ids (32 MB of pointers) of recently used prefix blocks
+    BLOCK_CACHE_TOKENS = 1 << 24   # ~16M token ids (128 MB of pointers) of recently used prefix blocks
 
     def __init__(self, space: TokenSpace, seed: int) -> None:
         self.space = space
         self.seed = int(seed)
         self._n_allowed = space.n_allowed
+        self._u_allowed = np.uint64(self._n_allowed)
         reserved = sorted(r for r in space.reserved if 0 <= r < space.vocab_size)
         # allowed ids below reserved[j] = reserved[j] - j; searchsorted on it counts the reserved ids to skip
         self._gaps = np.array(reserved, dtype=np.int64) - np.arange(len(reserved), dtype=np.int64)
@@ -107,20 +126,25 @@ class PromptMaterializer:
             self._table = np.array(idx.tolist(), dtype=object)
         return self._table
 
-    def _ids(self, keys: np.ndarray, positions: np.ndarray) -> list[int]:
-        z = _mix64_np(keys + (positions + np.uint64(1)) * np.uint64(_GOLDEN))   # [n] uint64
-        return self._id_table()[z % np.uint64(self._n_allowed)].tolist()         # [n] allowed ids
+    def _pos(self, end: int) -> np.ndarray:
+        """(position + 1) * golden for positions 0 .. end-1 (at least)."""
+        if len(self._pos_mult) < end:
+            size = max(end, 2 * len(self._pos_mult), 4096)
+            self._pos_mult = (np.arange(size, dtype=np.uint64) + np.uint64(1)) * _UGOLDEN
+        return self._pos_mult
+
+    def _draw(self, z: np.ndarray) -> list[int]:
+        """Counters (a fresh uint64 array, overwritten) -> token ids."""
+        _mix64_np_inplace(z)
+        np.remainder(z, self._u_allowed, out=z)
+        return self._id_table().take(z.view(np.int64)).tolist()                  # [n] allowed ids
 
     def tokens(self, key: int, n: int, start: int = 0) -> list[int]:
         """Positions start .. start+n-1 of the token stream `key` (see `stream_key`)."""
         if n <= 0:
             return []
         end = start + n
-        if len(self._pos_mult) < end:
-            size = max(end, 2 * len(self._pos_mult), 4096)
-            self._pos_mult = (np.arange(size, dtype=np.uint64) + np.uint64(1)) * np.uint64(_GOLDEN)
-        z = _mix64_np(np.uint64(key & MASK64) + self._pos_mult[start:end])        # [n] uint64
-        return self._id_table()[z % np.uint64(self._n_allowed)].tolist()         # [n] allowed ids
+        return self._draw(self._pos(end)[start:end] + np.uint64(key & MASK64))    # [n] uint64 counters
 
     def block(self, block_hash: int, block_size: int) -> list[int]:
         """The tokens of one prefix block; a pure function of (seed, block_hash)."""
@@ -148,20 +172,20 @@ class PromptMaterializer:
         got: dict[int, list[int]] = {}
         missing = []
         for h in dict.fromkeys(hashes):
-            blk = cache.get(h)
+            blk = cache.pop(h, None)
             if blk is None:
                 missing.append(h)
             else:
-                got[h] = blk
+                got[h] = cache[h] = blk                                           # re-inserted: most recent
         if missing:
             # equal hashes repeat across requests (prefix sharing): draw each new block once, all in one go
             prefix = stream_key(self.seed, DOMAIN_BLOCK)
-            block_keys = _mix64_np(((np.uint64(prefix) ^ _as_u64(tuple(missing))) + np.uint64(_GOLDEN)))
-            keys = np.repeat(block_keys, bs)                                      # [n_missing * bs]
-            positions = np.tile(np.arange(bs, dtype=np.uint64), len(missing))     # [n_missing * bs]
-            flat = self._ids(keys, positions)
+            block_keys = _mix64_np(((np.uint64(prefix) ^ _as_u64(tuple(missing))) + _UGOLDEN))
+            # counter of (block, position) = block key + (position + 1) * golden, as a [n_missing, bs] grid
+            z = (block_keys[:, None] + self._pos(bs)[None, :bs]).ravel()         # [n_missing * bs]
+            flat = self._draw(z)
             if len(cache) * bs > self.BLOCK_CACHE_TOKENS:
-                for h in list(cache)[: len(cache) // 2]:                          # drop the oldest half
+                for h in list(cache)[: len(cache) // 2]:                          # drop the least recent half
                     del cache[h]
             for i, h in enumerate(missing):
                 got[h] = cache[h] = flat[i * bs:(i + 1) * bs]
