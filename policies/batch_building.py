@@ -11,6 +11,8 @@ class DecodeFirst:
     """Upstream continuous batching: one decode token per generating slot, then prompt chunks in slot order
     until n_batch. Without cont_batching, prompt tokens are added only to an empty batch."""
 
+    stable = True                    # see engine.core.protocols.BatchBuilder
+
     def include_decodes(self, n_generating: int, n_prompt_pending: int) -> bool:
         return True
 
@@ -26,6 +28,8 @@ class DecodeFirst:
 class PrefillFirst:
     """vLLM v0 style: while any prompt is pending, batches carry only prompt tokens (decodes pause)."""
 
+    stable = True                    # see engine.core.protocols.BatchBuilder
+
     def include_decodes(self, n_generating: int, n_prompt_pending: int) -> bool:
         return n_prompt_pending == 0
 
@@ -39,6 +43,8 @@ class PrefillFirst:
 class TokenBudget:
     """Sarathi-Serve style chunked prefill: decodes first, and the whole batch is capped at `budget` tokens,
     so long prompts are cut into chunks that piggyback on decode steps with a bounded step time."""
+
+    stable = True                    # see engine.core.protocols.BatchBuilder
 
     def __init__(self, budget: int = 256) -> None:
         if budget < 1:

@@ -58,6 +58,20 @@ class SimBackend:
             sampled[sid] = reply[task.n_decoded % len(reply)]
         return StepResult(elapsed, sampled)
 
+    def prefill_stretch_costs(self, decode_pos: list[int], prompt_pos0: int, take: int, k: int) -> list[StepCost]:
+        """The StepCost `cost()` gives each of k steps that decode one token for every slot whose context
+        length is in `decode_pos` (growing by one per step) and add `take` prompt tokens of one slot from
+        position `prompt_pos0` on (one call, no KV operations)."""
+        n_dec = len(decode_pos)
+        dec0 = sum(decode_pos) + n_dec          # a decode token at pos0 attends (and reads) pos0 + 1 cells
+        tri = take * (take + 1) // 2
+        out = []
+        for j in range(k):
+            pos0 = prompt_pos0 + j * take
+            dec = dec0 + j * n_dec
+            out.append(StepCost(take, n_dec, n_dec + 1, dec + take * pos0 + tri, 1, 0, 0, dec + pos0 + take))
+        return out
+
     @staticmethod
     def tokens_for(task, k: int) -> list[int]:
         """The next k stand-in tokens of a task (what k further execute() calls would sample)."""

@@ -256,24 +256,32 @@ class Simulation:
         return False
 
     def _try_fast_forward(self, now: int) -> int:
-        """Fast-forward a stretch of plain decode steps starting at `now` (ns); returns its end (`now` if none)."""
+        """Fast-forward a stretch of steps starting at `now` (ns) that are certain to be plain decode steps, or
+        prompt-chunk steps of one slot with the others decoding; returns its end (`now` if none)."""
         core = self.core
         k, gen = core.decode_horizon()
-        if k < 1:
-            return now
+        prompt = None
+        if k >= 1:
+            n = len(gen)
+            attn0 = n
+            for s in gen:
+                attn0 += len(s.tokens)
+            # step durations in ns exactly as single steps round them (round-half-even, like Python's round)
+            dts = np.rint(np.asarray(self.latency.decode_only_times_s(n, attn0, k)) * NS).astype(np.int64)
+        else:
+            k, gen, p, take = core.prefill_horizon()
+            if k < 1:
+                return now
+            prompt = (p, take)
+            step_time = self.latency.step_time_s
+            costs = self.backend.prefill_stretch_costs([len(s.tokens) for s in gen], len(p.tokens), take, k)
+            dts = np.array([round(step_time(c) * NS) for c in costs], dtype=np.int64)
         env = self.env
         t_client = env.peek()                        # next client (closed-loop) event; math.inf if none
         if t_client <= now:
             return now
         all_busy = core.n_processing == len(core.slots)
         t_arr = self._next_arrival_ns()
-        n = len(gen)
-        attn0 = 0
-        for s in gen:
-            attn0 += len(s.tokens)
-        attn0 += n
-        # step durations in ns exactly as single steps round them (round-half-even, like Python's round)
-        dts = np.rint(np.asarray(self.latency.decode_only_times_s(n, attn0, k)) * NS).astype(np.int64)
         ends = now + np.cumsum(dts)                  # [k] end of each step
         starts = ends - dts                          # [k] start of each step
         kk = int(np.searchsorted(starts, t_client, "left")) if t_client < math.inf else k
@@ -294,7 +302,7 @@ class Simulation:
         if eog and self._reply_eog and any(tok in eog for toks in tokens.values() for tok in toks[:-1]):
             self._arr_i -= sum(len(v) for v in arrivals.values())
             return now                               # an EOS inside the stretch: step normally
-        core.fast_forward(gen, tokens, [e / NS for e in ends], arrivals)
+        core.fast_forward(gen, tokens, [e / NS for e in ends], arrivals, prompt)
         self._n_steps += kk
         self._n_ff_steps += kk
         return ends[-1]

@@ -52,6 +52,10 @@ class BatchBuilder(Protocol):
 
     def prompt_order(self, slots: Sequence["Slot"]) -> Iterable["Slot"]: ...
 
+    # Optional: a builder whose answers depend only on their arguments and whose prompt_order depends only on
+    # slot ids (not on progress) sets `stable = True`; the core may then fast-forward stretches of prompt
+    # chunks (`ServerCore.prefill_horizon`). Without it, every such step runs normally.
+
 
 class ContextShift(Protocol):
     """What a full GENERATING slot keeps and discards: returns (n_keep, n_discard) in tokens."""

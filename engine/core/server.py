@@ -579,12 +579,35 @@ class ServerCore:
         return stop
 
     # ------------------------------------------------------------------ exact fast-forward
+    def _blocked(self) -> bool:
+        """Something the next schedule must handle first: a queued task, a pending KV op or plan."""
+        return bool(self.queue or self._ops) or self._uncommitted is not None or self._pending_fatal is not None
+
+    def _decode_bound(self, gen: list[Slot]) -> int:
+        """Plain decode steps the generating slots `gen` can take, each adding one token, before a context
+        shift or a stop (a stop is allowed in the last step's commit)."""
+        k = 1 << 62
+        for s in gen:
+            task = s.task
+            # step j runs with len = n_left + j before it: a shift at its schedule when len+1 >= n_ctx, or (shift
+            # off) a stop at its commit when len+2 >= n_ctx -- both first at j = n_ctx - n_left - 1 (shift)
+            # or n_ctx - n_left - 2 (stop, allowed as the last step)
+            n = s.n_ctx - len(s.tokens) - 1
+            if n < k:
+                k = n
+            n_predict = task.n_predict_max
+            if n_predict != -1:
+                n = n_predict - len(task.generated)   # the stop lands in the last step's commit
+                if n < k:
+                    k = n
+        return k
+
     def decode_horizon(self) -> tuple[int, list[Slot]]:
         """How many upcoming steps are certain to be plain decode steps: no queued task, no pending KV op,
         every busy slot GENERATING with no text hook, no context shift or KV-capacity event, and no stop
         before the commit of the last of them (which may end tasks). EOS is the caller's to rule out, since
         it knows the tokens. Returns (k, generating slots); k = 0 when the next step must run normally."""
-        if self.queue or self._ops or self._uncommitted is not None or self._pending_fatal is not None:
+        if self._blocked():
             return 0, []
         gen = []
         for s in self.slots:
@@ -598,63 +621,131 @@ class ServerCore:
             return 0, []
         if not self.policies.batch_builder.include_decodes(len(gen), 0):
             return 0, []
-        k = 1 << 62
-        for s in gen:
-            task = s.task
-            n_left = len(s.tokens)
-            # step j runs with len = n_left + j before it: a shift at its schedule when len+1 >= n_ctx, or (shift
-            # off) a stop at its commit when len+2 >= n_ctx -- both first at j = n_ctx - n_left - 1 (shift)
-            # or n_ctx - n_left - 2 (stop, allowed as the last step)
-            k = min(k, s.n_ctx - n_left - 1)
-            n_predict = task.n_predict_max
-            if n_predict != -1:
-                k = min(k, n_predict - task.n_decoded)   # the stop lands in the last step's commit
-        k = min(k, self.kv.decode_steps_left(len(gen)))
+        k = min(self._decode_bound(gen), self.kv.decode_steps_left(len(gen)))
         return max(k, 0), gen
 
-    def fast_forward(self, gen: list[Slot], tokens: dict[int, list[int]], end_times_s: list[float],
-                     arrivals: dict[int, list[Task]] | None = None) -> list[TokenEvent]:
-        """Apply k = len(end_times_s) decode steps at once, exactly as k schedule/commit rounds would.
+    def prefill_horizon(self) -> tuple[int, list[Slot], Slot | None, int]:
+        """How many upcoming steps are certain to be one prompt chunk of `take` tokens (the whole prompt
+        budget) for the first slot in prompt order that is processing a prompt, none of them its last chunk
+        (that one samples: it runs normally), plus one decode token per generating slot when the batch
+        builder includes decodes: a `stable` batch builder, no queued task, no pending KV op, every busy slot
+        GENERATING with no text hook or waiting for its prompt, the batch within n_batch and fitting the KV
+        cells as one call, no context shift, and no stop before the last step's commit.
+        Returns (m, decoding slots, prompt slot, take); m = 0 when the next step must run normally."""
+        none = 0, [], None, 0
+        if self._blocked():
+            return none
+        gen = []
+        n_pending = 0
+        for s in self.slots:
+            st = s.state
+            if st == IDLE:
+                continue
+            if st == GENERATING:
+                if s.task.text_hook is not None:
+                    return none
+                gen.append(s)
+            elif st == PROCESSING_PROMPT or st == STARTED:
+                n_pending += 1
+            else:
+                return none
+        bb = self.policies.batch_builder
+        if not n_pending or not getattr(bb, "stable", False):
+            return none
+        p = None
+        for s in bb.prompt_order(self.slots):     # the budget goes to the first pending prompt in this order
+            if s.state == STARTED:
+                return none                       # it would begin its prompt (admission checks, KV trim)
+            if s.state == PROCESSING_PROMPT:
+                p = s
+                break
+        if p is None or p.task.n_cmpl != 1 or p.task.id_parent != -1:
+            return none
+        n_batch = self.cfg.n_batch
+        for s in gen:                        # a context shift would come first (decodes or not)
+            if len(s.tokens) + 1 >= s.n_ctx:
+                return none
+        if not (gen and bb.include_decodes(len(gen), n_pending)):
+            gen = []
+        n_dec = len(gen)
+        take = bb.prompt_budget(n_batch, n_dec, self.base.cont_batching)
+        if take <= 0 or n_dec + take > n_batch:
+            return none
+        m = (len(p.task.tokens) - p.i_prompt - 1) // take   # chunks of `take` that leave the last one
+        if gen:
+            m = min(m, self._decode_bound(gen))
+        kv = self.kv
+        if kv.unified:
+            m = min(m, (kv.capacity - kv.used()) // (n_dec + take))
+        else:
+            if not kv.fits_as_is():
+                return none
+            m = min(m, (kv.capacity - len(p.tokens)) // take)
+        if m < 1:
+            return none
+        return m, gen, p, take
 
-        `gen` and k (at most) must come from `decode_horizon`; `tokens[slot]` holds the k tokens sampled for
-        each slot (no EOG before the last). The last step's commit runs the stop checks and releases, as
-        `commit` would. `arrivals[j]`: tasks submitted at the start of step j; only allowed while every slot
-        is busy, when `process_new_tasks` can do nothing but defer them (so they do not change the stretch).
+    def fast_forward(self, gen: list[Slot], tokens: dict[int, list[int]], end_times_s: list[float],
+                     arrivals: dict[int, list[Task]] | None = None,
+                     prompt: tuple[Slot, int] | None = None) -> list[TokenEvent]:
+        """Apply k = len(end_times_s) steps at once, exactly as k schedule/commit rounds would.
+
+        Plain decode steps: `gen` and k (at most) come from `decode_horizon`. With `prompt=(slot, take)` each
+        step also carries a chunk of `take` prompt tokens of that slot, and `gen`, k (at most) and take come
+        from `prefill_horizon`. `tokens[slot]` holds the k tokens sampled for each slot of `gen` (no EOG
+        before the last). The last step's commit runs the stop checks and releases, as `commit` would.
+        `arrivals[j]`: tasks submitted at the start of step j; only allowed while every slot is busy, when
+        `process_new_tasks` can do nothing but defer them (so they do not change the stretch).
         """
         k = len(end_times_s)
         if arrivals and self._n_busy < len(self.slots):
             raise RuntimeError("fast_forward with arrivals needs every slot busy")
         m = self.metrics
-        busy = len(gen)
+        n_dec = len(gen)
+        busy = self._n_busy
         rec = self.rec.enabled
         t_end = end_times_s[-1]
+        stream = self.stream_tokens
         for s in gen:
             task = s.task
             new = tokens[s.id]
-            s.tokens.append(s.sampled)
-            s.tokens.extend(new[:-1])
+            toks = s.tokens
+            toks.append(s.sampled)
+            if k > 1:
+                toks += new[:-1]
             s.sampled = new[-1]
-            task.generated.extend(new)
+            task.generated += new
             task.t_gen_last_s = t_end
-            if self.stream_tokens:
+            if stream:
                 self._events.extend(TokenEvent(task, t) for t in new)
+        n_prompt = 0
+        ids = [s.id for s in gen] if rec else None
+        if prompt is not None:
+            p, take = prompt
+            n_prompt = take
+            i = p.i_prompt
+            p.tokens += p.task.tokens[i:i + k * take]
+            p.i_prompt = i + k * take
+            if rec:
+                ids.append(p.id)
         m.n_decode_total += k
         m.n_busy_slots_total += busy * k
-        ids = [s.id for s in gen]
-        for j in range(k):
-            start = end_times_s[j - 1] if j else self._last_commit_s
-            if arrivals and j in arrivals:
-                for t in arrivals[j]:
-                    self.submit(t, start)
-                while self.queue:
-                    self._process_single_task(self.queue.popleft(), start)
-                assert not self._ops, "deferring a task emitted KV operations"
-            if rec:
-                self.rec.record(start, "batch", n_decode=busy, n_prompt=0, slots=ids, n_calls=1)
+        if arrivals or rec:
+            for j in range(k):
+                start = end_times_s[j - 1] if j else self._last_commit_s
+                if arrivals and j in arrivals:
+                    for t in arrivals[j]:
+                        self.submit(t, start)
+                    while self.queue:
+                        self._process_single_task(self.queue.popleft(), start)
+                    assert not self._ops, "deferring a task emitted KV operations"
+                if rec:
+                    self.rec.record(start, "batch", n_decode=n_dec, n_prompt=n_prompt, slots=ids, n_calls=1)
+        self._last_commit_s = t_end
         for s in gen:                      # the last step's commit: stop checks in slot order
             if self._process_token(s, s.task, s.sampled):
                 self._release(s, t_end)
-        n_max = max(len(s.tokens) for s in self.slots)
+        n_max = max([len(s.tokens) for s in self.slots])
         if n_max > m.n_tokens_max:
             m.n_tokens_max = n_max
         events, self._events = self._events, []

@@ -119,6 +119,30 @@ def test_fast_forward_equals_single_stepping_on_random_chat(n_users, n_parallel,
     assert_identical(*_compare_ff(cfg, small_chat(seed, n_users), param_latency()))
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n_parallel=st.sampled_from([1, 2, 4]), n_batch=st.sampled_from([16, 64, 200]), kvu=st.booleans(),
+       n_ctx=st.sampled_from([2048, 8192]), rate=st.floats(0.5, 50), seed=st.integers(0, 1000),
+       batch=st.sampled_from(["decode_first", "prefill_first", "token_budget:40"]), cram=st.sampled_from([0, 1]))
+def test_prefill_fast_forward_equals_single_stepping(n_parallel, n_batch, kvu, n_ctx, rate, seed, batch, cram):
+    """Long prompts in small batches: stretches of prompt chunks (with or without decodes) fast-forwarded."""
+    tr = open_loop(25, PoissonArrivals(rate), UniformLength(5, 1500), UniformLength(1, 150), seed=seed)
+    cfg = ServerConfig(n_parallel=n_parallel, n_ctx=n_ctx, n_batch=n_batch, kv_unified=kvu, cache_ram_mib=cram,
+                       kv_bytes_per_token=1024, policies=PolicyNames(batch_building=batch))
+    latency = ParametricLatency(a_s=0.01, b_prefill_s=1e-5, c_decode_s=3e-4, d_attn_s=1e-7, h_kv_read_s=1e-8)
+    a, b, ra, rb = _compare_ff(cfg, tr, latency)
+    assert_identical(a, b, ra, rb)
+    assert a.metrics == b.metrics
+
+
+def test_prefill_chunks_are_fast_forwarded():
+    tr = open_loop(40, PoissonArrivals(20.0), ConstantLength(3000), ConstantLength(50), seed=1)
+    cfg = ServerConfig(n_parallel=4, n_ctx=16384, n_batch=128)
+    a, b, ra, rb = _compare_ff(cfg, tr, param_latency())
+    assert b.run["ff_steps"] > 0.8 * b.run["steps"]
+    assert_identical(a, b, ra, rb)
+    assert a.metrics == b.metrics
+
+
 def test_saturated_open_loop_fast_forwards_through_deferred_arrivals():
     tr = open_loop(60, PoissonArrivals(50.0), ConstantLength(20), ConstantLength(100), seed=0)
     a, b, ra, rb = _compare_ff(ServerConfig(n_ctx=8192, n_parallel=2), tr, ConstantLatency(0.01))
