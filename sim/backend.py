@@ -27,16 +27,17 @@ class SimBackend:
         for p in plan.program:
             if type(p) is ForwardCall:
                 n_calls += 1
-                for c in p.chunks:
-                    n = len(c.tokens)
-                    n_seqs += 1
-                    if c.is_prompt:
+                n_seqs += len(p.chunks)
+                for _seq, _task, toks, pos0, _sf, is_prompt in p.chunks:
+                    if is_prompt:
+                        n = len(toks)
                         n_prefill += n
-                        attn += n * c.pos0 + n * (n + 1) // 2
+                        attn += n * pos0 + n * (n + 1) // 2
+                        kv_read += pos0 + n
                     else:
                         n_decode += 1
-                        attn += c.pos0 + 1
-                    kv_read += c.pos0 + n
+                        attn += pos0 + 1
+                        kv_read += pos0 + 1
             else:
                 k = p.kind
                 if k == "cache_save" or k == "cache_load":
@@ -49,13 +50,15 @@ class SimBackend:
                         copy_tokens * self.kv_bytes_per_token, shift_tokens, kv_read)
 
     def execute(self, plan: BatchPlan) -> StepResult:
-        if not plan.tasks and not any(type(p) is ForwardCall for p in plan.program):
+        tasks = plan.tasks
+        if not tasks and not any(type(p) is ForwardCall for p in plan.program):
             return StepResult(0.0, {})   # KV bookkeeping only (drops, clears): charged nothing
         elapsed = self.latency.step_time_s(self.cost(plan))
         sampled = {}
-        for sid, task in plan.tasks.items():
+        for sid, task in tasks.items():
             reply = task.user.reply
-            sampled[sid] = reply[task.n_decoded % len(reply)]
+            n = len(task.generated)
+            sampled[sid] = reply[n] if n < len(reply) else reply[n % len(reply)]
         return StepResult(elapsed, sampled)
 
     def prefill_stretch_costs(self, decode_pos: list[int], prompt_pos0: int, take: int, k: int) -> list[StepCost]:
@@ -76,7 +79,7 @@ class SimBackend:
     def tokens_for(task, k: int) -> list[int]:
         """The next k stand-in tokens of a task (what k further execute() calls would sample)."""
         reply = task.user.reply
-        n = task.n_decoded
+        n = len(task.generated)
         if n + k <= len(reply):
             return reply[n:n + k]
         return [reply[(n + i) % len(reply)] for i in range(k)]

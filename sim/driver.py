@@ -14,6 +14,8 @@ from __future__ import annotations
 import gc
 import math
 import time
+from bisect import bisect_left
+from itertools import accumulate
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +36,7 @@ NS = 1_000_000_000
 LATE = NORMAL + 1          # SimPy priority after every normal event of the same instant
 TIMELINE_MAX = 20_000
 REPLY_POOL = 1 << 16       # stand-in reply tokens drawn once per simulation
+SMALL_STRETCH = 64         # fast-forward stretches up to this many steps are timed with Python lists, not numpy
 
 
 @dataclass(slots=True)
@@ -266,38 +269,48 @@ class Simulation:
             attn0 = n
             for s in gen:
                 attn0 += len(s.tokens)
-            # step durations in ns exactly as single steps round them (round-half-even, like Python's round)
-            dts = np.rint(np.asarray(self.latency.decode_only_times_s(n, attn0, k)) * NS).astype(np.int64)
+            times = self.latency.decode_only_times_s(n, attn0, k)
         else:
             k, gen, p, take = core.prefill_horizon()
             if k < 1:
                 return now
             prompt = (p, take)
             step_time = self.latency.step_time_s
-            costs = self.backend.prefill_stretch_costs([len(s.tokens) for s in gen], len(p.tokens), take, k)
-            dts = np.array([round(step_time(c) * NS) for c in costs], dtype=np.int64)
-        env = self.env
-        t_client = env.peek()                        # next client (closed-loop) event; math.inf if none
+            times = [step_time(c) for c in
+                     self.backend.prefill_stretch_costs([len(s.tokens) for s in gen], len(p.tokens), take, k)]
+        t_client = self.env.peek()                   # next client (closed-loop) event; math.inf if none
         if t_client <= now:
             return now
         all_busy = core.n_processing == len(core.slots)
         t_arr = self._next_arrival_ns()
-        ends = now + np.cumsum(dts)                  # [k] end of each step
-        starts = ends - dts                          # [k] start of each step
-        kk = int(np.searchsorted(starts, t_client, "left")) if t_client < math.inf else k
-        if not all_busy and t_arr <= starts[kk - 1 if kk else 0]:   # an arrival would get a slot: stop before it
-            kk = min(kk, int(np.searchsorted(starts, t_arr, "left")))
+        # step durations in ns exactly as single steps round them (round-half-even, as Python's round)
+        if k <= SMALL_STRETCH:
+            dts = [round(t * NS) for t in times]
+            ends = list(accumulate(dts, initial=now))
+            starts = ends[:-1]                       # [k] start of each step
+            del ends[0]                              # [k] end of each step
+            kk = bisect_left(starts, t_client) if t_client < math.inf else k
+            if not all_busy and kk and t_arr <= starts[kk - 1]:   # an arrival would get a slot: stop before it
+                kk = bisect_left(starts, t_arr, 0, kk)
+        else:
+            dts_a = np.rint(np.asarray(times) * NS).astype(np.int64)
+            ends_a = now + np.cumsum(dts_a)
+            starts = ends_a - dts_a
+            kk = int(np.searchsorted(starts, t_client, "left")) if t_client < math.inf else k
+            if not all_busy and kk and t_arr <= starts[kk - 1]:
+                kk = int(np.searchsorted(starts[:kk], t_arr, "left"))
+            ends = ends_a[:kk].tolist()
+            starts = starts[:kk].tolist()
         if kk == 0:
             return now
+        del ends[kk:]
         arrivals: dict[int, list[Task]] = {}
         if all_busy and t_arr <= starts[kk - 1]:
             # arrivals during the stretch can only be deferred: hand each to the step that first sees it
-            tasks = self._take_arrivals(int(starts[kk - 1]))
-            js = np.searchsorted(starts[:kk], [t.user.arrival_ns for t in tasks], "left").tolist()
-            for task, j in zip(tasks, js):
-                arrivals.setdefault(j, []).append(task)
-        ends = ends[:kk].tolist()
-        tokens = {s.id: SimBackend.tokens_for(s.task, kk) for s in gen}
+            for task in self._take_arrivals(starts[kk - 1]):
+                arrivals.setdefault(bisect_left(starts, task.user.arrival_ns, 0, kk), []).append(task)
+        tokens_for = SimBackend.tokens_for
+        tokens = {s.id: tokens_for(s.task, kk) for s in gen}
         eog = self.config.eog_ids
         if eog and self._reply_eog and any(tok in eog for toks in tokens.values() for tok in toks[:-1]):
             self._arr_i -= sum(len(v) for v in arrivals.values())

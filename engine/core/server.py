@@ -44,6 +44,7 @@ IDLE, STARTED, PROCESSING_PROMPT, DONE_PROMPT, GENERATING, WAIT_OTHER = (
     SlotState.GENERATING, SlotState.WAIT_OTHER)
 
 MSG_CTX_EXCEEDED = "Context size has been exceeded."
+_tuple_new = tuple.__new__      # builds a NamedTuple from a full field tuple without its Python-level __new__
 
 
 class ServerCore:
@@ -73,6 +74,7 @@ class ServerCore:
         self._eog = self.base.eog_ids
         # per slot: id of a cache entry known to contain its current tokens (skips alloc's O(entries) scan)
         self._saved_in: list[int] = [-1] * len(self.slots)
+        self._self_only = [(i,) for i in range(len(self.slots))]   # a decode chunk's sample_for, per slot
         self.kv = KVCells(self.slots, self.cfg.kv_unified, self.cfg.n_ctx, self.cfg.n_ctx_slot)
         self.cache: PromptCache | None = None
         if self.cfg.cache_enabled:
@@ -299,12 +301,14 @@ class ServerCore:
         # 2. one decode token per generating slot
         n_decode = 0
         if gen and self.policies.batch_builder.include_decodes(len(gen), n_prompt_pending):
+            self_only = self._self_only
             for s in gen:
                 toks = s.tokens
                 sid = s.id
                 task = s.task
-                chunks.append(Chunk(sid, task.id, (s.sampled,), len(toks), (sid,), False))
-                toks.append(s.sampled)
+                tok = s.sampled
+                chunks.append(_tuple_new(Chunk, (sid, task.id, (tok,), len(toks), self_only[sid], False)))
+                toks.append(tok)
                 added[sid] = 1
                 tasks[sid] = task
                 sampling[sid] = task.sampling
@@ -518,11 +522,12 @@ class ServerCore:
         sampled = result.sampled
         eog = self._eog
         ctx_stop = not self.base.ctx_shift     # the context limit stops a task only with ctx shift off
+        ptasks = plan.tasks
         for sid in sorted(sampled):            # post_decode visits slots in id order
             tok = sampled[sid]
             s = slots[sid]
             task = s.task
-            if task is None or task is not plan.tasks.get(sid):
+            if task is None or task is not ptasks.get(sid):
                 continue                       # cancelled while the step ran
             if s.state == DONE_PROMPT:
                 s.state = GENERATING
@@ -544,7 +549,7 @@ class ServerCore:
                 continue                       # no stop condition can hold: skip the full check
             if self._process_token(s, task, tok):
                 self._release(s, now_s)
-        n_max = max(map(len, [s.tokens for s in slots]))
+        n_max = max([len(s.tokens) for s in slots])
         if n_max > m.n_tokens_max:
             m.n_tokens_max = n_max
         if self._pending_fatal is plan:
@@ -772,8 +777,9 @@ class ServerCore:
         task.n_tokens_cached = len(s.tokens)
         m = self.metrics
         gen_s = max(0.0, task.t_gen_last_s - task.t_prompt_last_s) if task.t_prompt_last_s >= 0 else 0.0
-        m.n_tokens_predicted_total += task.n_decoded
-        m.n_tokens_predicted += task.n_decoded
+        n_gen = len(task.generated)
+        m.n_tokens_predicted_total += n_gen
+        m.n_tokens_predicted += n_gen
         m.t_tokens_generation_total_s += gen_s
         m.t_tokens_generation_s += gen_s
         self._finish(task, now_s)
