@@ -207,6 +207,10 @@ def write_run(out_dir: str | Path, result: Any, config: Mapping[str, Any], *, cs
     timeline = timeline_frame(result.timeline)
     run = dict(result.run)
     summary = summarize(requests, sim_s=run.get("sim_s"), cache_stats=result.cache_stats, metrics=result.metrics)
+    load = run.get("load") or {}
+    for key in ("arrival_rps", "service_rps", "backlog_at_last_arrival", "saturated"):
+        if key in load:                    # offered load vs served (open loop; see Simulation._load)
+            summary[key] = load[key]
     write_json(out / FILES["config"], {**config, "sim": result.config})
     write_json(out / FILES["run"], {**run, "cache_stats": dict(result.cache_stats),
                                     "metrics": metrics_dict(result.metrics)})

@@ -149,6 +149,19 @@ def format_summary(s: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def saturation_warning(s: Mapping[str, Any]) -> str | None:
+    """What to tell the person running a trace when the offered load exceeds what the server serves (the
+    queue grew without bound, so queueing rather than the configuration under study sets the latencies)."""
+    if not s.get("saturated"):
+        return None
+    lam, mu = s["arrival_rps"], s["service_rps"]
+    return (f"warning: the server is saturated: requests arrive at {lam:.3g} req/s but it served {mu:.3g} req/s "
+            f"while requests waited for a slot (offered load {lam / mu:.2g}x what it serves); "
+            f"{int(s['backlog_at_last_arrival']):,} requests were still waiting when the last one arrived, so "
+            f"queueing dominates TTFT (P50 {s['ttft_p50_s']:.4g} s). Lower the offered load (--rate, or a larger "
+            f"--time-scale) or add capacity (more slots with -np, a faster --latency).")
+
+
 def one_line_summary(s: Mapping[str, Any]) -> str:
     return (f"{s['n_requests']} requests, {s['n_errors']} errors, TTFT P50 {s['ttft_p50_s']:.3g} s "
             f"P99 {s['ttft_p99_s']:.3g} s, E2E P50 {s['e2e_p50_s']:.3g} s, hit rate "

@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from experiments.flags import SIMULATE, add_command, option_values
 from experiments.runs import (RunSpec, check_options, follow, format_summary, one_line_summary, out_dir,
-                              run_context, run_one, usage_errors)
+                              run_context, run_one, saturation_warning, usage_errors)
 from experiments.workloads import build_workload
 
 SIMULATE_EPILOG = """examples:
@@ -42,9 +42,15 @@ def cmd_simulate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.quiet:
         summary = run_one(spec, workload)
         print(f"slotlab simulate: {one_line_summary(summary)} -> {out}")
+        warning = saturation_warning(summary)
+        if warning:
+            print(warning)
         return 0
     with tqdm(total=desc.get("n_requests"), unit="req", desc="simulate", file=sys.stderr, leave=False) as bar:
         summary = run_one(spec, workload, follow(bar))
     print(format_summary(summary))
+    warning = saturation_warning(summary)
+    if warning:
+        print(warning)
     print(f"results: {out}/")
     return 0

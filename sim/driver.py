@@ -122,6 +122,10 @@ class Simulation:
         self._n_done = 0
         self._arrivals: list[tuple[int, Any]] = []   # open loop: (arrival_ns, TraceRequest), sorted
         self._arr_i = 0
+        # load accounting: simulated time with requests waiting for a slot, and the requests finished in it
+        self._backlog_ns = 0
+        self._backlog_done = 0
+        self._backlog_at_last_arrival = -1
 
     # ------------------------------------------------------------------ clients
     def submit(self, tokens: list[int], n_output: int, *, index: int, session_id: str | None = None,
@@ -224,6 +228,8 @@ class Simulation:
             now_s = _s(now)
             if self._arr_i < len(self._arrivals):
                 self._inbox.extend(self._take_arrivals(now))
+                if self._arr_i == len(self._arrivals):
+                    self._backlog_at_last_arrival = len(core.deferred) + len(core.queue) + len(self._inbox)
             if self._inbox:
                 for t in self._inbox:
                     core.submit(t, now_s)
@@ -234,6 +240,9 @@ class Simulation:
             now += round(st.result.elapsed_s * NS)
             self._n_steps += 1
             finished = st.finished
+            if core.deferred:                       # requests waiting for a slot: the server runs flat out
+                self._backlog_ns += now - t0
+                self._backlog_done += len(finished)
             if env.peek() <= now or (finished and self._has_waiters(finished)):
                 if now > env.now:
                     yield env.timeout(now - env.now)
@@ -243,8 +252,11 @@ class Simulation:
             if ff and not self._inbox:
                 t_ff = self._try_fast_forward(now)
                 if t_ff > now:
-                    now = t_ff
                     finished = core.pop_finished()
+                    if core.deferred:
+                        self._backlog_ns += t_ff - now
+                        self._backlog_done += len(finished)
+                    now = t_ff
                     if env.peek() <= now or (finished and self._has_waiters(finished)):
                         yield env.timeout(now - env.now)
                     if finished:
@@ -309,6 +321,9 @@ class Simulation:
             # arrivals during the stretch can only be deferred: hand each to the step that first sees it
             for task in self._take_arrivals(starts[kk - 1]):
                 arrivals.setdefault(bisect_left(starts, task.user.arrival_ns, 0, kk), []).append(task)
+            if self._arr_i == len(self._arrivals):   # deferred at once: all of them wait
+                self._backlog_at_last_arrival = (len(core.deferred) + len(core.queue)
+                                                 + sum(len(v) for v in arrivals.values()))
         tokens_for = SimBackend.tokens_for
         tokens = {s.id: tokens_for(s.task, kk) for s in gen}
         eog = self.config.eog_ids
@@ -420,13 +435,34 @@ class Simulation:
                  "requests_per_wall_s": len(rows) / wall if wall > 0 else math.inf,
                  "steps_per_wall_s": self._n_steps / wall if wall > 0 else math.inf,
                  "fast_forward": self.fast_forward, "ff_steps": self._n_ff_steps,
-                 "sessions_ended_early": len(self._ended_early)},
+                 "sessions_ended_early": len(self._ended_early),
+                 "load": self._load(kind, len(rows))},
             cache_stats={"evictions": cache.n_evictions if cache else 0, "hits": cache.n_hits if cache else 0,
                          "saves": cache.n_saves if cache else 0},
             config=self.describe(),
             recorder=self.recorder,
             sessions_ended_early=self._ended_early,
         )
+
+    def _load(self, kind: str, n_requests: int) -> dict[str, Any]:
+        """Offered load against what the server served (open loop): arrival rate, the service rate measured
+        while requests waited for a slot (the server's capacity on this workload), how many were still waiting
+        when the last one arrived, and whether the queue grew without bound (saturated)."""
+        arr = self._arrivals
+        out: dict[str, Any] = {"arrival_rps": None, "service_rps": None, "backlog_at_last_arrival": None,
+                               "saturated": False}
+        if kind != "open_loop_trace" or len(arr) < 2:
+            return out
+        span = arr[-1][0] - arr[0][0]
+        lam = (len(arr) - 1) / _s(span) if span > 0 else math.inf
+        mu = self._backlog_done / _s(self._backlog_ns) if self._backlog_ns > 0 else None
+        backlog = max(self._backlog_at_last_arrival, 0)
+        out.update(arrival_rps=lam, service_rps=mu, backlog_at_last_arrival=backlog)
+        # the queue grew without bound: a backlog of at least one slot-full and 5% of the trace when the last
+        # request arrived, and requests arriving faster than the server finished them while it was flat out
+        out["saturated"] = bool(mu is not None and lam > mu and backlog >= max(len(self.core.slots),
+                                                                              0.05 * n_requests))
+        return out
 
     def describe(self) -> dict[str, Any]:
         r = self.resolved

@@ -82,3 +82,30 @@ def test_open_loop_poisson_workload_runs_the_requested_count(tmp_path):
                  "--out", str(tmp_path)]) == 0
     requests = load_results(tmp_path).requests
     assert len(requests) == 12 and (requests["n_prompt"] == 50).all()
+
+
+def test_a_saturated_server_is_reported_with_rates_and_knobs(tmp_path, capsys):
+    """Arrivals at 40 req/s on 2 slots of 50 ms steps and 20 output tokens (~2 req/s): the queue grows."""
+    args = ["simulate", "--workload", "poisson", "--rate", "40", "--requests", "300", "--prompt-tokens", "50-100",
+            "--output-tokens", "20", "-np", "2", "--latency", "constant:0.05", "--no-plots"]
+    assert main([*args, "--out", str(tmp_path / "sat")]) == 0
+    printed = capsys.readouterr().out
+    assert "warning: the server is saturated" in printed
+    assert "--rate" in printed and "--time-scale" in printed and "-np" in printed and "--latency" in printed
+    load = json.loads((tmp_path / "sat" / "run.json").read_text())["load"]
+    assert load["saturated"] is True and load["arrival_rps"] > 10 * load["service_rps"]
+    assert 1.5 < load["service_rps"] < 2.5            # 2 slots x 1 request / (20 x 50 ms)
+    assert load["backlog_at_last_arrival"] > 200
+    summary = pd.read_csv(tmp_path / "sat" / "summary.csv").iloc[0]
+    assert bool(summary["saturated"]) is True
+
+    assert main([*args[:4], "0.5", *args[5:], "--out", str(tmp_path / "ok")]) == 0   # 0.5 req/s: keeps up
+    assert "warning: the server is saturated" not in capsys.readouterr().out
+    load = json.loads((tmp_path / "ok" / "run.json").read_text())["load"]
+    assert load["saturated"] is False and load["arrival_rps"] < 1
+
+
+def test_quiet_run_prints_the_saturation_warning_too(tmp_path, capsys):
+    assert main(["simulate", "--workload", "poisson", "--rate", "40", "--requests", "200", "--output-tokens", "20",
+                 "-np", "2", "--latency", "constant:0.05", "--no-plots", "--quiet", "--out", str(tmp_path)]) == 0
+    assert "warning: the server is saturated" in capsys.readouterr().out
