@@ -10,6 +10,7 @@ differ under "copy".
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -45,7 +46,9 @@ class PromptCache:
         self.hit_mode = hit_mode
         self.recorder = recorder
         self._emit_drop = emit_drop
-        self.entries: dict[int, CacheEntry] = {}
+        # insertion order; an OrderedDict because FIFO eviction takes the front: a plain dict whose front was
+        # deleted again and again walks the deleted slots on every next(iter()) (O(entries) per eviction)
+        self.entries: OrderedDict[int, CacheEntry] = OrderedDict()
         # entries by first token: any entry with a non-zero common prefix with a prompt starts with the same
         # token, so alloc/load only need to look at one bucket (exact, and O(bucket) instead of O(entries))
         self._by_first: dict[int, dict[int, CacheEntry]] = {}
@@ -78,8 +81,10 @@ class PromptCache:
         self.policy.on_remove(e)
         if reason != "hit":  # a moved entry is freed by the cache_load operation itself
             self._emit_drop(e.id)
-            self.n_evictions += reason.startswith("evict")
-            self.recorder.record(now_s, "cache_drop", entry=e.id, n_tokens=len(e.tokens), reason=reason)
+            if reason[0] == "e":             # evict_*
+                self.n_evictions += 1
+            if self.recorder.enabled:
+                self.recorder.record(now_s, "cache_drop", entry=e.id, n_tokens=len(e.tokens), reason=reason)
 
     def _evict_one(self, now_s: float, reason: str) -> None:
         self._remove(self.policy.victim(self.entries), now_s, reason)
@@ -88,24 +93,37 @@ class PromptCache:
     def alloc(self, tokens: list[int], size_bytes: int, now_s: float) -> CacheEntry | None:
         """Reserve an entry for `tokens` (non-empty; the caller then saves the KV into it); None when skipped."""
         n = len(tokens)
-        bucket = self._by_first.get(tokens[0], {})
-        for e in bucket.values():
-            if common_prefix(e.tokens, tokens) == n:
-                self.recorder.record(now_s, "cache_skip", n_tokens=n, reason="contained", entry=e.id)
-                return None
+        bucket = self._by_first.get(tokens[0])
+        prefixes = None                      # entries that are a prefix of the new tokens (replaced by it)
+        if bucket:
+            for e in bucket.values():
+                lcp = common_prefix(e.tokens, tokens)
+                if lcp == n:
+                    if self.recorder.enabled:
+                        self.recorder.record(now_s, "cache_skip", n_tokens=n, reason="contained", entry=e.id)
+                    return None
+                if lcp == len(e.tokens):
+                    if prefixes is None:
+                        prefixes = []
+                    prefixes.append(e)
         if self.limit_bytes > 0 and size_bytes > self.limit_bytes:
-            self.recorder.record(now_s, "cache_skip", n_tokens=n, reason="exceeds_limit", size_bytes=size_bytes)
+            if self.recorder.enabled:
+                self.recorder.record(now_s, "cache_skip", n_tokens=n, reason="exceeds_limit", size_bytes=size_bytes)
             return None
-        for e in [e for e in bucket.values() if common_prefix(e.tokens, tokens) == len(e.tokens)]:
-            self._remove(e, now_s, "prefix_of_new")
+        if prefixes:
+            for e in prefixes:
+                self._remove(e, now_s, "prefix_of_new")
         if self.limit_bytes > 0:
             while self.entries and self._size_bytes + size_bytes > self.limit_bytes:
                 self._evict_one(now_s, "evict_make_room")
-        e = CacheEntry(id=self._next_id, tokens=list(tokens), size_bytes=size_bytes, t_insert_s=now_s,
-                       t_used_s=now_s, seq=self._next_id)
+        e = CacheEntry(self._next_id, list(tokens), size_bytes, now_s, now_s, 0, 0.0, self._next_id)
         self._next_id += 1
         self.entries[e.id] = e
-        self._by_first.setdefault(e.tokens[0], {})[e.id] = e
+        bucket = self._by_first.get(tokens[0])
+        if bucket is None:
+            self._by_first[tokens[0]] = {e.id: e}
+        else:
+            bucket[e.id] = e
         self._size_bytes += size_bytes
         self._n_tokens += n
         self.policy.on_insert(e, now_s)
