@@ -63,6 +63,30 @@ def render_messages(body: dict, template: ChatTemplate | None, bos_token: str, e
     return prompt + prefill
 
 
+def _json_schema(body: dict) -> Any:
+    """`json_schema` and `response_format` as `oaicompat_chat_params_parse` (tools/server/server-common.cpp)
+    reads them: `json_object` (optionally with a `schema`), `json_schema` (its `json_schema.schema`), or
+    `text`; an absent or empty schema with a JSON response format means any object."""
+    schema = body.get("json_schema")
+    grammar = body.get("grammar")
+    if schema is not None and isinstance(grammar, str) and grammar:
+        raise HTTPError(ErrorType.SERVER, "Cannot use both json_schema and grammar")
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict):
+        kind = fmt.get("type") if isinstance(fmt.get("type"), str) else ""
+        if kind == "json_object":
+            if "schema" in fmt or not schema:
+                schema = fmt.get("schema") if fmt.get("schema") is not None else {}
+        elif kind == "json_schema":
+            wrapper = fmt.get("json_schema") if isinstance(fmt.get("json_schema"), dict) else {}
+            schema = wrapper.get("schema") if wrapper.get("schema") is not None else {}
+        elif kind not in ("", "text"):
+            raise bad_request('response_format type must be one of "text" or "json_object", but got: ' + kind)
+    if isinstance(schema, dict) and not schema:
+        schema = {"type": "object"}
+    return schema
+
+
 def chat_to_completion(body: Any, template: ChatTemplate | None, bos_token: str, eos_token: str) -> dict:
     """The completion body for a chat request: `prompt` rendered, `n_probs` from logprobs/top_logprobs."""
     if not isinstance(body, dict):
@@ -70,10 +94,10 @@ def chat_to_completion(body: Any, template: ChatTemplate | None, bos_token: str,
     tools = body.get("tools")
     if tools:
         raise bad_request("tools are not supported by slotlab")
-    fmt = body.get("response_format")
-    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
-        raise bad_request("response_format other than 'text' is not supported by slotlab")
     data = dict(body)
+    schema = _json_schema(body)
+    if schema is not None:
+        data["json_schema"] = schema
     data["prompt"] = render_messages(body, template, bos_token, eos_token)
     logprobs = body.get("logprobs")
     top = body.get("top_logprobs")
