@@ -359,6 +359,18 @@ async def detokenize(request: Request) -> Response:
     return JSONResponse({"content": tok.detokenize(tokens, special=True)})
 
 
+async def chat_input_tokens(request: Request) -> Response:
+    """`/chat/completions/input_tokens`: the prompt-token count of a chat request, without running it
+    (upstream's `handle_count_tokens`: the chat rendered as for a completion, then tokenized with special
+    tokens)."""
+    state = server_of(request)
+    body = await read_json(request)
+    tok = state.tokenizer
+    data = chat_to_completion(body, state.chat_template, state.token_text(tok.bos_id), state.token_text(tok.eos_id))
+    n = len(state.tokenize(data["prompt"], add_special=True))
+    return JSONResponse({"input_tokens": n, "object": "response.input_tokens"})
+
+
 async def apply_template(request: Request) -> Response:
     state = server_of(request)
     body = await read_json(request)
