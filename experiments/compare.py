@@ -17,7 +17,7 @@ from tqdm import tqdm
 from experiments.flags import COMPARE, SWEEP_DESTS, add_command, option_values
 from experiments.results import load_results
 from experiments.runs import RunSpec, check_options, out_dir, run_context, run_one, usage_errors
-from experiments.sweep import execute
+from experiments.sweep import close_dask, connect_dask, execute
 from experiments.workloads import build_workload
 
 COMPARISON_CSV = "comparison.csv"
@@ -143,6 +143,7 @@ def cmd_compare(args: argparse.Namespace, argv: Sequence[str]) -> int:
         workload, desc = build_workload(values)
         for combo in grid:
             check_options({**values, **combo})
+        client = connect_dask(args.dask, args.jobs) if args.dask else None   # before anything is written
         out = out_dir(args, COMPARE)
     context = run_context(argv, desc)
     specs = []
@@ -152,8 +153,11 @@ def cmd_compare(args: argparse.Namespace, argv: Sequence[str]) -> int:
         specs.append(RunSpec({**values, **combo}, str(out / run_subdir(i, label)), label, varied, args.csv,
                              not args.no_plots, context))
     _preload(plots=not args.no_plots)
-    table = run_grid(specs, workload, run_one, out, jobs=args.jobs, progress=not args.quiet,
-                     plots=not args.no_plots)
+    try:
+        table = run_grid(specs, workload, run_one, out, jobs=args.jobs, progress=not args.quiet,
+                         plots=not args.no_plots, dask=client)
+    finally:
+        close_dask(client)
     n_failed = int((table["status"] != "ok").sum())
     if args.quiet:
         print(f"slotlab compare: {len(table)} configurations, {n_failed} failed -> {out}")

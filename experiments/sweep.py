@@ -25,7 +25,7 @@ from typing import Any
 CELL_FORMAT = 1
 
 
-class SweepError(Exception):
+class SweepError(ValueError):
     """A sweep cannot start (e.g. the Dask scheduler is unreachable): reported before anything is written."""
 
 
@@ -57,11 +57,23 @@ def connect_dask(address: str, jobs: int) -> Any:
     if address == "local":
         cluster = LocalCluster(n_workers=max(1, jobs), threads_per_worker=1, processes=True,
                                dashboard_address=None)
-        return Client(cluster)
+        client = Client(cluster)
+        client._slotlab_cluster = cluster
+        return client
     try:
         return Client(address, timeout="5s")
     except (OSError, TimeoutError) as e:
         raise SweepError(f"cannot reach the Dask scheduler at {address}: {e}") from None
+
+
+def close_dask(client: Any) -> None:
+    """Close a client from `connect_dask` (and the LocalCluster it started)."""
+    if client is None:
+        return
+    cluster = getattr(client, "_slotlab_cluster", None)
+    client.close()
+    if cluster is not None:
+        cluster.close()
 
 
 def execute(items: Sequence[Any], fn: Callable[[Any, Any], Any], shared: Any, *, jobs: int = 1,

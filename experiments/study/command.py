@@ -6,10 +6,7 @@ Wired into the CLI by one call, `add_study_parser(sub)`, which sets the subcomma
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import os
-import platform
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,22 +19,6 @@ STUDY_EPILOG = """examples:
   slotlab study fifo-vs-lru --dask local    the same cells on a Dask LocalCluster
   slotlab study fifo-vs-lru --dask tcp://scheduler:8786   on an existing Dask scheduler
 """
-
-
-def versions() -> dict[str, str]:
-    out = {"python": platform.python_version(), "platform": platform.platform()}
-    for pkg in ("slotlab", "simpy", "numpy", "pandas", "pyarrow", "matplotlib", "dask", "distributed"):
-        try:
-            out[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            out[pkg] = "not installed"
-    try:
-        root = Path(__file__).resolve().parents[2]
-        out["git_commit"] = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
-                                           text=True, timeout=5).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        out["git_commit"] = "unknown"
-    return out
 
 
 def add_study_parser(sub: Any) -> argparse.ArgumentParser:
@@ -80,7 +61,7 @@ def _list() -> int:
 def cmd_study(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     from experiments.study.run import plan_study, run_study
     from experiments.study.spec import SpecError, load_spec, quick_version
-    from experiments.sweep import SweepError, connect_dask
+    from experiments.sweep import SweepError, close_dask, connect_dask
 
     if args.list:
         return _list()
@@ -130,11 +111,7 @@ def cmd_study(args: argparse.Namespace, argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 130
     finally:
-        if client is not None:
-            cluster = getattr(client, "cluster", None)
-            client.close()
-            if cluster is not None and args.dask == "local":
-                cluster.close()
+        close_dask(client)
     c = info["counts"]
     print(f"slotlab study {spec.name}: {c['total']} cells ({c['skipped']} reused, {c['ran']} run, {c['failed']} "
           f"failed) in {info['wall_s']:.0f} s on {runner}")

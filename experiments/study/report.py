@@ -104,12 +104,14 @@ def findings(cells: pd.DataFrame, baseline: str, oracle: str) -> dict[tuple[str,
                         f"{_pts(big['mean'])} points, at {_mib(big['cache_ram'])}"
                         + (f", {_load(big['load'])}" if many_loads else "") + ")"]
             s.append(f"`{p}` " + "; ".join(bits) + ".")
-        if oracle and oracle in set(d["evict"]):
+        if oracle and oracle in set(d["evict"]) and not d[d["evict"] == oracle]["identical"].all():
             od = d[d["evict"] == oracle]
             best = od.loc[od["mean"].idxmax()]
+
             key = (best["cache_ram"], best["load"])
             sent = (f"The oracle `{oracle}` is above `{baseline}` by up to {_pts(best['mean'])} points "
-                    f"{_ci(best['lo'], best['hi'])} at {_mib(key[0])}" + (f", {_load(key[1])}" if many_loads else ""))
+                    f"{_ci(best['lo'], best['hi'])} at {_mib(key[0])}" + (f", {_load(key[1])}" if many_loads else "")
+                    + ("" if best["significant"] else " (not significant)"))
             at = online[(online["cache_ram"] == key[0]) & (online["load"] == key[1])]
             if len(at) and best["mean"] > 0:
                 top = at.loc[at["mean"].idxmax()]
@@ -127,6 +129,9 @@ def findings(cells: pd.DataFrame, baseline: str, oracle: str) -> dict[tuple[str,
                 s.append(f"An online policy beats the oracle in {len(beat)} cells (most: `{e}` at {_mib(size)}"
                          + (f", {_load(load)}" if many_loads else "") + f", by {by:.1f} points in the mean): with "
                          "entries of unequal size and prefix matches, furthest-next-use is a reference, not a bound.")
+        elif oracle and oracle in set(d["evict"]):
+            s.append(f"The oracle `{oracle}` gave results identical to `{baseline}` in every cell: eviction order "
+                     "has nothing to gain on this workload at these sizes.")
         # latency where the largest significant win is
         wins = online[online["significant"] & (online["mean"] > 0)]
         if len(wins):

@@ -7,6 +7,7 @@ is `DIR/cells`).
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 import shlex
@@ -152,9 +153,15 @@ def run_study(spec: StudySpec, out_dir: Path, store_dir: Path, *, jobs: int, das
                 1, len(spec.seeds)), "seeds": list(spec.seeds), "wall_s": wall, "counts": counts, "plots": plots,
             "runner": runner_desc, "real": real_rows}
     (out_dir / "report.md").write_text(write_report(df, meta), encoding="utf-8")
-    from experiments.study.command import versions
+    from experiments.runs import versions
 
-    study_json = {"slotlab_study": 1, "spec": spec.as_dict(), "versions": versions(), "code": code_fingerprint(),
+    vers = versions()
+    for pkg in ("dask", "distributed"):
+        try:
+            vers[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            vers[pkg] = "not installed"
+    study_json = {"slotlab_study": 1, "spec": spec.as_dict(), "versions": vers, "code": code_fingerprint(),
                   "command": shlex.join(["slotlab", *argv]), "rerun": shlex.join(["slotlab", *argv]),
                   "cell_store": str(store_dir), "counts": counts, "wall_s": wall, "runner": runner_desc,
                   "skipped_workloads": plan.skipped, "files": [CELLS_PARQUET, "report.md", *plots],
