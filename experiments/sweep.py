@@ -61,7 +61,7 @@ def connect_dask(address: str, jobs: int) -> Any:
         client._slotlab_cluster = cluster
         return client
     try:
-        return Client(address, timeout="5s")
+        return Client(address, timeout="3s")
     except (OSError, TimeoutError) as e:
         raise SweepError(f"cannot reach the Dask scheduler at {address}: {e}") from None
 

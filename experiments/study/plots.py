@@ -36,6 +36,10 @@ def _panel_lines(ax, summ: pd.DataFrame, styles: dict, label: bool) -> None:
         if g["lo"].notna().any():
             ax.fill_between(g["cache_ram"], g["lo"], g["hi"], color=st["color"], alpha=0.15, lw=0)
     ax.set_xscale("log", base=2)
+    sizes = sorted(summ["cache_ram"].unique())
+    if sizes:
+        ax.set_xticks(sizes, [f"{int(x)}" for x in sizes])
+        ax.minorticks_off()
     ax.grid(True, which="major", alpha=0.3)
 
 
@@ -61,9 +65,10 @@ def _grid_plot(cells: pd.DataFrame, metric: str, scale: float, ylabel: str, path
                 ax.set_ylabel(ylabel)
             if i == len(wls) - 1:
                 ax.set_xlabel("--cache-ram (MiB, log)")
-    fig.legend(loc="upper center", ncol=min(8, len(policies)), fontsize=8, frameon=False)
     fig.suptitle(f"{title} (load {load:g}; bands: 95% CI over seeds)", y=0.995, fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.legend(loc="upper center", bbox_to_anchor=(0.5, 0.975), ncol=min(8, len(policies)), fontsize=8,
+               frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -102,9 +107,10 @@ def _small_multiples(cells: pd.DataFrame, path: Path) -> Path:
                 ax.set_title(f"{wl}, {hit}", fontsize=8)
             if j == 0:
                 ax.set_ylabel(label, fontsize=7)
-    fig.legend(loc="upper center", ncol=min(8, len(policies)), fontsize=7, frameon=False)
     fig.suptitle(f"Every metric vs cache size (MiB, log x), load {load:g}", y=0.998, fontsize=9)
-    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    fig.legend(loc="upper center", bbox_to_anchor=(0.5, 0.988), ncol=min(8, len(policies)), fontsize=7,
+               frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.965))
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path

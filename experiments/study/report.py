@@ -93,7 +93,7 @@ def findings(cells: pd.DataFrame, baseline: str, oracle: str) -> dict[tuple[str,
                             + f"; where it wins: {_where(win, many_loads)}")
             if len(lose):
                 worst = lose.loc[lose["mean"].idxmin()]
-                bits.append(f"is worse than `{baseline}` in {len(lose)} cells, by up to {_pts(worst['mean'])} "
+                bits.append(f"is worse than `{baseline}` in {len(lose)} of {len(g)} cells, by up to {_pts(worst['mean'])} "
                             f"points {_ci(worst['lo'], worst['hi'])} at {_mib(worst['cache_ram'])}"
                             + (f", {_load(worst['load'])}" if many_loads else ""))
             if len(flat):
@@ -115,9 +115,13 @@ def findings(cells: pd.DataFrame, baseline: str, oracle: str) -> dict[tuple[str,
             at = online[(online["cache_ram"] == key[0]) & (online["load"] == key[1])]
             if len(at) and best["mean"] > 0:
                 top = at.loc[at["mean"].idxmax()]
-                share = max(0.0, top["mean"]) / best["mean"]
-                sent += (f"; there the best online policy, `{top['evict']}`, closes {100 * share:.0f}% of that gap "
-                         f"({_pts(top['mean'])} points), leaving {best['mean'] - max(0.0, top['mean']):.1f}")
+                if top["mean"] > best["mean"]:
+                    sent += (f"; there the best online policy, `{top['evict']}`, is above the oracle "
+                             f"({_pts(top['mean'])} points over `{baseline}`)")
+                else:
+                    share = max(0.0, top["mean"]) / best["mean"]
+                    sent += (f"; there the best online policy, `{top['evict']}`, closes {100 * share:.0f}% of that "
+                             f"gap ({_pts(top['mean'])} points), leaving {best['mean'] - max(0.0, top['mean']):.1f}")
             s.append(sent + ".")
             beat = []
             for r in online.itertuples():

@@ -132,10 +132,9 @@ def add_gaps(df: pd.DataFrame, oracle: str) -> pd.DataFrame:
 def run_study(spec: StudySpec, out_dir: Path, store_dir: Path, *, jobs: int, dask: Any = None,
               progress: bool = True, plan: Plan | None = None, argv: Sequence[str] = (),
               runner_desc: str = "", real: Callable[[pd.DataFrame, Path], list[str]] | None = None,
-              log: Callable[[str], None] | None = None) -> dict[str, Any]:
+              log: Callable[[str], None] | None = None, plots: bool = True) -> dict[str, Any]:
     """Run (or resume) the study and write its results into `out_dir`; returns the study.json content."""
     from experiments.results import write_json
-    from experiments.study.plots import plot_study
     from experiments.study.report import write_report
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
@@ -146,7 +145,9 @@ def run_study(spec: StudySpec, out_dir: Path, store_dir: Path, *, jobs: int, das
     wall = time.perf_counter() - t0
     df = add_gaps(cells_frame(records), spec.oracle)
     df.to_parquet(out_dir / CELLS_PARQUET, index=False)
-    plots = plot_study(df, out_dir, spec.oracle) if (df["status"] == "ok").any() else []
+    from experiments.study.plots import plot_study  # matplotlib only when plots are wanted
+
+    plots = plot_study(df, out_dir, spec.oracle) if plots and (df["status"] == "ok").any() else []
     real_rows = real(df, out_dir) if real is not None else None
     meta = {"name": spec.name, "description": spec.description, "baseline": spec.baseline, "oracle": spec.oracle,
             "workloads": plan.descriptions, "skipped_workloads": plan.skipped, "n_configs": len(plan.cells) // max(
