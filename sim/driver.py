@@ -29,6 +29,7 @@ from sim.backend import SimBackend
 from sim.latency import LatencyModel
 from traces import ChatWorkload, PromptMaterializer, TokenSpace, Trace
 from traces.tokens import DOMAIN_REPLY, stream_key
+from sim.future import FutureRequests, chat_requests, trace_requests
 
 NS = 1_000_000_000
 LATE = NORMAL + 1          # SimPy priority after every normal event of the same instant
@@ -377,7 +378,6 @@ class Simulation:
         bind = getattr(cache.policy, "bind_future", None) if cache is not None else None
         if bind is None:
             return
-        from sim.future import FutureRequests, chat_requests, trace_requests
 
         if isinstance(workload, ChatWorkload):
             self._future = FutureRequests(chat_requests(workload, self.space, self._reply), lambda: self.env.now,

@@ -226,8 +226,11 @@ def _render(state: ServerState, ev: JobEvent, info: R.JobInfo, kind: str, role_s
         return [sse(c) for c in R.oai_chat_partial(task, idx, info, out, probs, first=first)]
     if what == "progress":
         if kind == NATIVE:
-            return [sse({"index": idx, "content": "", "tokens": [], "stop": False, "id_slot": -1,
-                         "tokens_predicted": 0, "tokens_evaluated": len(task.tokens), "prompt_progress": payload})]
+            res = {"index": idx, "content": "", "tokens": [], "stop": False, "id_slot": -1,
+                   "tokens_predicted": 0, "tokens_evaluated": len(task.tokens)}
+            if info.params.timings_per_token:       # upstream: stats on every partial with timings_per_token
+                res["timings"] = R.timings(task, prompt_n=payload["processed"] - payload["cache"])
+            return [sse({**res, "prompt_progress": payload})]
         if kind == OAI_CMPL:
             chunk = R.oai_cmpl_chunk(idx, info, "", None, None)
             chunk["prompt_progress"] = payload

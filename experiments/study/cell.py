@@ -14,6 +14,10 @@ from typing import Any
 import numpy as np
 
 from engine.core import PolicyNames, ServerConfig
+from sim.driver import Simulation
+from sim.latency_spec import get_latency_model
+from traces import chat_sessions, read_trace
+from traces.synthetic.reuse import tenants, zipf_conversations
 
 CELL_VERSION = 1
 SMOLLM2_N_CTX_TRAIN = 8192
@@ -60,7 +64,6 @@ def build_workload(kind: str, params: dict[str, Any], seed: int, load: float, tr
     """The workload of one (workload spec, seed, load). `load` multiplies the arrival rate (open loop) or
     divides think times and the start spread (chat: the same users come back `load` times as fast)."""
     if kind == "chat":
-        from traces import chat_sessions
 
         return chat_sessions(n_users=params["users"], turns_per_user=_length(params["turns"]),
                              think_time_s=params["think_time"] / load,
@@ -69,7 +72,6 @@ def build_workload(kind: str, params: dict[str, Any], seed: int, load: float, tr
                              user_tokens=_length(params["user_tokens"]), output_tokens=_length(params["output_tokens"]),
                              start_spread_s=params["start_spread"] / load, seed=seed)
     if kind == "zipf_conversations":
-        from traces.synthetic.reuse import zipf_conversations
 
         return zipf_conversations(params["n_requests"], params["n_conversations"], params["zipf_s"],
                                   params["rate"] * load, system_tokens=_length(params["system_tokens"]),
@@ -78,13 +80,11 @@ def build_workload(kind: str, params: dict[str, Any], seed: int, load: float, tr
                                   output_tokens=_length(params["output_tokens"]), max_context=params["max_context"],
                                   seed=seed)
     if kind == "tenants":
-        from traces.synthetic.reuse import tenants
 
         return tenants(params["n_requests"], params["n_tenants"], params["rate_s"], params["rate"] * load,
                        system_tokens=_length(params["system_tokens"]), user_tokens=_length(params["user_tokens"]),
                        output_tokens=_length(params["output_tokens"]), seed=seed)
     if kind == "trace":
-        from traces import read_trace
 
         if trace_path is None:
             raise FileNotFoundError(params["path"])
@@ -100,7 +100,6 @@ def build_workload(kind: str, params: dict[str, Any], seed: int, load: float, tr
 
 @lru_cache(maxsize=4)
 def _latency(spec: str) -> Any:
-    from sim.latency_spec import get_latency_model
 
     return get_latency_model(spec)
 
@@ -148,7 +147,6 @@ def metrics_of(result: Any, wall_s: float) -> dict[str, Any]:
 
 def run_cell(config: dict[str, Any], workload: Any) -> dict[str, Any]:
     """Simulate one cell (module-level: the sweep runner pickles it by reference)."""
-    from sim.driver import Simulation
 
     cfg = server_config(config)
     t0 = time.perf_counter()

@@ -11,6 +11,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from experiments.results import new_results_dir
+from experiments.study.run import plan_study, run_study
+from experiments.study.spec import BUILTINS, SpecError, load_spec, quick_version
+from experiments.sweep import SweepError, close_dask, connect_dask
+
 STUDY_EPILOG = """examples:
   slotlab study --list                      the built-in studies
   slotlab study fifo-vs-lru                 the built-in eviction study (~2400 cells; rerun: skips finished cells)
@@ -50,7 +55,6 @@ def add_study_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def _list() -> int:
-    from experiments.study.spec import BUILTINS, load_spec, quick_version
 
     for name in BUILTINS:
         s = load_spec(name)
@@ -60,9 +64,6 @@ def _list() -> int:
 
 
 def cmd_study(args: argparse.Namespace, argv: list[str] | None = None) -> int:
-    from experiments.study.run import plan_study, run_study
-    from experiments.study.spec import SpecError, load_spec, quick_version
-    from experiments.sweep import SweepError, close_dask, connect_dask
 
     if args.list:
         return _list()
@@ -86,7 +87,6 @@ def cmd_study(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     except (SpecError, SweepError) as e:
         print(f"slotlab study: error: {e}", file=sys.stderr)
         return 2
-    from experiments.results import new_results_dir
 
     if args.out:
         out = Path(args.out)

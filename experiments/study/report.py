@@ -10,7 +10,7 @@ from typing import Any
 
 import pandas as pd
 
-from experiments.study.stats import GROUP, paired, summarize_metric
+from experiments.study.stats import paired, summarize_metric
 
 PRIMARY = "token_hit_rate"
 

@@ -20,8 +20,18 @@ from typing import Any
 
 import pandas as pd
 
-from experiments.study.cell import CELL_VERSION, build_workload, code_fingerprint, find_trace, run_cell
+from experiments.results import write_json
+from experiments.runs import versions
+from experiments.study.cell import (
+    CELL_VERSION,
+    build_workload,
+    code_fingerprint,
+    find_trace,
+    run_cell,
+)
+from experiments.study.report import write_report
 from experiments.study.spec import REUSE_PARAMS, SpecError, StudySpec
+from experiments.study.stats import oracle_gap
 from experiments.sweep import Cell, CellStore, cell_key, run_cells
 
 CELLS_PARQUET = "cells.parquet"
@@ -123,7 +133,6 @@ def cells_frame(records: Sequence[dict[str, Any]]) -> pd.DataFrame:
 
 
 def add_gaps(df: pd.DataFrame, oracle: str) -> pd.DataFrame:
-    from experiments.study.stats import oracle_gap
 
     df["gap_to_oracle_pts"] = oracle_gap(df, oracle) if oracle else math.nan
     return df
@@ -134,8 +143,6 @@ def run_study(spec: StudySpec, out_dir: Path, store_dir: Path, *, jobs: int, das
               runner_desc: str = "", real: Callable[[pd.DataFrame, Path], list[str]] | None = None,
               log: Callable[[str], None] | None = None, plots: bool = True) -> dict[str, Any]:
     """Run (or resume) the study and write its results into `out_dir`; returns the study.json content."""
-    from experiments.results import write_json
-    from experiments.study.report import write_report
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
     plan = plan or plan_study(spec)
@@ -145,7 +152,9 @@ def run_study(spec: StudySpec, out_dir: Path, store_dir: Path, *, jobs: int, das
     wall = time.perf_counter() - t0
     df = add_gaps(cells_frame(records), spec.oracle)
     df.to_parquet(out_dir / CELLS_PARQUET, index=False)
-    from experiments.study.plots import plot_study  # matplotlib only when plots are wanted
+    from experiments.study.plots import (
+        plot_study,  # matplotlib only when plots are wanted
+    )
 
     plots = plot_study(df, out_dir, spec.oracle) if plots and (df["status"] == "ok").any() else []
     real_rows = real(df, out_dir) if real is not None else None
@@ -154,7 +163,6 @@ def run_study(spec: StudySpec, out_dir: Path, store_dir: Path, *, jobs: int, das
                 1, len(spec.seeds)), "seeds": list(spec.seeds), "wall_s": wall, "counts": counts, "plots": plots,
             "runner": runner_desc, "real": real_rows}
     (out_dir / "report.md").write_text(write_report(df, meta), encoding="utf-8")
-    from experiments.runs import versions
 
     vers = versions()
     for pkg in ("dask", "distributed"):

@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.core import ServerConfig
-from policies import EVICTIONS
+from policies import EVICTIONS, _make
+from sim.latency_spec import get_latency_model
 
 
 class SpecError(ValueError):
@@ -280,7 +281,6 @@ def _axis(ck: _Checker, key: str, ax: str, v: Any) -> tuple[Any, ...]:
         if ax == "evict":
             if not isinstance(x, str) or x.partition(":")[0] not in EVICTIONS:
                 raise ck.error(key, f"unknown eviction policy {x!r}; choose from {', '.join(EVICTIONS)}")
-            from policies import _make
 
             try:
                 _make("eviction", x)
@@ -299,7 +299,6 @@ def _axis(ck: _Checker, key: str, ax: str, v: Any) -> tuple[Any, ...]:
 
 
 def _check_latency(ck: _Checker, latency: str) -> None:
-    from sim.latency_spec import get_latency_model
 
     try:
         get_latency_model(latency)
