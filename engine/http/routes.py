@@ -205,9 +205,13 @@ async def completion_endpoint(request: Request, kind: str) -> Response:
         objs = [R.native_final(t, idx, info, content, state.tokenizer.detokenize(t.tokens, special=True), probs,
                                stream=False) for idx, t, content, probs in results]
         return JSONResponse(objs[0] if len(objs) == 1 else objs)
-    if kind == OAI_CMPL:
-        return JSONResponse(R.oai_cmpl_final(results, info))
-    return JSONResponse(R.oai_chat_final(results, info))
+    out = R.oai_cmpl_final(results, info) if kind == OAI_CMPL else R.oai_chat_final(results, info)
+    if info.params.verbose:
+        # upstream's debug field: the result in the native shape (`to_json_non_oaicompat`, server-task.cpp)
+        idx, t, content, probs = results[0]
+        out["__verbose"] = R.native_final(t, idx, info, content, state.tokenizer.detokenize(t.tokens, special=True),
+                                          probs, stream=False)
+    return JSONResponse(out)
 
 
 def _render(state: ServerState, ev: JobEvent, info: R.JobInfo, kind: str, role_sent: set[int]) -> list[bytes]:

@@ -49,6 +49,7 @@ class ServerOptions:
     api_prefix: str = ""
     numerics: str = "f32"              # engine arithmetic (engine.model.load): "f32" or "ggml"
     chat_template: str = ""            # --chat-template / --chat-template-file: overrides the model's template
+    verbose: bool = False              # -v/--verbose: OpenAI-shaped responses carry `__verbose` debug data
 
     @property
     def model_name(self) -> str:
@@ -115,7 +116,8 @@ class ServerState:
         self.chat_template, self.chat_template_source = template, template_src
         self.defaults = ServerDefaults(n_predict=config.n_predict, n_keep=config.n_keep,
                                        n_cache_reuse=resolved.base.n_cache_reuse, cache_prompt=config.cache_prompt,
-                                       n_parallel=resolved.n_slots, sampling=opts.default_sampling)
+                                       n_parallel=resolved.n_slots, sampling=opts.default_sampling,
+                                       verbose=opts.verbose)
         self.engine = Engine(core, backend)
         self.engine.start()
         self.load_s = time.perf_counter() - t0
