@@ -324,6 +324,10 @@ FLAGS: tuple[Flag, ...] = (
          "threads, BLAS itself held at 1; report it with every figure)", _RV, int, 2, "N"),
     Flag(ENGINE, ("--temp",), "sampling temperature (default: 0 = greedy, reproducible); outputs always run to "
          "the trace's length (ignore_eos)", _RV, float, 0.0, "T"),
+    Flag(None, ("--recorded",), "compare with a trace recorded by `slotlab record` instead of running the engine: "
+         "simulate its requests (their own prompt and output tokens) with these server flags and --latency, "
+         "and compare per request with what the upstream measured (the workload flags do not apply)",
+         (VALIDATE,), str, metavar="TRACE"),
     Flag(None, ("--real-run",), "compare with this existing real-engine results directory (a `slotlab replay` or "
          "a previous validate's real/) instead of running the engine again; its options must be the same as "
          "these (the latency model may differ)", (VALIDATE,), str, metavar="DIR"),
