@@ -31,7 +31,7 @@ OPEN_LOOP_DEFAULTS = {"rate": 1.0, "requests": 200, "prompt_tokens": (100, 1000)
 WORKLOADS = ("chat", "poisson", "gamma")
 
 SIMULATE, COMPARE, REPLAY, VALIDATE, SERVE = "simulate", "compare", "replay", "validate", "serve"
-GENERATE, CALIBRATE = "generate", "calibrate"
+GENERATE, CALIBRATE, RECORD = "generate", "calibrate", "record"
 RUNS = (SIMULATE, COMPARE, REPLAY, VALIDATE)   # the commands that run a workload
 SERVER = (*RUNS, SERVE)                        # the commands that take llama-server's serving flags
 SWEEP_COMMAND = COMPARE                        # takes a comma list for every `sweep` flag
@@ -327,6 +327,10 @@ FLAGS: tuple[Flag, ...] = (
          "threads, BLAS itself held at 1; report it with every figure)", _RV, int, 2, "N"),
     Flag(ENGINE, ("--temp",), "sampling temperature (default: 0 = greedy, reproducible); outputs always run to "
          "the trace's length (ignore_eos)", _RV, float, 0.0, "T"),
+    Flag(None, ("--recorded",), "compare with a trace recorded by `slotlab record` instead of running the engine: "
+         "simulate its requests (their own prompt and output tokens) with these server flags and --latency, "
+         "and compare per request with what the upstream measured (the workload flags do not apply)",
+         (VALIDATE,), str, metavar="TRACE"),
     Flag(None, ("--real-run",), "compare with this existing real-engine results directory (a `slotlab replay` or "
          "a previous validate's real/) instead of running the engine again; its options must be the same as "
          "these (the latency model may differ)", (VALIDATE,), str, metavar="DIR"),
@@ -357,6 +361,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag(None, ("--notes",), "appended to measured_on.notes", _K, str, "", "TEXT"),
     Flag(None, ("--quiet",), "no progress bar and no residual table", _K, default=False),
     Flag(None, ("--no-plots",), "do not write <stem>_fit.png", _K, default=False),
+    # record: the reverse proxy
+    Flag(None, ("--upstream",), "the llama-server compatible server to forward to, e.g. http://127.0.0.1:8080",
+         (RECORD,), str, required=True, metavar="URL"),
+    Flag(None, ("--out",), "the native trace to write (one JSON line per completion request, flushed as it ends)",
+         (RECORD,), str, required=True, metavar="FILE"),
+    Flag(None, ("--host",), "address to listen on (default: 127.0.0.1)", (RECORD,), str, "127.0.0.1"),
+    Flag(None, ("--port",), "port to listen on (default: 8081)", (RECORD,), int, 8081),
 )
 
 RUN_GROUPS = (W, S, P, M, R)

@@ -35,6 +35,8 @@ NS = 1_000_000_000
 LATE = NORMAL + 1          # SimPy priority after every normal event of the same instant
 TIMELINE_MAX = 20_000
 REPLY_POOL = 1 << 16       # stand-in reply tokens drawn once per simulation
+# request parameters of a recorded trace (TraceRequest.sampling) that the core acts on
+RECORDED_TASK_FIELDS = ("ignore_eos", "id_slot", "cache_prompt", "n_keep", "n_discard", "n_cache_reuse")
 
 
 @dataclass(slots=True)
@@ -157,10 +159,23 @@ class Simulation:
         while self._arr_i < len(arr) and arr[self._arr_i][0] <= until_ns:
             t_ns, r = arr[self._arr_i]
             self._arr_i += 1
-            reply = self._reply(r.index, r.n_output)
+            if r.output_tokens:
+                reply, kw = list(r.output_tokens), self._recorded_fields(r)
+            else:
+                reply, kw = self._reply(r.index, r.n_output), self.task_defaults
             req = SimRequest(r.index, t_ns, r.n_output, reply, r.session_id, 0, self.env.event())
-            out.append(Task(id=-1, tokens=mat.prompt(r), n_predict=r.n_output, user=req, **self.task_defaults))
+            out.append(Task(id=-1, tokens=mat.prompt(r), n_predict=r.n_output, user=req, **kw))
         return out
+
+    def _recorded_fields(self, r) -> dict[str, Any]:
+        """Task fields of a recorded request (its `output_tokens` are the reply, EOS included): the request's
+        own slot and cache parameters from `sampling`, and ignore_eos as it was sent (default off), so a
+        recorded EOS stops the task where it stopped upstream (with the config's eog_ids)."""
+        kw = {**self.task_defaults, "ignore_eos": False}
+        for key, value in (r.sampling or {}).items():
+            if key in RECORDED_TASK_FIELDS and value is not None:
+                kw[key] = value
+        return kw
 
     def _session(self, wl: ChatWorkload, sess, index0: int):
         env = self.env
