@@ -18,6 +18,7 @@ from engine.backend import NumpyBackend
 from engine.core import ServerConfig, ServerCore
 from engine.http.engine_thread import Engine
 from engine.http.params import ServerDefaults
+from engine.http.server_log import ServerLog
 from engine.model import Model, load
 from engine.model.chat import ChatTemplate, TemplateError
 from engine.model.sampling import SamplingParams
@@ -102,7 +103,11 @@ class ServerState:
         meta = read_gguf_metadata(opts.model_path)
         config = replace(opts.config, **model.config_facts())
         resolved = config.resolve()
-        core = ServerCore(resolved, make_policies(config.policies))
+        # llama-server's log lines for slot and prompt-cache decisions (engine/http/server_log.py)
+        server_log = ServerLog(resolved.state_size_bytes, resolved.base.slot_prompt_similarity,
+                               resolved.cache_limit_bytes)
+        core = ServerCore(resolved, make_policies(config.policies), server_log)
+        server_log.bind(core.slots)
         backend = NumpyBackend(model, resolved.n_slots, resolved.n_ctx_slot, opts.default_sampling)
         template_src = opts.chat_template or str(meta.get("tokenizer.chat_template") or "")
         template = None
