@@ -229,3 +229,17 @@ def embed_rows(q, d, m, kind_nib, ids, out):
                     out[t, 32 * b + 16 + j] = F32(I32(v >> I32(4))) * db + mb
                 else:
                     out[t, bs * b + j] = F32(v) * db + mb
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def range_nib(q, d, m, x, xs, y, o0, o1):
+    """`decode_nib` over the outputs [o0, o1) only, on the calling thread (no numba threads; GIL released)."""
+    t = np.empty((4, o1 - o0), np.float32)
+    _range_nib(q, d, m, x, xs, y, o0, o1, t)
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def range_byte(q, d, m, x, xs, y, o0, o1, has_m):
+    """`decode_byte` over the outputs [o0, o1) only, on the calling thread."""
+    t = np.empty((4, o1 - o0), np.float32)
+    _range_byte(q, d, m, x, xs, y, o0, o1, t, has_m)

@@ -5,7 +5,7 @@ d and offset m (W = d * q + m per block of 32, exactly the values `gguf.quants.d
 repacked, without rounding anything, into the kernels' transposed block layout (`QPart`); the float32 copy
 is never made. Other types (F32, F16, BF16, the K-quants) stay float32 `Linear`s, multiplied by BLAS.
 
-Products with 1..`DECODE_ROWS_MAX` rows run the fused dequantize-and-dot kernels on numba's threads (exactly
+Products with 1..`NIB_ROWS_MAX` (4-bit) / `BYTE_ROWS_MAX` (8-bit) rows run the fused dequantize-and-dot kernels on numba's threads (exactly
 `n_threads` of them); more rows (prefill) dequantize a tile of outputs to float32 and hand it to BLAS on the
 engine's own threads, which measured faster there (crossover: docs/engine.md). Activations stay float32: the
 arithmetic is that of f32 mode up to float32 summation order (and the attention scale folded in the block
@@ -29,11 +29,20 @@ from engine.model.matmul import Matmul
 from engine.model.types import Linear
 
 T = GGMLQuantizationType
-# rows up to which the fused kernels beat dequantize-a-tile + BLAS (measured, docs/engine.md)
-DECODE_ROWS_MAX = 32
+# rows up to which the fused kernels beat dequantize-a-tile + BLAS (measured, docs/engine.md): the nibble
+# kernel does 8 multiply-adds per byte loaded and stays ahead to 16 rows; the byte kernel (Q8_0: SmolLM2's
+# 49152-row head) only to 4
+NIB_ROWS_MAX = 16
+BYTE_ROWS_MAX = 4
 # the output range of one BLAS tile (prefill): [n_in, _TILE_COLS] float32 stays in L2 (576 x 256 x 4 = 590 KB)
 _TILE_COLS = 256
 _CHUNKS_PER_THREAD = 1         # output ranges per numba thread in the fused kernels
+# Who runs the fused kernels' output ranges: False = the engine's own threads (`Matmul._run`: the caller
+# drains the queue, so a worker without a core costs nothing), True = numba's threading layer (prange;
+# ~3 us a launch instead of ~55 us, but a static split that waits for a descheduled thread: on this shared
+# 2-core machine, under load 3.5-5.5, 2-thread decode measured 3x slower than f32 mode that way)
+USE_NUMBA_THREADS = False
+_SPLIT_MIN_MACS = 1 << 18      # smaller fused products run on the caller alone
 NIB_TYPES = frozenset({T.Q4_0, T.Q4_1})
 BYTE_TYPES = frozenset({T.Q8_0, T.Q5_0, T.Q5_1})
 QUANT_TYPES = NIB_TYPES | BYTE_TYPES
@@ -251,7 +260,7 @@ def numba_threads_limit() -> int:
 
 
 class QuantMatmul(Matmul):
-    """`Matmul` over `QuantLinear`s: fused kernels on numba's threads for 1..DECODE_ROWS_MAX rows, tiles
+    """`Matmul` over `QuantLinear`s: fused kernels on numba's threads for few rows (`NIB_ROWS_MAX`, `BYTE_ROWS_MAX`), tiles
     dequantized to float32 + BLAS on the engine's threads for more (float32 `Linear` parts: `Matmul`)."""
 
     def __init__(self, n_threads: int = 1):
@@ -272,15 +281,22 @@ class QuantMatmul(Matmul):
         k = kernels()
         m = x.shape[0]
         y = np.empty((m, p.n_out), np.float32)
-        if m <= DECODE_ROWS_MAX:
+        if m <= (NIB_ROWS_MAX if p.nib else BYTE_ROWS_MAX):
             xs = x.reshape(m, -1, 32).sum(axis=2) if p.has_m else x[:, :1]          # [M, nb] block sums
-            n_chunks = self.numba_threads * _CHUNKS_PER_THREAD
-            with _launch_lock:
-                _set_numba_threads(self.numba_threads)
-                if p.nib:
-                    k.decode_nib(p.q, p.d, p.m, x, xs, y, n_chunks)
-                else:
-                    k.decode_byte(p.q, p.d, p.m, x, xs, y, n_chunks, p.has_m)
+            if USE_NUMBA_THREADS:
+                n_chunks = self.numba_threads * _CHUNKS_PER_THREAD
+                with _launch_lock:
+                    _set_numba_threads(self.numba_threads)
+                    if p.nib:
+                        k.decode_nib(p.q, p.d, p.m, x, xs, y, n_chunks)
+                    else:
+                        k.decode_byte(p.q, p.d, p.m, x, xs, y, n_chunks, p.has_m)
+                return y
+            split = self._pool is not None and m * p.n_in * p.n_out >= _SPLIT_MIN_MACS
+            if p.nib:
+                self._run(lambda a, b: k.range_nib(p.q, p.d, p.m, x, xs, y, a, b), p.n_out, 16, split)
+            else:
+                self._run(lambda a, b: k.range_byte(p.q, p.d, p.m, x, xs, y, a, b, p.has_m), p.n_out, 16, split)
             return y
         deq = k.dequant_nib if p.nib else k.dequant_byte
 
