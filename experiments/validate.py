@@ -5,11 +5,17 @@ The real run is `slotlab replay` (measured step times); the simulated run uses t
 (the one the real run resolved, with the engine's KV bytes per token and end-of-generation tokens), the same
 prompt token space and a latency model, normally `parametric:` a calibration from `slotlab calibrate`. The
 serving core is the same, so any difference comes from timing: predicted vs measured step durations.
+
+`--recorded TRACE` compares instead with a trace `slotlab record` wrote in front of any llama-server compatible
+server: the recorded requests (their prompt ids, and their generated ids where the endpoint returns them)
+are simulated with the given server flags and latency model, and compared with what the upstream measured
+(`recorded_requests` says how each metric is read from the recorded timings).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -26,13 +32,15 @@ from tqdm import tqdm
 
 from engine.core import PolicyNames, ServerConfig
 from engine.model.tokenizer import ATTR_BYTE, ATTR_NORMAL, Tokenizer
-from experiments.flags import VALIDATE, UsageError, add_flags, option_values, simulate_argv
+from experiments.flags import (OPT_BY_DEST, VALIDATE, WORKLOAD_DESTS, UsageError, add_flags, flag_names, option_values,
+                               simulate_argv)
 from experiments.replay import run_replay
 from experiments.results import load_results, write_json, write_run
 from experiments.runs import follow, out_dir, resolve_model, run_context, server_config
 from experiments.workloads import build_workload
 from sim.driver import Simulation
 from sim.latency_spec import get_latency_model
+from traces import Trace, read_trace
 
 METRICS = ("ttft", "tpot", "e2e", "queue")
 STATS = ("p50", "p90", "p99", "mean")
@@ -332,9 +340,129 @@ def calibration_mismatch(latency: Any, model: str, threads: int) -> str | None:
             f"--out cal.json` and pass `--latency parametric:cal.json`")
 
 
+# --- a recorded trace (slotlab record) as the real run -----------------------------------------------------
+
+
+def recorded_requests(trace: Trace) -> pd.DataFrame:
+    """The per-request table of a recorded trace, in the columns of a results directory's requests.
+
+    From the proxy's clock: `arrival_s`, `e2e_s` = recorded end − arrival (the client's view: queueing, prompt,
+    generation and HTTP). From the upstream's `timings`: `tpot_s` = predicted_ms / (predicted_n − 1),
+    `ttft_s` = e2e − predicted_ms (everything before the first token: HTTP, queue, prompt), `queue_s` = ttft −
+    prompt_ms; `n_cached` = cache_n; `slot` = the response's id_slot (NaN for OpenAI endpoints, which do not
+    report it); `finish` = its stop_type (native) or finish_reason (OpenAI)."""
+    rows = []
+    nan = math.nan
+    for r in trace:
+        rec = r.recorded or {}
+        t = rec.get("timings") or {}
+        end = rec.get("end_s")
+        e2e = end - r.arrival_s if end is not None else nan
+        pred_ms, pred_n, prompt_ms = t.get("predicted_ms"), t.get("predicted_n"), t.get("prompt_ms")
+        ttft = e2e - pred_ms / 1e3 if pred_ms is not None and pred_n else nan
+        slot = rec.get("id_slot")
+        rows.append({
+            "request": r.index, "session_id": r.session_id, "turn": 0, "arrival_s": r.arrival_s,
+            "n_prompt": r.n_prompt, "n_output": t.get("predicted_n", r.n_output),
+            "slot": slot if slot is not None and slot >= 0 else nan,
+            "n_cached": rec.get("n_cached", t.get("cache_n", nan)), "n_deferred": nan,
+            "finish": rec.get("stop_type") or "unknown",
+            "ttft_s": ttft,
+            "tpot_s": pred_ms / 1e3 / (pred_n - 1) if pred_ms is not None and pred_n and pred_n > 1 else nan,
+            "e2e_s": e2e,
+            "queue_s": ttft - prompt_ms / 1e3 if prompt_ms is not None and math.isfinite(ttft) else nan,
+            "output_ids": r.output_tokens is not None,
+        })
+    return pd.DataFrame(rows)
+
+
+def recorded_eog_ids(trace: Trace) -> frozenset[int]:
+    """End-of-generation ids seen in the recording: the last generated id of every request that stopped on EOS."""
+    return frozenset(r.output_tokens[-1] for r in trace
+                     if r.output_tokens and (r.recorded or {}).get("stop_type") == "eos")
+
+
+def load_recorded(path: str) -> Trace:
+    trace = read_trace(path, format="native")
+    if not any(r.recorded for r in trace):
+        raise ValueError(f"{path}: no recorded requests (a trace written by `slotlab record` has a 'recorded' "
+                         "object on each line)")
+    return trace
+
+
+def run_validate_recorded(args: argparse.Namespace, values: dict[str, Any]) -> int:
+    """`slotlab validate --recorded TRACE`: simulate the recorded requests, compare with the recorded timings."""
+    try:
+        given = [d for d in WORKLOAD_DESTS if values.get(d) != OPT_BY_DEST[d].default]
+        if given:
+            raise UsageError(f"--recorded replaces the workload: drop {flag_names(given)}")
+        if args.real_run:
+            raise UsageError("--recorded and --real-run are two different real runs: give one")
+        trace = load_recorded(args.recorded)
+        latency = get_latency_model(values["latency"])
+        cfg = server_config(values, latency)
+        eog = recorded_eog_ids(trace)
+        cfg = dataclasses.replace(cfg, eog_ids=frozenset(cfg.eog_ids) | eog)
+        out = out_dir(args, VALIDATE)
+    except (UsageError, ValueError, OSError) as exc:
+        print(f"slotlab validate: error: {exc}", file=sys.stderr)
+        return 2
+    argv = ["validate", "--recorded", str(Path(args.recorded).resolve()), *simulate_argv(values)[2:]]
+    desc = {"kind": "recorded", "trace": str(args.recorded), "n_requests": len(trace),
+            "n_with_output_ids": sum(1 for r in trace if r.output_tokens is not None)}
+    context = run_context(argv, desc)
+    load_start = os.getloadavg()
+    fast = not values["no_fast_forward"]
+    with tqdm(total=len(trace), unit="req", desc="validate: sim", file=sys.stderr, leave=False,
+              disable=args.quiet) as b:
+        sim = Simulation(cfg, latency, seed=values["seed"], fast_forward=fast, progress=follow(b))
+        result = sim.run(trace)
+    config = {"slotlab_results": 1, **context, "label": "simulator", "rerun": shlex.join(["slotlab", *argv]),
+              "options": dict(values), "latency_spec": values["latency"], "server_config": cfg,
+              "seed": values["seed"], "fast_forward": fast, "twin_of": f"recorded trace {args.recorded}"}
+    write_run(out / "sim", result, config, csv=args.csv, plots=not args.no_plots, n_slots=cfg.resolve().n_slots)
+    simres = load_results(out / "sim")
+    real = recorded_requests(trace)
+    per = compare_requests(real, simres.requests)
+    errors = aggregate_errors(real, simres.requests)
+    summary = per_request_summary(per)
+    known = per["slot_real"].notna()
+    summary["slot_known"] = int(known.sum())
+    if not known.all():       # OpenAI endpoints do not report the slot: rates over the requests that did
+        summary["slot_match_rate"] = float(per.loc[known, "slot_match"].mean()) if known.any() else math.nan
+        summary["decision_match_rate"] = (float(per.loc[known, "decision_match"].mean()) if known.any()
+                                          else summary["n_cached_match_rate"])
+    summary.update(
+        recorded=str(args.recorded), recorded_source=trace.source, n_with_output_ids=desc["n_with_output_ids"],
+        eog_ids_from_trace=sorted(eog), latency=values["latency"], latency_model=latency.describe(),
+        load_average_start=list(load_start), load_average_end=list(os.getloadavg()), sim_dir=str(out / "sim"),
+        sim_steps=simres.run.get("steps"), command=context["command"])
+    per.to_csv(out / FILES["per_request"], index=False)
+    errors.to_csv(out / FILES["errors"], index=False)
+    write_json(out / FILES["summary"], summary)
+    if not args.no_plots:
+        title = f"recorded {Path(args.recorded).name} vs {latency.describe().get('kind')} latency ({len(per)} requests)"
+        plot_scatter(per, out / FILES["scatter"], title)
+        plot_cdfs(real, simres.requests, out / FILES["cdf"], title)
+    if args.quiet:
+        e2e = errors[(errors["metric"] == "e2e") & (errors["stat"] == "p50")].iloc[0]
+        print(f"slotlab validate: {summary['n_requests']} recorded requests, E2E P50 real {e2e['real_s']:.3g} s sim "
+              f"{e2e['sim_s']:.3g} s ({100 * e2e['rel_err']:+.1f}%), decisions match "
+              f"{100 * summary['decision_match_rate']:.0f}% -> {out}")
+    else:
+        print(format_errors(errors, summary).replace("real (s)", "rec (s)").replace("sim-real", "sim-rec"))
+        print(f"recorded {len(trace)} requests ({desc['n_with_output_ids']} with output ids, slot known for "
+              f"{summary['slot_known']}); load average {load_start[0]:.2f} -> {summary['load_average_end'][0]:.2f}; "
+              f"latency {values['latency']}")
+        print(f"results: {out}/  (sim/, {FILES['per_request']}, {FILES['errors']}, {FILES['summary']})")
+    return 0
+
+
 def run_validate(args: argparse.Namespace) -> int:
     """`slotlab validate`; returns the exit code (2 = bad usage or input)."""
     values = option_values(args)
+    if args.recorded:
+        return run_validate_recorded(args, values)
     try:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")

@@ -39,6 +39,9 @@ EVICTIONS: dict[str, Callable[[], Any]] = {
     "lfu": eviction.Lfu,
     "gdsf": eviction.Gdsf,
     "largest": eviction.LargestFirst,
+    "slru": eviction.Slru,                     # slru:F = protected share of bytes (default 0.8)
+    "clock": eviction.Clock,
+    "belady": eviction.Belady,                 # offline oracle: the simulator binds the future requests
 }
 
 REGISTRIES = {

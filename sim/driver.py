@@ -31,12 +31,15 @@ from sim.backend import SimBackend
 from sim.latency import LatencyModel
 from traces import ChatWorkload, PromptMaterializer, TokenSpace, Trace
 from traces.tokens import DOMAIN_REPLY, stream_key
+from sim.future import FutureRequests, chat_requests, trace_requests
 
 NS = 1_000_000_000
 LATE = NORMAL + 1          # SimPy priority after every normal event of the same instant
 TIMELINE_MAX = 20_000
 REPLY_POOL = 1 << 16       # stand-in reply tokens drawn once per simulation
 SMALL_STRETCH = 64         # fast-forward stretches up to this many steps are timed with Python lists, not numpy
+# request parameters of a recorded trace (TraceRequest.sampling) that the core acts on
+RECORDED_TASK_FIELDS = ("ignore_eos", "id_slot", "cache_prompt", "n_keep", "n_discard", "n_cache_reuse")
 
 
 @dataclass(slots=True)
@@ -126,6 +129,8 @@ class Simulation:
         self._backlog_ns = 0
         self._backlog_done = 0
         self._backlog_at_last_arrival = -1
+        self._future = None                          # sim.future.FutureRequests for an oracle policy
+        self._clock_ns = 0                           # the server's clock at its last step (oracle)
 
     # ------------------------------------------------------------------ clients
     def submit(self, tokens: list[int], n_output: int, *, index: int, session_id: str | None = None,
@@ -133,6 +138,8 @@ class Simulation:
         """Submit a request now; the returned event fires with the finished Task."""
         env = self.env
         reply = self._reply(index, n_output)
+        if self._future is not None:
+            self._future.mark_submitted(index)
         req = SimRequest(index, env.now, n_output, reply, session_id, turn, env.event())
         task = Task(id=-1, tokens=tokens, n_predict=n_output, user=req, **self.task_defaults)
         self._inbox.append(task)
@@ -167,10 +174,25 @@ class Simulation:
         while i < n and arr[i][0] <= until_ns:
             t_ns, r = arr[i]
             i += 1
-            req = SimRequest(r.index, t_ns, r.n_output, reply(r.index, r.n_output), r.session_id, 0, None)
-            out.append(Task(id=-1, tokens=mat.prompt(r), n_predict=r.n_output, user=req, **defaults))
+            if r.output_tokens:
+                rep, kw = list(r.output_tokens), self._recorded_fields(r)
+                self._reply_eog = True               # recorded replies end with the EOS they stopped at
+            else:
+                rep, kw = reply(r.index, r.n_output), defaults
+            req = SimRequest(r.index, t_ns, r.n_output, rep, r.session_id, 0, None)
+            out.append(Task(id=-1, tokens=mat.prompt(r), n_predict=r.n_output, user=req, **kw))
         self._arr_i = i
         return out
+
+    def _recorded_fields(self, r) -> dict[str, Any]:
+        """Task fields of a recorded request (its `output_tokens` are the reply, EOS included): the request's
+        own slot and cache parameters from `sampling`, and ignore_eos as it was sent (default off), so a
+        recorded EOS stops the task where it stopped upstream (with the config's eog_ids)."""
+        kw = {**self.task_defaults, "ignore_eos": False}
+        for key, value in (r.sampling or {}).items():
+            if key in RECORDED_TASK_FIELDS and value is not None:
+                kw[key] = value
+        return kw
 
     def _session(self, wl: ChatWorkload, sess, index0: int):
         env = self.env
@@ -235,7 +257,7 @@ class Simulation:
                     core.submit(t, now_s)
                 self._inbox = []
             # the step commits at its end time, computed in integer ns; its tasks finish once the clock is there
-            t0 = now
+            t0 = self._clock_ns = now
             st = step(core, backend, now_s, lambda r: _s(t0 + round(r.elapsed_s * NS)))
             now += round(st.result.elapsed_s * NS)
             self._n_steps += 1
@@ -330,6 +352,7 @@ class Simulation:
         if eog and self._reply_eog and any(tok in eog for toks in tokens.values() for tok in toks[:-1]):
             self._arr_i -= sum(len(v) for v in arrivals.values())
             return now                               # an EOS inside the stretch: step normally
+        self._clock_ns = ends[-1]
         core.fast_forward(gen, tokens, [e / NS for e in ends], arrivals, prompt)
         self._n_steps += kk
         self._n_ff_steps += kk
@@ -406,6 +429,7 @@ class Simulation:
             kind = "open_loop_trace"
         else:
             raise TypeError(f"workload must be a traces.Trace or traces.ChatWorkload, got {type(workload).__name__}")
+        self._bind_future(workload)
         wall0 = time.perf_counter()
         server = env.process(self._server())
         # The run makes next to no reference cycles (a few per closed-loop session: SimPy processes), but holds
@@ -438,7 +462,9 @@ class Simulation:
                  "sessions_ended_early": len(self._ended_early),
                  "load": self._load(kind, len(rows))},
             cache_stats={"evictions": cache.n_evictions if cache else 0, "hits": cache.n_hits if cache else 0,
-                         "saves": cache.n_saves if cache else 0},
+                         "saves": cache.n_saves if cache else 0, "misses": cache.n_misses if cache else 0,
+                         "bytes_saved": cache.bytes_saved if cache else 0,
+                         "bytes_loaded": cache.bytes_loaded if cache else 0},
             config=self.describe(),
             recorder=self.recorder,
             sessions_ended_early=self._ended_early,
@@ -463,6 +489,26 @@ class Simulation:
         out["saturated"] = bool(mu is not None and lam > mu and backlog >= max(len(self.core.slots),
                                                                               0.05 * n_requests))
         return out
+
+    def _bind_future(self, workload: Trace | ChatWorkload) -> None:
+        """Give an oracle eviction policy (one with `bind_future`, e.g. Belady) the workload's future."""
+        cache = self.core.cache
+        bind = getattr(cache.policy, "bind_future", None) if cache is not None else None
+        if bind is None:
+            return
+
+        if isinstance(workload, ChatWorkload):
+            self._future = FutureRequests(chat_requests(workload, self.space, self._reply), self._oracle_clock,
+                                          by_time=False)
+        else:
+            self._future = FutureRequests(trace_requests(workload, self.materializer), self._oracle_clock,
+                                          by_time=True)
+        bind(self._future)
+
+    def _oracle_clock(self) -> int:
+        """The simulated time (ns) the core's decisions are being taken at: the server's clock while it
+        runs ahead of SimPy's (see _server), SimPy's otherwise."""
+        return max(self._clock_ns, self.env.now)
 
     def describe(self) -> dict[str, Any]:
         r = self.resolved

@@ -20,7 +20,9 @@ ALLOWED = {
     "engine.http": {"engine", "engine.core", "engine.model", "engine.http", "policies"},
     "sim": {"engine.core", "sim", "traces", "traces.readers", "traces.synthetic", "policies"},
     "experiments": {"engine", "engine.core", "engine.model", "engine.http", "sim", "traces", "traces.readers",
-                    "traces.synthetic", "policies", "experiments"},
+                    "traces.synthetic", "policies", "experiments", "experiments.study"},
+    "experiments.study": {"engine.core", "sim", "traces", "traces.synthetic", "policies", "experiments",
+                          "experiments.study"},
 }
 FORBIDDEN_IN_CORE = ("simpy", "numpy", "time")
 

@@ -4,7 +4,7 @@ trace has them, real token ids or prefix-block hashes (what prompt-cache studies
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Iterator
+from typing import Any, Iterator
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,6 +16,11 @@ class TraceRequest:
     Prompt content, most specific first: `prompt_tokens` (real ids, then `n_prompt == len(prompt_tokens)`),
     else `block_hashes` (equal hash = identical block of `block_size` tokens; the prompt is its blocks in
     order, the last one cut so the total is `n_prompt`), else lengths only.
+
+    Recorded requests (`slotlab record`) may also carry `output_tokens` (the ids the server generated, so a
+    simulation generates exactly them), `sampling` (the request's generation parameters as sent: n_predict,
+    temperature, seed, ignore_eos, id_slot, cache_prompt, ...) and `recorded` (the upstream's answer: timings,
+    slot, cached tokens, end time; docs/traces.md §3).
     """
 
     index: int                                   # 0-based position in the trace
@@ -27,6 +32,10 @@ class TraceRequest:
     block_hashes: tuple[int, ...] = ()
     block_size: int = 0                          # tokens per hash in block_hashes; 0 = no blocks
     source_line: int = 0                         # 1-based line in the source file; 0 = generated
+    # recorded traffic (native traces written by `slotlab record`); None for every other trace
+    output_tokens: tuple[int, ...] | None = None  # the generated ids, EOS included; n_output == len(...)
+    sampling: dict[str, Any] | None = field(default=None, hash=False)   # the request's generation fields
+    recorded: dict[str, Any] | None = field(default=None, hash=False)   # what the upstream answered/measured
 
 
 @dataclass(slots=True)

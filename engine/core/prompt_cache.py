@@ -59,6 +59,9 @@ class PromptCache:
         self.n_hits = 0
         self.n_saves = 0
         self.n_load_failures = 0
+        self.n_misses = 0          # loads that found no entry to restore
+        self.bytes_saved = 0       # Σ size of entries saved into the cache (slot -> host RAM)
+        self.bytes_loaded = 0      # Σ size of entries restored from it (host RAM -> slot)
 
     # --- bookkeeping -------------------------------------------------------------------------------
     def size_bytes(self) -> int:
@@ -128,6 +131,7 @@ class PromptCache:
         self._n_tokens += n
         self.policy.on_insert(e, now_s)
         self.n_saves += 1
+        self.bytes_saved += size_bytes
         return e
 
     def load(self, slot_tokens: list[int], new_tokens: list[int], now_s: float,
@@ -153,6 +157,7 @@ class PromptCache:
             if f_keep_best < f_keep and f_sim_best < f_sim:
                 f_keep_best, f_sim_best, best = f_keep, f_sim, e
         if best is None:
+            self.n_misses += 1
             self.recorder.record(now_s, "cache_miss", n_tokens=n_new, n_entries=len(self.entries))
             return None
         if can_restore is not None and not can_restore(best):
@@ -160,6 +165,7 @@ class PromptCache:
             self.recorder.record(now_s, "cache_load_failed", entry=best.id, n_tokens=len(best.tokens))
             raise CacheLoadFailed(best.id)
         self.n_hits += 1
+        self.bytes_loaded += best.size_bytes
         self.recorder.record(now_s, "cache_hit", entry=best.id, n_tokens=len(best.tokens),
                              f_keep=f_keep_best, f_sim=f_sim_best, mode=self.hit_mode)
         if self.hit_mode == "move":

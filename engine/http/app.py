@@ -166,6 +166,8 @@ def _routes(prefix: str) -> list[Route]:
         ("/completions", r.completion, ["POST"]),            # native, as upstream (only /v1/ speaks OpenAI)
         ("/v1/completions", r.oai_completions, ["POST"]),
         ("/chat/completions", r.chat_completions, ["POST"]), ("/v1/chat/completions", r.chat_completions, ["POST"]),
+        ("/chat/completions/input_tokens", r.chat_input_tokens, ["POST"]),
+        ("/v1/chat/completions/input_tokens", r.chat_input_tokens, ["POST"]),
         ("/tokenize", r.tokenize, ["POST"]), ("/detokenize", r.detokenize, ["POST"]),
         ("/apply-template", r.apply_template, ["POST"]),
         ("/embedding", r.not_supported_embeddings, ["POST"]), ("/embeddings", r.not_supported_embeddings, ["POST"]),

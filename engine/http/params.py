@@ -56,6 +56,7 @@ class ServerDefaults:
     cache_prompt: bool = True
     n_parallel: int = 1
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    verbose: bool = False        # started with -v/--verbose: responses carry `__verbose` unless asked not to
 
 
 def _present(data: dict, name: str) -> bool:
@@ -114,7 +115,7 @@ def _stop(value: Any) -> list[str]:
 def parse_completion_params(data: dict, defaults: ServerDefaults, *, n_vocab: int, eog_ids, tokenize) -> CompletionParams:
     """Parse and validate a request body (already a JSON object)."""
     p = CompletionParams()
-    p.verbose = _bool(data, "verbose", False)
+    p.verbose = _bool(data, "verbose", defaults.verbose)
     p.timings_per_token = _bool(data, "timings_per_token", False)
     p.stream = _bool(data, "stream", False)
     opts = data.get("stream_options")

@@ -29,8 +29,10 @@ def gen_chatcmplid() -> str:
 
 
 def f32(x: float) -> float:
-    """A C++ float printed as a double (e.g. 0.8 -> 0.800000011920929), as nlohmann::json does."""
-    return float(np.float32(x))
+    """A C++ float printed as a double (e.g. 0.8 -> 0.800000011920929), as nlohmann::json does; a double
+    beyond float range becomes +-inf, as the C++ conversion does."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(x))
 
 
 @dataclass(slots=True)
@@ -56,9 +58,10 @@ class JobInfo:
 
 # --- timings ------------------------------------------------------------------------------------------------
 
-def timings(task: Task) -> dict[str, Any]:
-    """`result_timings::to_json`; generation rates use n_gen - 1 steps (the first token comes from the prompt)."""
-    prompt_n = task.n_prompt_processed
+def timings(task: Task, prompt_n: int | None = None) -> dict[str, Any]:
+    """`result_timings::to_json`; generation rates use n_gen - 1 steps (the first token comes from the prompt).
+    `prompt_n`: the prompt tokens processed so far, for a progress event (upstream counts them per batch)."""
+    prompt_n = task.n_prompt_processed if prompt_n is None else prompt_n
     t_start, t_prompt, t_gen = task.t_start_s, task.t_prompt_last_s, task.t_gen_last_s
     prompt_ms = max(0.0, (t_prompt - t_start) * 1e3) if t_prompt >= 0 and t_start >= 0 else 0.0
     n_gen = task.n_decoded
@@ -105,7 +108,8 @@ def generation_settings(p: CompletionParams, only_metrics: bool = False, n_predi
         out["logit_bias"] = [{"bias": f32(b) if math.isfinite(b) else None, "token": t} for t, b in s.logit_bias]
     out.update({"n_probs": s.n_probs, "min_keep": s.min_keep})
     if not only_metrics:
-        out.update({"grammar": "", "grammar_lazy": False, "grammar_triggers": [], "preserved_tokens": []})
+        out.update({"grammar": s.grammar_source, "grammar_lazy": False, "grammar_triggers": [],
+                    "preserved_tokens": []})
     out.update({
         "chat_format": "Content-only", "reasoning_format": "auto", "reasoning_in_content": False,
         "generation_prompt": "", "samplers": list(s.samplers), "speculative.types": ["none"],

@@ -205,9 +205,13 @@ async def completion_endpoint(request: Request, kind: str) -> Response:
         objs = [R.native_final(t, idx, info, content, state.tokenizer.detokenize(t.tokens, special=True), probs,
                                stream=False) for idx, t, content, probs in results]
         return JSONResponse(objs[0] if len(objs) == 1 else objs)
-    if kind == OAI_CMPL:
-        return JSONResponse(R.oai_cmpl_final(results, info))
-    return JSONResponse(R.oai_chat_final(results, info))
+    out = R.oai_cmpl_final(results, info) if kind == OAI_CMPL else R.oai_chat_final(results, info)
+    if info.params.verbose:
+        # upstream's debug field: the result in the native shape (`to_json_non_oaicompat`, server-task.cpp)
+        idx, t, content, probs = results[0]
+        out["__verbose"] = R.native_final(t, idx, info, content, state.tokenizer.detokenize(t.tokens, special=True),
+                                          probs, stream=False)
+    return JSONResponse(out)
 
 
 def _render(state: ServerState, ev: JobEvent, info: R.JobInfo, kind: str, role_sent: set[int]) -> list[bytes]:
@@ -226,8 +230,11 @@ def _render(state: ServerState, ev: JobEvent, info: R.JobInfo, kind: str, role_s
         return [sse(c) for c in R.oai_chat_partial(task, idx, info, out, probs, first=first)]
     if what == "progress":
         if kind == NATIVE:
-            return [sse({"index": idx, "content": "", "tokens": [], "stop": False, "id_slot": -1,
-                         "tokens_predicted": 0, "tokens_evaluated": len(task.tokens), "prompt_progress": payload})]
+            res = {"index": idx, "content": "", "tokens": [], "stop": False, "id_slot": -1,
+                   "tokens_predicted": 0, "tokens_evaluated": len(task.tokens)}
+            if info.params.timings_per_token:       # upstream: stats on every partial with timings_per_token
+                res["timings"] = R.timings(task, prompt_n=payload["processed"] - payload["cache"])
+            return [sse({**res, "prompt_progress": payload})]
         if kind == OAI_CMPL:
             chunk = R.oai_cmpl_chunk(idx, info, "", None, None)
             chunk["prompt_progress"] = payload
@@ -357,6 +364,18 @@ async def detokenize(request: Request) -> Response:
     if any(t < 0 or t >= tok.n_vocab for t in tokens):
         raise bad_request("tokens contain ids outside the vocabulary")
     return JSONResponse({"content": tok.detokenize(tokens, special=True)})
+
+
+async def chat_input_tokens(request: Request) -> Response:
+    """`/chat/completions/input_tokens`: the prompt-token count of a chat request, without running it
+    (upstream's `handle_count_tokens`: the chat rendered as for a completion, then tokenized with special
+    tokens)."""
+    state = server_of(request)
+    body = await read_json(request)
+    tok = state.tokenizer
+    data = chat_to_completion(body, state.chat_template, state.token_text(tok.bos_id), state.token_text(tok.eos_id))
+    n = len(state.tokenize(data["prompt"], add_special=True))
+    return JSONResponse({"input_tokens": n, "object": "response.input_tokens"})
 
 
 async def apply_template(request: Request) -> Response:

@@ -18,6 +18,7 @@ from engine.backend import NumpyBackend
 from engine.core import ServerConfig, ServerCore
 from engine.http.engine_thread import Engine
 from engine.http.params import ServerDefaults
+from engine.http.server_log import ServerLog
 from engine.model import Model, load
 from engine.model.chat import ChatTemplate, TemplateError
 from engine.model.sampling import SamplingParams
@@ -49,6 +50,7 @@ class ServerOptions:
     api_prefix: str = ""
     numerics: str = "f32"              # engine arithmetic (engine.model.load): "f32" or "ggml"
     chat_template: str = ""            # --chat-template / --chat-template-file: overrides the model's template
+    verbose: bool = False              # -v/--verbose: OpenAI-shaped responses carry `__verbose` debug data
 
     @property
     def model_name(self) -> str:
@@ -101,7 +103,11 @@ class ServerState:
         meta = read_gguf_metadata(opts.model_path)
         config = replace(opts.config, **model.config_facts())
         resolved = config.resolve()
-        core = ServerCore(resolved, make_policies(config.policies))
+        # llama-server's log lines for slot and prompt-cache decisions (engine/http/server_log.py)
+        server_log = ServerLog(resolved.state_size_bytes, resolved.base.slot_prompt_similarity,
+                               resolved.cache_limit_bytes)
+        core = ServerCore(resolved, make_policies(config.policies), server_log)
+        server_log.bind(core.slots)
         backend = NumpyBackend(model, resolved.n_slots, resolved.n_ctx_slot, opts.default_sampling)
         template_src = opts.chat_template or str(meta.get("tokenizer.chat_template") or "")
         template = None
@@ -115,7 +121,8 @@ class ServerState:
         self.chat_template, self.chat_template_source = template, template_src
         self.defaults = ServerDefaults(n_predict=config.n_predict, n_keep=config.n_keep,
                                        n_cache_reuse=resolved.base.n_cache_reuse, cache_prompt=config.cache_prompt,
-                                       n_parallel=resolved.n_slots, sampling=opts.default_sampling)
+                                       n_parallel=resolved.n_slots, sampling=opts.default_sampling,
+                                       verbose=opts.verbose)
         self.engine = Engine(core, backend)
         self.engine.start()
         self.load_s = time.perf_counter() - t0

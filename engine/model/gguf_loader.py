@@ -264,10 +264,12 @@ def load_gguf(path: str | os.PathLike[str], n_workers: int = 2, numerics: str | 
             raise GGUFError(path, f"file is truncated: tensor {name!r} ends past byte {size}")
     names = sorted(set(expected) | (optional & set(tensors)))
 
-    def read(name: str) -> tuple[np.ndarray, Any]:
-        """The tensor in float32, and what else the numerics reads of it (ggml: Q4_1/Q5_1 block params)."""
+    def read(name: str) -> tuple[np.ndarray | None, Any]:
+        """The tensor in float32 (None when the numerics keeps it quantized), and what else the numerics reads
+        of it (ggml: Q4_1/Q5_1 block params; q: the quant blocks repacked)."""
         t = tensors[name]
-        return _dequantize(t), num.tensor_extra(t)
+        extra = num.tensor_extra(t)
+        return (None if num.keeps_quantized(extra) else _dequantize(t)), extra
 
     with ThreadPoolExecutor(max_workers=max(1, n_workers)) as pool:
         pairs = dict(zip(names, pool.map(read, names)))
@@ -285,8 +287,8 @@ def _build_weights(hp: HParams, a: dict[str, np.ndarray], types: dict[str, GGMLQ
     q_scale = num.q_scale(hp)
 
     def piece(name: str, scale: np.float32 | None = None) -> Piece:
-        w = a.pop(name)
-        return (w if scale is None else w * scale), types[name], extras.pop(name, None)
+        p = a.pop(name), types[name], extras.pop(name, None)
+        return p if scale is None else num.scale_piece(p, scale)
 
     layers = []
     for i in range(hp.n_layer):
@@ -302,9 +304,12 @@ def _build_weights(hp: HParams, a: dict[str, np.ndarray], types: dict[str, GGMLQ
             w_down=num.linear([piece(b + "ffn_down.weight")]),           # W [n_embd, n_ff]
         ))
     name = "token_embd.weight"
-    tok_embd = a.pop(name)                                                # [n_vocab, n_embd]
-    output = num.output(a.pop("output.weight", tok_embd), types.get("output.weight", types[name]))  # [n_vocab, n_embd]
-    return Weights(tok_embd=tok_embd, output_norm=a.pop("output_norm.weight"), output=output,
+    tok_embd, embd_extra = a.pop(name), extras.pop(name, None)           # [n_vocab, n_embd]
+    if "output.weight" in a:
+        output = num.output(a.pop("output.weight"), types["output.weight"], extras.pop("output.weight", None))
+    else:
+        output = num.output(tok_embd, types[name], embd_extra)            # tied: [n_vocab, n_embd]
+    return Weights(tok_embd=num.embedding(tok_embd, embd_extra), output_norm=a.pop("output_norm.weight"), output=output,
                    layers=tuple(layers), rope_freqs=_rope_freqs(hp, a, path))
 
 

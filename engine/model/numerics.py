@@ -6,7 +6,7 @@ out, whether the attention scale is folded into Q), the matmul and RoPE classes,
 per-chunk attention, whether one-token chunks are attended together, and the KV store's dtype.
 
 `NUMERICS` maps the names users give (`engine.model.load(path, numerics=...)`) to the objects; `resolve` is
-the one place that reads a name.
+the one place that reads a name (and where "q" falls back to "f32" when numba cannot load).
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from engine.model import f32, ggml
+from engine.model import f32, ggml, quant
 from engine.model.matmul import Matmul, SiluMul
 from engine.model.types import HParams, Linear
 
-# (weight [n_out_i, n_in] float32, its GGML type, what `tensor_extra` read of it or None): parts of one matrix
+# (weight [n_out_i, n_in] float32 -- None when `keeps_quantized` -- its GGML type, what `tensor_extra` read of
+# it or None): parts of one matrix
 Piece = tuple[np.ndarray, GGMLQuantizationType, Any]
 # (q [m, n_head, head_dim], k, v [n_head_kv, >= n_old + m, head_dim] as stored, n_old, matmul) -> [m, n_head * head_dim]
 Attend = Callable[..., np.ndarray]
@@ -45,17 +46,30 @@ class Numerics(ABC):
         """What to read of GGUF tensor `t` besides its float32 values (in the loader's parallel pass), or None."""
         return None
 
+    def keeps_quantized(self, extra: Any) -> bool:
+        """True when the tensor whose `tensor_extra` is `extra` needs no float32 copy (the loader skips it)."""
+        return False
+
     def q_scale(self, hp: HParams) -> np.float32 | None:
         """A factor folded into the Q rows (and Q bias) of every layer at load, or None."""
         return None
+
+    def scale_piece(self, piece: Piece, scale: np.float32) -> Piece:
+        """The piece times `scale` (the Q rows times `q_scale`)."""
+        w, qtype, extra = piece
+        return w * scale, qtype, extra
+
+    def embedding(self, w: np.ndarray | None, extra: Any) -> Any:
+        """The token embedding's lookup table: `emb[ids]` -> float32 rows."""
+        return w
 
     @abstractmethod
     def linear(self, pieces: list[Piece]) -> Any:
         """A matrix for `matmul`: the pieces fused along the outputs."""
 
     @abstractmethod
-    def output(self, w: np.ndarray, qtype: GGMLQuantizationType) -> Any:
-        """The output head's matrix (W [n_vocab, n_embd] float32, stored as `qtype`)."""
+    def output(self, w: np.ndarray, qtype: GGMLQuantizationType, extra: Any = None) -> Any:
+        """The output head's matrix (W [n_vocab, n_embd] float32, stored as `qtype`; `tensor_extra` of it)."""
 
     # --- compute ------------------------------------------------------------------------------------------
     @abstractmethod
@@ -86,7 +100,7 @@ class F32Numerics(Numerics):
     def linear(self, pieces: list[Piece]) -> Linear:
         return Linear.from_weight(np.concatenate([w for w, _, _ in pieces]) if len(pieces) > 1 else pieces[0][0])
 
-    def output(self, w: np.ndarray, qtype: GGMLQuantizationType) -> Linear:
+    def output(self, w: np.ndarray, qtype: GGMLQuantizationType, extra: Any = None) -> Linear:
         return Linear.from_weight(w)
 
     def matmul(self, n_threads: int) -> Matmul:
@@ -117,7 +131,7 @@ class GgmlNumerics(Numerics):
     def linear(self, pieces: list[Piece]) -> ggml.QLinear:
         return ggml.qlinear(pieces)
 
-    def output(self, w: np.ndarray, qtype: GGMLQuantizationType) -> ggml.QLinear:
+    def output(self, w: np.ndarray, qtype: GGMLQuantizationType, extra: Any = None) -> ggml.QLinear:
         # the head only makes logits (nothing downstream is re-quantized): the approximate BLAS path is enough
         return ggml.qlinear([(w, qtype, None)])
 
@@ -128,15 +142,52 @@ class GgmlNumerics(Numerics):
         return ggml.GgmlRope(hp, freq_factors)
 
 
-NUMERICS: dict[str, Numerics] = {"f32": F32Numerics(), "ggml": GgmlNumerics()}
+class QuantNumerics(F32Numerics):
+    """f32 mode's arithmetic with the matrices kept in their quant blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the
+    token embedding included) and multiplied by compiled kernels (`engine.model.quant`); the attention scale
+    is folded into the Q rows' block scales. Needs numba: without it `resolve` gives f32 mode (one warning)."""
+
+    name = "q"
+
+    def tensor_extra(self, t: Any) -> Any:
+        if t.tensor_type in quant.QUANT_TYPES and len(t.shape) == 2 and int(t.shape[0]) % 32 == 0:
+            return quant.QPart.from_tensor(t.data, t.tensor_type, (int(t.shape[1]), int(t.shape[0])))
+        return None
+
+    def keeps_quantized(self, extra: Any) -> bool:
+        return isinstance(extra, quant.QPart)
+
+    def scale_piece(self, piece: Piece, scale: np.float32) -> Piece:
+        w, qtype, extra = piece
+        if isinstance(extra, quant.QPart):
+            return None, qtype, extra.scaled(scale)
+        return w * scale, qtype, extra
+
+    def embedding(self, w: np.ndarray | None, extra: Any) -> Any:
+        return quant.QuantEmbedding(extra) if isinstance(extra, quant.QPart) else w
+
+    def linear(self, pieces: list[Piece]) -> quant.QuantLinear:
+        return quant.quant_linear(pieces)
+
+    def output(self, w: np.ndarray | None, qtype: GGMLQuantizationType, extra: Any = None) -> quant.QuantLinear:
+        return quant.quant_linear([(w, qtype, extra)])
+
+    def matmul(self, n_threads: int) -> Matmul:
+        return quant.QuantMatmul(n_threads)
+
+
+NUMERICS: dict[str, Numerics] = {"f32": F32Numerics(), "ggml": GgmlNumerics(), "q": QuantNumerics()}
 NUMERICS_MODES = tuple(NUMERICS)
 
 
 def resolve(numerics: str | Numerics) -> Numerics:
     """The numerics object of a mode name (a `Numerics` passes through); ValueError for an unknown name."""
-    if isinstance(numerics, Numerics):
-        return numerics
-    try:
-        return NUMERICS[numerics]
-    except (KeyError, TypeError):
-        raise ValueError(f"numerics must be one of {NUMERICS_MODES}, got {numerics!r}") from None
+    if not isinstance(numerics, Numerics):
+        try:
+            numerics = NUMERICS[numerics]
+        except (KeyError, TypeError):
+            raise ValueError(f"numerics must be one of {NUMERICS_MODES}, got {numerics!r}") from None
+    if isinstance(numerics, QuantNumerics) and not quant.available():
+        quant.warn_unavailable()
+        return NUMERICS["f32"]
+    return numerics

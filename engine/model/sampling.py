@@ -8,11 +8,15 @@ the samplers of src/llama-sampling.cpp, the request parsing of tools/server/serv
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
+
+from engine.model import grammar as grammar_mod
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # "pick a random seed"
 INT32_MAX = 2**31 - 1
@@ -62,6 +66,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias); ignore_eos adds (eog, -inf) entries
     samplers: tuple[str, ...] = DEFAULT_SAMPLERS
+    grammar: str = ""         # llguidance grammar (engine.model.grammar) from the request's grammar / json_schema
+    grammar_source: str = ""  # what the request gave: the GBNF text, or the JSON schema as JSON
 
     @classmethod
     def from_request(cls, data: dict, defaults: SamplingParams | None = None, *, n_vocab: int | None = None,
@@ -116,6 +122,7 @@ class SamplingParams:
             banned = {t for t, b in logit_bias if b == -math.inf}
             logit_bias += [(int(t), -math.inf) for t in sorted(eog_ids) if t not in banned]
         out["logit_bias"] = tuple(logit_bias)
+        out.update(_parse_grammar(data))
 
         params = replace(base, **out)
         params.check_supported()
@@ -132,6 +139,33 @@ class SamplingParams:
     @property
     def is_random_seed(self) -> bool:
         return self.seed == LLAMA_DEFAULT_SEED
+
+
+def _parse_grammar(data: dict) -> dict:
+    """`json_schema` / `grammar` as server-schema.cpp reads them: the schema is used when there is no
+    `grammar` key; a grammar string of another type falls back to none (json_value). A schema that does not
+    compile is a 400 '"json_schema": ...'; a grammar that does not parse is upstream's sampler-init error."""
+    if "json_schema" in data and "grammar" not in data and data["json_schema"] is not None:
+        schema = data["json_schema"]
+        try:
+            compiled = grammar_mod.from_json_schema(schema)
+        except grammar_mod.GrammarError as e:
+            raise ValueError(f'"json_schema": {e}') from None
+        err = grammar_mod.validate(compiled)
+        if err:
+            raise ValueError(f'"json_schema": {err}')
+        return {"grammar": compiled, "grammar_source": json.dumps(schema, separators=(",", ":"))}
+    text = data.get("grammar")
+    if isinstance(text, str) and text:
+        try:
+            compiled = grammar_mod.from_gbnf(text)
+            err = grammar_mod.validate(compiled)
+        except grammar_mod.GrammarError:
+            err = grammar_mod.MSG_BAD_GRAMMAR
+        if err:
+            raise ValueError(f"Failed to initialize samplers: {grammar_mod.MSG_BAD_GRAMMAR}")
+        return {"grammar": compiled, "grammar_source": text}
+    return {}
 
 
 def _number(name: str, value, kind):
@@ -440,7 +474,9 @@ class Sampler:
     eog_ids: frozenset[int] = frozenset()
     rng: np.random.Generator | None = None  # dist / mirostat draws
     xtc_rng: np.random.Generator | None = None  # XTC has its own generator upstream, seeded the same way
+    tokenizer: Any = None                     # the model's tokenizer; needed only for a grammar
     mirostat_mu: float = field(init=False, default=0.0)
+    constraint: Any = field(init=False, default=None, repr=False)   # engine.model.grammar.Constraint
     _bias_ids: np.ndarray = field(init=False, repr=False)
     _bias_vals: np.ndarray = field(init=False, repr=False)
     _all_ids: np.ndarray = field(init=False, repr=False)  # [n_vocab] int64, never modified in place
@@ -452,6 +488,11 @@ class Sampler:
         if self.xtc_rng is None and self.params.xtc_probability > 0.0:
             self.xtc_rng = make_rng(self.params.seed)
         self.mirostat_mu = 2.0 * self.params.mirostat_tau
+        self.constraint = None
+        if self.params.grammar:
+            if self.tokenizer is None:
+                raise ValueError("a grammar needs the model's tokenizer")
+            self.constraint = grammar_mod.Constraint(self.params.grammar, self.tokenizer)
         bias = [(t, b) for t, b in self.params.logit_bias if 0 <= t < self.n_vocab]
         if self.params.ignore_eos:  # from_request already added these; params built in code may not have
             banned = {t for t, b in bias if b == -math.inf}
@@ -465,19 +506,15 @@ class Sampler:
         raw = np.asarray(logits_row, dtype=np.float32)  # [n_vocab]
         if raw.shape != (self.n_vocab,):
             raise ValueError(f"logits row has shape {raw.shape}, expected (n_vocab,) = ({self.n_vocab},)")
-        logits = raw.copy() if self._bias_ids.size or self._penalties_active() else raw
-        if self._bias_ids.size:
-            np.add.at(logits, self._bias_ids, self._bias_vals)
-        c = _Candidates(ids=self._all_ids, logits=logits)
-
-        if params.mirostat == 0:
-            for name in params.samplers:
-                self._apply(name, c, prev_tokens)
-            selected = _dist(c, self.rng)
-        else:
-            _apply_temperature(c, params.temperature, 0.0, 1.0)
-            selected = self._mirostat(c)
+        c, selected = self._run_chain(raw, prev_tokens, grammar=False)
         token = int(c.ids[selected])
+        g = self.constraint
+        if g is not None:
+            # common_sampler_sample: keep the token if the grammar accepts it, else mask and sample again
+            if not g.allows(token):
+                c, selected = self._run_chain(raw, prev_tokens, grammar=True)
+                token = int(c.ids[selected])
+            g.accept(token)
 
         if params.n_probs <= 0:
             return SampleResult(token)
@@ -486,6 +523,25 @@ class Sampler:
             top = [(int(c.ids[i]), _log(float(c.probs[i]))) for i in order if c.probs[i] > 0.0]
             return SampleResult(token, _log(float(c.probs[selected])), top)
         return self._pre_sampling_probs(raw, token)
+
+    def _run_chain(self, raw: np.ndarray, prev_tokens, grammar: bool) -> tuple[_Candidates, int]:
+        """Logit bias, (the grammar mask,) then the sampler chain and the draw: (candidates, selected)."""
+        params = self.params
+        copy = grammar or self._bias_ids.size or self._penalties_active()
+        logits = raw.copy() if copy else raw
+        if self._bias_ids.size:
+            np.add.at(logits, self._bias_ids, self._bias_vals)
+        if grammar:
+            self.constraint.mask(logits)
+        c = _Candidates(ids=self._all_ids, logits=logits)
+        if params.mirostat == 0:
+            for name in params.samplers:
+                self._apply(name, c, prev_tokens)
+            selected = _dist(c, self.rng)
+        else:
+            _apply_temperature(c, params.temperature, 0.0, 1.0)
+            selected = self._mirostat(c)
+        return c, selected
 
     def _penalties_active(self) -> bool:
         p = self.params

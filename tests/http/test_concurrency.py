@@ -91,7 +91,7 @@ def test_32_mixed_clients_end_idle_without_5xx_and_metrics_add_up(start_server):
     assert len(done) == N_CLIENTS - N_CLIENTS // 4
     assert all(r["status"] == 200 for r in done)
     with httpx.Client(base_url=srv.base_url, timeout=30) as c:
-        t_end = time.monotonic() + 5
+        t_end = time.monotonic() + 30        # a deadline, not a speed target (a shared machine may be slow)
         while any(s["is_processing"] for s in c.get("/slots").json()):
             assert time.monotonic() < t_end, "slots still busy after the clients left"
             time.sleep(0.05)

@@ -207,3 +207,18 @@ def test_completions_without_v1_is_the_native_endpoint(client):
     assert native["content"] == client.post("/completion", json=body).json()["content"]
     oai = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0}).json()
     assert oai["object"] == "text_completion"
+
+
+def test_progress_events_carry_timings_with_timings_per_token(client):
+    """Upstream attaches the slot's stats to every partial result when timings_per_token is on (progress
+    events included), and to none otherwise."""
+    body = {"prompt": "the dog " * 20, "n_predict": 1, "stream": True, "return_progress": True,
+            "cache_prompt": False}
+    with client.stream("POST", "/completion", json={**body, "timings_per_token": True}) as r:
+        events = [e for e in sse_events(r) if "prompt_progress" in e]
+    assert events and all("timings" in e for e in events)
+    last = events[-1]
+    assert last["timings"]["prompt_n"] == last["prompt_progress"]["processed"] - last["prompt_progress"]["cache"]
+    assert all(e["timings"]["predicted_n"] <= 1 for e in events)    # the last one comes with the first token
+    with client.stream("POST", "/completion", json=body) as r:
+        assert not any("timings" in e for e in sse_events(r) if "prompt_progress" in e)

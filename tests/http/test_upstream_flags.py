@@ -106,3 +106,17 @@ def test_cors_flags_reach_the_server_options(tiny_path):
     assert (opts.cors_origins, opts.cors_methods, opts.cors_headers, opts.cors_credentials) == \
         ("localhost", "GET", "X-A", False)
     assert not upstream_warnings(parse(tiny_path, "--cors-methods", "GET"))      # implemented, no warning
+
+
+def test_verbose_server_adds_the_debug_field_to_openai_responses(start_server, tiny_path):
+    import httpx
+    assert options_from_args(parse(tiny_path, "--verbose")).verbose
+    srv = start_server(verbose=True)
+    with httpx.Client(base_url=srv.base_url, timeout=30) as c:
+        r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).json()
+        assert r["__verbose"]["tokens_predicted"] == 2 and "generation_settings" in r["__verbose"]
+        assert "__verbose" not in c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2,
+                                                                   "verbose": False}).json()
+        chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                    "max_tokens": 1}).json()
+        assert "content" in chat["__verbose"]

@@ -7,8 +7,9 @@ import csv
 import gzip
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Any, Iterator
 
 from traces.errors import FieldError, TraceFormatError
 from traces.schema import Trace, TraceRequest
@@ -133,10 +134,13 @@ class RowCollector:
     """Builds the request list: numbers rows in order, rejects arrivals that go back in time, and either
     raises on a bad row or (skip_bad_rows) counts it and keeps its message."""
 
-    __slots__ = ("path", "skip_bad_rows", "time_field", "requests", "n_skipped", "errors", "_last")
+    __slots__ = ("path", "skip_bad_rows", "time_field", "requests", "n_skipped", "errors", "_last", "ordered")
 
-    def __init__(self, path: str, skip_bad_rows: bool, time_field: str) -> None:
+    def __init__(self, path: str, skip_bad_rows: bool, time_field: str, ordered: bool = True) -> None:
+        """`ordered=False`: rows may come in any time order (a recorded trace is written as requests end);
+        `finish` sorts them by arrival (stable), so `index` is the arrival rank."""
         self.path = path
+        self.ordered = ordered
         self.skip_bad_rows = skip_bad_rows
         self.time_field = time_field
         self.requests: list[TraceRequest] = []
@@ -165,14 +169,14 @@ class RowCollector:
 
     def add(self, line: int, arrival_s: float, raw_time: object, n_prompt: int, n_output: int,
             session_id: str | None = None, prompt_tokens: tuple[int, ...] | None = None,
-            block_hashes: tuple[int, ...] = (), block_size: int = 0) -> None:
-        if arrival_s < self._last:
+            block_hashes: tuple[int, ...] = (), block_size: int = 0, **extra: Any) -> None:
+        if self.ordered and arrival_s < self._last:
             # Upstream traces are sorted; a step back in time means a broken or concatenated file.
             raise FieldError(self.time_field, f"a time not before the previous row's "
                              f"({self._last:.6f} s from the start)", raw_time)
         self._last = arrival_s
         self.requests.append(TraceRequest(len(self.requests), arrival_s, n_prompt, n_output, session_id,
-                                          prompt_tokens, block_hashes, block_size, line))
+                                          prompt_tokens, block_hashes, block_size, line, **extra))
 
     def finish(self, fmt: str) -> Trace:
         if not self.requests:
@@ -180,4 +184,8 @@ class RowCollector:
                 raise TraceFormatError(self.path, None, f"all {self.n_skipped} rows were bad; first: "
                                        f"{self.errors[0]}")
             raise TraceFormatError(self.path, None, "no requests (the file has no data rows)")
-        return Trace(self.requests, fmt, self.path, self.n_skipped, tuple(self.errors))
+        reqs = self.requests
+        if not self.ordered:
+            reqs = sorted(reqs, key=lambda r: (r.arrival_s, r.index))
+            reqs = [r if r.index == i else replace(r, index=i) for i, r in enumerate(reqs)]
+        return Trace(reqs, fmt, self.path, self.n_skipped, tuple(self.errors))

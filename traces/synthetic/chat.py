@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
@@ -35,6 +36,13 @@ class ChatSession:
 def session_key(session_id: str) -> int:
     """A stable 64-bit number for a session id (Python's hash() is salted per process)."""
     return int.from_bytes(hashlib.blake2b(session_id.encode(), digest_size=8).digest(), "little")
+
+
+@lru_cache(maxsize=8)
+def _materializer(space: TokenSpace, seed: int) -> PromptMaterializer:
+    """One shared materializer per (space, seed): building one costs a 49k-entry id table (milliseconds), and
+    its state is only caches that never change a result, so every prompt of a workload can share it."""
+    return PromptMaterializer(space, seed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,19 +82,19 @@ class ChatWorkload:
 
     def system_prompt_tokens(self, i: int, space: TokenSpace) -> list[int]:
         key = stream_key(self.seed, DOMAIN_SYSTEM, i)
-        return PromptMaterializer(space, self.seed).tokens(key, self.system_prompt_lengths[i])
+        return _materializer(space, self.seed).tokens(key, self.system_prompt_lengths[i])
 
     def user_tokens(self, session_id: str, turn_index: int, space: TokenSpace) -> list[int]:
         n = self._by_id[session_id].turns[turn_index].n_user
         key = stream_key(self.seed, DOMAIN_USER, session_key(session_id), turn_index)
-        return PromptMaterializer(space, self.seed).tokens(key, n)
+        return _materializer(space, self.seed).tokens(key, n)
 
     def reply_tokens(self, session_id: str, turn_index: int, space: TokenSpace) -> list[int]:
         """A deterministic stand-in for the reply to a turn (n_output tokens), for drivers that do not
         generate their own."""
         n = self._by_id[session_id].turns[turn_index].n_output
         key = stream_key(self.seed, DOMAIN_REPLY, session_key(session_id), turn_index)
-        return PromptMaterializer(space, self.seed).tokens(key, n)
+        return _materializer(space, self.seed).tokens(key, n)
 
     def prompt_tokens(self, session_id: str, turn_index: int, space: TokenSpace,
                       replies: list[list[int]] | None = None) -> list[int]:

@@ -1,0 +1,311 @@
+"""The "q" numerics mode: weights kept in their GGUF quant blocks, products by compiled kernels (`qkernels`).
+
+Every Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 matrix is decoded at load into its integer quants and per-block scale
+d and offset m (W = d * q + m per block of 32, exactly the values `gguf.quants.dequantize` gives) and
+repacked, without rounding anything, into the kernels' transposed block layout (`QPart`); the float32 copy
+is never made. Other types (F32, F16, BF16, the K-quants) stay float32 `Linear`s, multiplied by BLAS.
+
+Products with 1..`NIB_ROWS_MAX` (4-bit) / `BYTE_ROWS_MAX` (8-bit) rows run the fused dequantize-and-dot kernels on numba's threads (exactly
+`n_threads` of them); more rows (prefill) dequantize a tile of outputs to float32 and hand it to BLAS on the
+engine's own threads, which measured faster there (crossover: docs/engine.md). Activations stay float32: the
+arithmetic is that of f32 mode up to float32 summation order (and the attention scale folded in the block
+scales instead of the weights), so this mode agrees with f32 mode, not bit for bit with llama.cpp.
+
+numba is imported on first use; when it cannot be imported the mode resolves to "f32" with one warning
+(`available`).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from engine.model.matmul import Matmul
+from engine.model.types import Linear
+
+T = GGMLQuantizationType
+# rows up to which the fused kernels beat dequantize-a-tile + BLAS (measured, docs/engine.md): the nibble
+# kernel does 8 multiply-adds per byte loaded and stays ahead to 16 rows; the byte kernel (Q8_0: SmolLM2's
+# 49152-row head) only to 4
+NIB_ROWS_MAX = 16
+BYTE_ROWS_MAX = 4
+# the output range of one BLAS tile (prefill): [n_in, _TILE_COLS] float32 stays in L2 (576 x 256 x 4 = 590 KB)
+_TILE_COLS = 256
+_CHUNKS_PER_THREAD = 1         # output ranges per numba thread in the fused kernels
+# Who runs the fused kernels' output ranges: False = the engine's own threads (`Matmul._run`: the caller
+# drains the queue, so a worker without a core costs nothing), True = numba's threading layer (prange;
+# ~3 us a launch instead of ~55 us, but a static split that waits for a descheduled thread: on this shared
+# 2-core machine, under load 3.5-5.5, 2-thread decode measured 3x slower than f32 mode that way)
+USE_NUMBA_THREADS = False
+_SPLIT_MIN_MACS = 1 << 18      # smaller fused products run on the caller alone
+NIB_TYPES = frozenset({T.Q4_0, T.Q4_1})
+BYTE_TYPES = frozenset({T.Q8_0, T.Q5_0, T.Q5_1})
+QUANT_TYPES = NIB_TYPES | BYTE_TYPES
+
+_kernels: Any = None
+_kernels_error: str | None = None
+_launch_lock = threading.Lock()     # numba's workqueue threading layer must not be entered by two threads
+_tls = threading.local()
+
+
+def kernels() -> Any:
+    """The compiled kernels module (imported once), or None if numba cannot load (see `unavailable_reason`)."""
+    global _kernels, _kernels_error
+    if _kernels is None and _kernels_error is None:
+        try:
+            from engine.model import qkernels
+            _kernels = qkernels
+        except Exception as e:                           # ImportError, or numba/llvmlite failing to initialise
+            _kernels_error = f"{type(e).__name__}: {e}"
+    return _kernels
+
+
+def available() -> bool:
+    return kernels() is not None
+
+
+_warned = False
+
+
+def warn_unavailable() -> None:
+    """One warning per process that "q" fell back to "f32"."""
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(f"numerics 'q' needs numba, which cannot be loaded ({_kernels_error}); using 'f32'",
+                      RuntimeWarning, stacklevel=3)
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return raw.copy().view(np.float16).astype(np.float32)[..., 0]
+
+
+def decode_blocks(data: np.ndarray, qtype: GGMLQuantizationType,
+                  shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+    """A tensor's raw GGUF blocks [ne1, row bytes] -> (q [ne1, ne0] integer quants (uint8 for 4-bit types,
+    int8 otherwise), d [ne1, nb], m [ne1, nb] float32, has_m) with W = d * q + m per block of 32."""
+    ne1, ne0 = shape
+    block, size = GGML_QUANT_SIZES[qtype]
+    nb = ne0 // block
+    blk = np.asarray(data, dtype=np.uint8).reshape(ne1, nb, size)
+    d = _f16(blk[..., 0:2])
+    if qtype == T.Q8_0:
+        return np.ascontiguousarray(blk[..., 2:].view(np.int8)).reshape(ne1, ne0), d, np.zeros_like(d), False
+    if qtype in (T.Q4_0, T.Q4_1):
+        qs = blk[..., 2:] if qtype == T.Q4_0 else blk[..., 4:]                    # [ne1, nb, 16]
+        q = np.concatenate([qs & 15, qs >> 4], axis=-1)                           # elements j, j + 16
+        m = -8.0 * d if qtype == T.Q4_0 else _f16(blk[..., 2:4])
+        return q.reshape(ne1, ne0), d, m.astype(np.float32), True
+    if qtype in (T.Q5_0, T.Q5_1):
+        off = 2 if qtype == T.Q5_0 else 4
+        qh = blk[..., off:off + 4].copy().view("<u4")[..., 0]                    # [ne1, nb]
+        qs = blk[..., off + 4:]                                                   # [ne1, nb, 16]
+        bits = (qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1              # [ne1, nb, 32]
+        q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int16) | (bits.astype(np.int16) << 4)
+        if qtype == T.Q5_0:
+            return (q - 16).astype(np.int8).reshape(ne1, ne0), d, np.zeros_like(d), False
+        return q.astype(np.int8).reshape(ne1, ne0), d, _f16(blk[..., 2:4]), True
+    raise ValueError(f"{qtype.name} has no quant kernel")
+
+
+@dataclass(frozen=True, slots=True)
+class QPart:
+    """Output columns kept quantized, in the kernels' layout (see `qkernels`): W[o, 32b + j] = d[b, o] * q + m[b, o].
+
+    nib: q [nb, 16, n_out] uint8 (low nibble element j, high nibble element j + 16); byte: q [nb, 32, n_out] int8."""
+
+    nib: bool
+    q: np.ndarray
+    d: np.ndarray            # [nb, n_out] float32
+    m: np.ndarray            # [nb, n_out] float32 (zeros and unused when not has_m)
+    has_m: bool
+
+    @classmethod
+    def from_quants(cls, q: np.ndarray, d: np.ndarray, m: np.ndarray, has_m: bool, nib: bool) -> QPart:
+        """From `decode_blocks` output (q [n_out, n_in], d/m [n_out, nb])."""
+        n_out, n_in = q.shape
+        nb = n_in // 32
+        qb = q.reshape(n_out, nb, 32)
+        if nib:
+            packed = (qb[..., :16] | (qb[..., 16:] << 4)).astype(np.uint8)          # [n_out, nb, 16]
+        else:
+            packed = qb.astype(np.int8)
+        return cls(nib=nib, q=np.ascontiguousarray(packed.transpose(1, 2, 0)),
+                   d=np.ascontiguousarray(d.T, dtype=np.float32), m=np.ascontiguousarray(m.T, dtype=np.float32),
+                   has_m=has_m)
+
+    @classmethod
+    def from_tensor(cls, data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> QPart:
+        q, d, m, has_m = decode_blocks(data, qtype, shape)
+        return cls.from_quants(q, d, m, has_m, qtype in NIB_TYPES)
+
+    @property
+    def n_in(self) -> int:
+        return self.q.shape[0] * 32
+
+    @property
+    def n_out(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.d.nbytes + (self.m.nbytes if self.has_m else 0)
+
+    def scaled(self, s: np.float32) -> QPart:
+        """W * s (d and m times s: exact when s is a power of two, as 1/sqrt(head_dim) = 1/8 for SmolLM2)."""
+        return replace(self, d=self.d * s, m=self.m * s)
+
+    def dense(self) -> np.ndarray:
+        """W [n_out, n_in] float32 (tests, references)."""
+        out = np.empty((self.n_in, self.n_out), np.float32)
+        k = kernels()
+        if k is not None:
+            (k.dequant_nib if self.nib else k.dequant_byte)(self.q, self.d, self.m, 0, self.n_out, out)
+            return out.T
+        nb = self.q.shape[0]
+        q = (np.concatenate([self.q & 15, self.q >> 4], axis=1) if self.nib else self.q).astype(np.float32)
+        return (q * self.d[:, None, :] + self.m[:, None, :]).reshape(nb * 32, -1).T
+
+
+def concat_parts(parts: list[QPart]) -> QPart:
+    """Parts of the same kind fused along the outputs."""
+    if len(parts) == 1:
+        return parts[0]
+    return QPart(nib=parts[0].nib, q=np.concatenate([p.q for p in parts], axis=2),
+                 d=np.concatenate([p.d for p in parts], axis=1), m=np.concatenate([p.m for p in parts], axis=1),
+                 has_m=any(p.has_m for p in parts))
+
+
+@dataclass(frozen=True, slots=True)
+class QuantLinear:
+    """A weight for "q" numerics: parts along the outputs, each a `QPart` or a float32 `Linear`."""
+
+    parts: tuple[QPart | Linear, ...]
+    n_in: int
+    n_out: int
+
+    @property
+    def stream_bytes(self) -> int:
+        return sum(p.nbytes if isinstance(p, QPart) else p.stream_bytes for p in self.parts)
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(p.nbytes if isinstance(p, QPart) else p.resident_bytes for p in self.parts)
+
+    @property
+    def weight(self) -> np.ndarray:
+        """W [n_out, n_in] float32, dequantized (tests, references; not used to compute)."""
+        return np.concatenate([p.dense() if isinstance(p, QPart) else p.weight for p in self.parts])
+
+
+def quant_linear(pieces: list[tuple[np.ndarray | None, GGMLQuantizationType, Any]]) -> QuantLinear:
+    """Fuse (w float32 or None, type, QPart or None) pieces along the outputs; consecutive pieces of one kind
+    share a part."""
+    groups: list[tuple[str, list]] = []
+    for w, _, extra in pieces:
+        kind = ("nib" if extra.nib else "byte") if isinstance(extra, QPart) else "f32"
+        item = extra if isinstance(extra, QPart) else w
+        if groups and groups[-1][0] == kind:
+            groups[-1][1].append(item)
+        else:
+            groups.append((kind, [item]))
+    parts: list[QPart | Linear] = []
+    for kind, items in groups:
+        if kind == "f32":
+            parts.append(Linear.from_weight(np.concatenate(items) if len(items) > 1 else items[0]))
+        else:
+            parts.append(concat_parts(items))
+    n_in = parts[0].n_in
+    if any(p.n_in != n_in for p in parts):
+        raise ValueError("fused pieces have different input sizes")
+    return QuantLinear(parts=tuple(parts), n_in=n_in, n_out=sum(p.n_out for p in parts))
+
+
+class QuantEmbedding:
+    """The token embedding kept quantized: `emb[ids]` dequantizes those rows (float32 [len(ids), n_embd])."""
+
+    def __init__(self, part: QPart):
+        self.part = part
+        self.shape = (part.n_out, part.n_in)
+        self.dtype = np.dtype(np.float32)
+
+    @property
+    def nbytes(self) -> int:
+        return self.part.nbytes
+
+    def __getitem__(self, ids: Any) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        out = np.empty((ids.shape[0], self.part.n_in), np.float32)
+        p = self.part
+        kernels().embed_rows(p.q, p.d, p.m, p.nib, ids, out)
+        return out
+
+
+def _set_numba_threads(n: int) -> None:
+    """numba.set_num_threads(n) for the calling thread (thread-local in numba), once per thread and value."""
+    if getattr(_tls, "n", None) != n:
+        import numba
+        numba.set_num_threads(n)
+        _tls.n = n
+
+
+def numba_threads_limit() -> int:
+    import numba
+    return int(numba.config.NUMBA_NUM_THREADS)
+
+
+class QuantMatmul(Matmul):
+    """`Matmul` over `QuantLinear`s: fused kernels on numba's threads for few rows (`NIB_ROWS_MAX`, `BYTE_ROWS_MAX`), tiles
+    dequantized to float32 + BLAS on the engine's threads for more (float32 `Linear` parts: `Matmul`)."""
+
+    def __init__(self, n_threads: int = 1):
+        super().__init__(n_threads)
+        self.numba_threads = max(1, min(self.n_threads, numba_threads_limit()))
+
+    def __call__(self, lin: Any, x: np.ndarray) -> np.ndarray:
+        if not isinstance(lin, QuantLinear):
+            return Matmul.__call__(self, lin, x)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if len(lin.parts) == 1:
+            return self._part(lin.parts[0], x)
+        return np.concatenate([self._part(p, x) for p in lin.parts], axis=1)
+
+    def _part(self, p: QPart | Linear, x: np.ndarray) -> np.ndarray:
+        if isinstance(p, Linear):
+            return Matmul.__call__(self, p, x)
+        k = kernels()
+        m = x.shape[0]
+        y = np.empty((m, p.n_out), np.float32)
+        if m <= (NIB_ROWS_MAX if p.nib else BYTE_ROWS_MAX):
+            xs = x.reshape(m, -1, 32).sum(axis=2) if p.has_m else x[:, :1]          # [M, nb] block sums
+            if USE_NUMBA_THREADS:
+                n_chunks = self.numba_threads * _CHUNKS_PER_THREAD
+                with _launch_lock:
+                    _set_numba_threads(self.numba_threads)
+                    if p.nib:
+                        k.decode_nib(p.q, p.d, p.m, x, xs, y, n_chunks)
+                    else:
+                        k.decode_byte(p.q, p.d, p.m, x, xs, y, n_chunks, p.has_m)
+                return y
+            split = self._pool is not None and m * p.n_in * p.n_out >= _SPLIT_MIN_MACS
+            if p.nib:
+                self._run(lambda a, b: k.range_nib(p.q, p.d, p.m, x, xs, y, a, b), p.n_out, 16, split)
+            else:
+                self._run(lambda a, b: k.range_byte(p.q, p.d, p.m, x, xs, y, a, b, p.has_m), p.n_out, 16, split)
+            return y
+        deq = k.dequant_nib if p.nib else k.dequant_byte
+
+        def cols(a: int, b: int) -> None:
+            tile = np.empty((p.n_in, _TILE_COLS), np.float32)
+            for c0 in range(a, b, _TILE_COLS):
+                c1 = min(b, c0 + _TILE_COLS)
+                t = tile[:, :c1 - c0]
+                deq(p.q, p.d, p.m, c0, c1, t)
+                np.matmul(x, t, out=y[:, c0:c1])
+        self._run(cols, p.n_out, _TILE_COLS, self._pool is not None)
+        return y

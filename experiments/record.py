@@ -1,0 +1,561 @@
+"""`slotlab record`: a reverse proxy in front of a llama-server compatible server that records its traffic as a
+native trace (docs/traces.md §3, "Recorded traffic"), for `slotlab simulate --trace` and `slotlab validate
+--recorded`.
+
+Every request is forwarded as it came (method, path, query, headers except hop-by-hop ones, body) and every
+response is sent back as it came; streamed responses go through chunk by chunk. The one change: a native
+non-stream `/completion` that does not ask for `return_tokens` is sent with `"return_tokens": true` (and
+without `Accept-Encoding`), and the token ids are blanked out of the answer again (`"tokens":[]`, exactly
+what the client would have received), so the generated ids are recorded without the client seeing a difference.
+
+For each completion request (`/completion`, `/completions`, `/v1/completions`, `/chat/completions`,
+`/v1/chat/completions`) that the upstream answered with 200, one JSON line is written and flushed as the
+request ends (lines are therefore in end order; the header says `"line_order": "end"`): the arrival time
+(seconds since the recorder started), the prompt token ids (from the request when it gives ids; else from
+the upstream's `/tokenize`, and for chat from `/apply-template` then `/tokenize`, both asked after the
+client has its answer), the generated token ids when the response carries them (native endpoints), the
+request's generation parameters, and what the upstream answered (`timings`, slot, cached tokens, stop type,
+end time). A killed recorder loses at most the requests in flight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import re
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpcore
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from engine.http.app import uvicorn_config
+from experiments.flags import RECORD, add_flags
+
+NATIVE, OAI_CMPL, OAI_CHAT = "native", "oai_cmpl", "oai_chat"
+# RFC 9110 §7.6.1 hop-by-hop headers, plus the ones the client library sets itself
+HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+                        b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"proxy-connection"})
+DROP_REQUEST = HOP_BY_HOP | {b"host", b"content-length"}
+DROP_RESPONSE = HOP_BY_HOP | {b"content-length"}
+AUTH_HEADERS = (b"authorization", b"x-api-key")
+METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]
+# the request fields that shape a generation (llama-server's params_from_json_cmpl), recorded as sent
+SAMPLING_KEYS = frozenset({
+    "n_predict", "max_tokens", "max_completion_tokens", "temperature", "dynatemp_range", "dynatemp_exponent",
+    "top_k", "top_p", "min_p", "top_n_sigma", "typical_p", "xtc_probability", "xtc_threshold", "repeat_last_n",
+    "repeat_penalty", "presence_penalty", "frequency_penalty", "dry_multiplier", "dry_base", "dry_allowed_length",
+    "dry_penalty_last_n", "dry_sequence_breakers", "mirostat", "mirostat_tau", "mirostat_eta", "seed",
+    "ignore_eos", "logit_bias", "stop", "n_probs", "logprobs", "top_logprobs", "min_keep", "samplers",
+    "grammar", "json_schema", "response_format", "stream", "return_tokens", "cache_prompt", "id_slot", "n_keep",
+    "n_discard", "n_cache_reuse", "n_cmpl", "n"})
+# "tokens":[...] at a key position: a quote inside a JSON string is escaped, so an unescaped '"tokens":['
+# only occurs as a key (the value of "tokens" is a list of integers)
+TOKENS_FIELD = re.compile(rb'((?<!\\)"tokens"\s*:\s*\[)[-0-9,\s]*(\])')
+INFLIGHT_WAIT_S = 10.0
+CONNECT_TIMEOUT = {"connect": 10.0, "read": None, "write": None, "pool": None}
+
+
+def content_length(method: str, raw: bytes) -> list[tuple[bytes, bytes]]:
+    """The Content-Length header of a forwarded request (none for a bodiless GET/HEAD/DELETE/OPTIONS)."""
+    return [(b"content-length", str(len(raw)).encode())] if raw or method in ("POST", "PUT", "PATCH") else []
+
+
+class Upstream:
+    """The upstream's answer: status, raw headers (as sent), the httpcore response for the body."""
+
+    __slots__ = ("raw", "status_code", "headers")
+
+    def __init__(self, raw: httpcore.Response) -> None:
+        self.raw = raw
+        self.status_code = raw.status
+        self.headers = raw.headers
+
+    def header(self, name: bytes, default: str = "") -> str:
+        return next((v.decode("latin-1") for k, v in self.headers if k.lower() == name), default)
+
+
+def endpoint_kind(method: str, path: str) -> str | None:
+    """Which completion endpoint a request path is (any --api-prefix in front), or None (forwarded only)."""
+    if method != "POST":
+        return None
+    if path.endswith("/v1/chat/completions") or path.endswith("/chat/completions"):
+        return OAI_CHAT
+    if path.endswith("/v1/completions"):
+        return OAI_CMPL
+    if path.endswith("/completion") or path.endswith("/completions"):
+        return NATIVE
+    return None
+
+
+def split_prompts(prompt: Any) -> list[Any]:
+    """A `prompt` field as upstream's `tokenize_input_prompts` reads it: a string, a list of ids or a mixed
+    list of ids and strings is one prompt; any other list is a list of prompts."""
+    if isinstance(prompt, list) and prompt and not any(isinstance(p, (int, float)) and not isinstance(p, bool)
+                                                       for p in prompt):
+        return list(prompt)
+    return [prompt]
+
+
+def prompt_ids(prompt: Any) -> list[int] | None:
+    """The ids of a prompt given as token ids, else None (it needs the upstream's tokenizer)."""
+    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+        return list(prompt)
+    return None
+
+
+def sampling_of(body: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in body.items() if k in SAMPLING_KEYS}
+    for alias in ("max_tokens", "max_completion_tokens"):
+        if "n_predict" not in out and isinstance(out.get(alias), int) and not isinstance(out[alias], bool):
+            out["n_predict"] = out[alias]
+    if type(out.get("n_predict")) is not int:
+        out.pop("n_predict", None)
+    return out
+
+
+def inject_return_tokens(raw: bytes, body: dict[str, Any]) -> bytes:
+    """The request body with `"return_tokens": true`; byte-for-byte the client's otherwise when the field was
+    absent (inserted after the opening brace), re-serialized only when the client sent it false."""
+    if "return_tokens" in body:
+        return json.dumps({**body, "return_tokens": True}, ensure_ascii=False).encode("utf-8")
+    i = raw.index(b"{") + 1
+    rest = raw[i:]
+    sep = b"" if rest.lstrip().startswith(b"}") else b","
+    return raw[:i] + b'"return_tokens":true' + sep + rest
+
+
+def blank_tokens(raw: bytes) -> bytes:
+    """A native response with every `"tokens":[ids]` emptied: what the client gets without return_tokens."""
+    return TOKENS_FIELD.sub(rb"\1\2", raw)
+
+
+class SSETap:
+    """Collects the JSON events of a server-sent-event stream as it passes through (chunks may cut events)."""
+
+    __slots__ = ("buf", "events")
+
+    def __init__(self) -> None:
+        self.buf = b""
+        self.events: list[Any] = []
+
+    def feed(self, chunk: bytes) -> None:
+        self.buf += chunk
+        if b"\n\n" not in self.buf:
+            return
+        *done, self.buf = self.buf.replace(b"\r\n", b"\n").split(b"\n\n")
+        for ev in done:
+            for line in ev.split(b"\n"):
+                if line.startswith(b"data:"):
+                    data = line[5:].strip()
+                    if data and data != b"[DONE]":
+                        try:
+                            self.events.append(json.loads(data))
+                        except ValueError:
+                            pass
+
+
+class Pending:
+    """One completion request on its way: what the recorder needs when it ends."""
+
+    __slots__ = ("kind", "path", "body", "arrival_s", "stream", "injected", "auth", "first_byte_s")
+
+    def __init__(self, kind: str, path: str, body: dict[str, Any], arrival_s: float, auth: list) -> None:
+        self.kind = kind
+        self.path = path
+        self.body = body
+        self.arrival_s = arrival_s
+        self.stream = bool(body.get("stream"))
+        self.injected = False
+        self.auth = auth
+        self.first_byte_s: float | None = None
+
+
+class Recorder:
+    """The proxy (an ASGI app via `app`) and the trace writer. All its work runs on the event loop."""
+
+    def __init__(self, upstream: str, out: str | Path, *, log=None) -> None:
+        self.upstream = upstream.rstrip("/")
+        self.out_path = Path(out)
+        self.t0 = time.monotonic()
+        self.started_unix = time.time()
+        self.stats: Counter[str] = Counter()
+        self.log = log or (lambda msg: print(f"slotlab record: {msg}", file=sys.stderr))
+        self._warned: set[str] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self._file = None
+        self.client: httpcore.AsyncConnectionPool | None = None
+        self._host = urlsplit(self.upstream).netloc.encode("latin-1")
+        self.app = Starlette(routes=[Route("/{path:path}", self.handle, methods=METHODS)], lifespan=self._lifespan)
+
+    # --- lifecycle ------------------------------------------------------------------------------------------
+    def open(self) -> None:
+        self.out_path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.out_path, "w", encoding="utf-8")
+        self._write({"slotlab_native": 1, "origin_format": "recorded", "origin_source": self.upstream,
+                     "line_order": "end", "recorder": "slotlab record", "started_unix": self.started_unix})
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app) -> AsyncIterator[None]:
+        # httpcore, the transport under httpx, without httpx's request/response models: about half the CPU
+        # per forwarded request (what the added latency is made of)
+        self.client = httpcore.AsyncConnectionPool(max_connections=None, max_keepalive_connections=256)
+        if self._file is None:
+            self.open()
+        try:
+            yield
+        finally:
+            if self._tasks:
+                await asyncio.wait(set(self._tasks), timeout=INFLIGHT_WAIT_S)
+            await self.client.aclose()
+            self.close()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def _write(self, obj: dict[str, Any]) -> None:
+        self._file.write(json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n")
+        self._file.flush()
+
+    def warn_once(self, key: str, msg: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            self.log(f"warning: {msg}")
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    # --- the proxy ------------------------------------------------------------------------------------------
+    async def handle(self, request: Request) -> Response:
+        arrival = self.now()
+        raw = await request.body()
+        method, path = request.method, request.url.path
+        headers = [(k, v) for k, v in request.headers.raw if k.lower() not in DROP_REQUEST]
+        pending = None
+        kind = endpoint_kind(method, path)
+        if kind is not None:
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                body = None
+            if isinstance(body, dict):
+                auth = [(k, v) for k, v in headers if k.lower() in AUTH_HEADERS]
+                pending = Pending(kind, path, body, arrival, auth)
+                if (kind == NATIVE and not pending.stream and body.get("return_tokens") is not True
+                        and not body.get("response_fields")):
+                    raw = inject_return_tokens(raw, body)
+                    pending.injected = True
+                    headers = [(k, v) for k, v in headers if k.lower() != b"accept-encoding"]
+        url = self.upstream + path + (("?" + request.url.query) if request.url.query else "")
+        try:
+            up = Upstream(await self.client.handle_async_request(httpcore.Request(
+                method, url, headers=[(b"host", self._host), *headers, *content_length(method, raw)], content=raw,
+                extensions={"timeout": CONNECT_TIMEOUT})))
+        except (httpcore.ConnectError, httpcore.ConnectTimeout, httpcore.NetworkError, httpcore.ProtocolError,
+                httpcore.TimeoutException, OSError) as e:
+            self.stats["upstream_errors"] += 1
+            return Response(json.dumps({"error": {
+                "code": 502, "type": "unavailable_error",
+                "message": f"slotlab record: the upstream {self.upstream} did not answer {method} {path} "
+                           f"({type(e).__name__}: {e or 'no details'})"}}).encode(),
+                status_code=502, media_type="application/json; charset=utf-8")
+        out_headers = [(k, v) for k, v in up.headers if k.lower() not in DROP_RESPONSE]
+        if up.header(b"content-type").startswith("text/event-stream"):
+            return self._stream(up, out_headers, pending)
+        try:
+            original = b"".join([chunk async for chunk in up.raw.aiter_stream()])   # as sent (encoding kept)
+        finally:
+            await up.raw.aclose()
+        content = original
+        if pending is not None and pending.injected and up.status_code == 200:
+            content = blank_tokens(original)
+        resp = Response(content, status_code=up.status_code)
+        resp.raw_headers = out_headers + [(b"content-length", str(len(content)).encode())]
+        if pending is not None:
+            self._finish_later(pending, up, None, original, self.now())
+        return resp
+
+    def _stream(self, up: "Upstream", out_headers: list, pending: Pending | None) -> Response:
+        tap = SSETap() if pending is not None else None
+
+        async def body() -> AsyncIterator[bytes]:
+            complete = False
+            try:
+                async for chunk in up.raw.aiter_stream():
+                    if pending is not None and pending.first_byte_s is None:
+                        pending.first_byte_s = self.now()
+                    if tap is not None:
+                        tap.feed(chunk)
+                    yield chunk
+                complete = True
+            finally:
+                await up.raw.aclose()
+                if pending is not None:
+                    if complete:
+                        self._finish_later(pending, up, tap.events, None, self.now())
+                    else:
+                        self.stats["not_recorded_interrupted"] += 1
+
+        resp = StreamingResponse(body(), status_code=up.status_code)
+        resp.raw_headers = out_headers
+        return resp
+
+    # --- recording (after the client has its answer) ----------------------------------------------------------
+    def _finish_later(self, pending: Pending, up: "Upstream", events: list | None, content: bytes | None,
+                      end_s: float) -> None:
+        if up.status_code != 200:
+            self.stats[f"not_recorded_status_{up.status_code}"] += 1
+            return
+        if up.header(b"content-encoding", "identity") != "identity" and events is None:
+            self.stats["not_recorded_encoded"] += 1
+            return
+        task = asyncio.get_running_loop().create_task(self._finish(pending, events, content, end_s))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _finish(self, p: Pending, events: list | None, content: bytes | None, end_s: float) -> None:
+        try:
+            results = self._results(p, events, content)
+            if not results:
+                self.stats["not_recorded_no_result"] += 1
+                return
+            prompts = await self._prompt_tokens(p)
+            n_cmpl = p.body.get("n_cmpl", p.body.get("n", 1))
+            n_cmpl = n_cmpl if type(n_cmpl) is int and n_cmpl > 0 else 1
+            sampling = sampling_of(p.body)
+            for res in results:
+                idx = res["index"]
+                ids = prompts[idx // n_cmpl] if prompts is not None and idx // n_cmpl < len(prompts) else None
+                if ids is None:
+                    self.stats["not_recorded_no_prompt"] += 1
+                    continue
+                self._write(self._line(p, res, ids, sampling, end_s, len(results)))
+                self.stats["recorded"] += 1
+        except Exception as e:  # noqa: BLE001 - a recording problem must never take the proxy down
+            self.stats["not_recorded_failed"] += 1
+            self.warn_once(f"fail:{type(e).__name__}", f"a request was not recorded ({type(e).__name__}: {e})")
+
+    def _line(self, p: Pending, res: dict[str, Any], ids: list[int], sampling: dict[str, Any], end_s: float,
+              n_results: int) -> dict[str, Any]:
+        line: dict[str, Any] = {"arrival_s": p.arrival_s, "prompt_tokens": ids}
+        out = res.get("tokens")
+        n_out = res.get("n_output")
+        if out is not None and (n_out is None or len(out) == n_out):
+            line["output_tokens"] = out
+        else:
+            if out is not None:
+                self.stats["output_ids_incomplete"] += 1
+                self.warn_once("incomplete", "a streamed response did not carry every generated token id (tokens "
+                                             "that end inside a UTF-8 character are not streamed): only its "
+                                             "length is recorded")
+            line["n_output"] = n_out if n_out is not None else 0
+        if sampling:
+            line["sampling"] = sampling
+        timings = res.get("timings")
+        rec: dict[str, Any] = {"endpoint": p.path, "stream": p.stream, "status": 200, "end_s": max(end_s, p.arrival_s),
+                               "first_byte_s": p.first_byte_s, "id_slot": res.get("id_slot"),
+                               "n_cached": timings.get("cache_n") if isinstance(timings, dict) else None,
+                               "n_prompt_server": res.get("n_prompt_server"), "stop_type": res.get("stop_type"),
+                               "timings": timings if isinstance(timings, dict) else None,
+                               "tokens_source": "request" if prompt_ids(self._prompt_field(p)) else
+                               ("apply-template+tokenize" if p.kind == OAI_CHAT else "tokenize")}
+        if n_results > 1:
+            rec.update(n_results=n_results, result_index=res["index"])
+        if rec["n_prompt_server"] is not None and rec["n_prompt_server"] != len(ids):
+            self.stats["prompt_length_differs"] += 1
+            self.warn_once("plen", f"the prompt tokenized by the upstream's /tokenize has {len(ids)} tokens, the "
+                                   f"server evaluated {rec['n_prompt_server']} ({p.path})")
+        line["recorded"] = {k: v for k, v in rec.items() if v is not None or k in ("first_byte_s",)}
+        return line
+
+    @staticmethod
+    def _prompt_field(p: Pending) -> Any:
+        return p.body.get("prompt")
+
+    def _results(self, p: Pending, events: list | None, content: bytes | None) -> list[dict[str, Any]]:
+        """One dict per result: index, tokens (ids or None), n_output, id_slot, stop_type, timings,
+        n_prompt_server."""
+        if events is None:
+            data = json.loads(content)
+            if p.kind == NATIVE:
+                objs = data if isinstance(data, list) else [data]
+                return [self._native(o, o.get("tokens")) for o in objs if isinstance(o, dict) and "timings" in o]
+            choices = data.get("choices") or []
+            if len(choices) != 1:
+                self.stats["not_recorded_several_choices"] += 1
+                return []
+            usage = data.get("usage") or {}
+            return [{"index": 0, "tokens": None, "n_output": self._n_out(data.get("timings"), usage),
+                     "timings": data.get("timings"), "n_prompt_server": usage.get("prompt_tokens"),
+                     "stop_type": choices[0].get("finish_reason")}]
+        if any(isinstance(e, dict) and "error" in e for e in events):
+            self.stats["not_recorded_stream_error"] += 1
+            return []
+        if p.kind == NATIVE:
+            toks: dict[int, list[int]] = {}
+            finals = []
+            for e in events:
+                if not isinstance(e, dict):
+                    continue
+                if e.get("stop"):
+                    finals.append(e)
+                elif isinstance(e.get("tokens"), list):
+                    toks.setdefault(e.get("index", 0), []).extend(e["tokens"])
+            return [self._native(f, toks.get(f.get("index", 0), [])) for f in finals]
+        timings = usage = finish = None
+        for e in events:
+            if isinstance(e, dict):
+                timings = e.get("timings", timings)
+                usage = e.get("usage", usage)
+                for c in e.get("choices") or []:
+                    if c.get("index", 0) != 0:
+                        self.stats["not_recorded_several_choices"] += 1
+                        return []
+                    finish = c.get("finish_reason") or finish
+        if timings is None:
+            return []
+        return [{"index": 0, "tokens": None, "n_output": self._n_out(timings, usage or {}), "timings": timings,
+                 "n_prompt_server": (usage or {}).get("prompt_tokens"), "stop_type": finish}]
+
+    @staticmethod
+    def _n_out(timings: Any, usage: dict) -> int | None:
+        if isinstance(timings, dict) and type(timings.get("predicted_n")) is int:
+            return timings["predicted_n"]
+        n = usage.get("completion_tokens")
+        return n if type(n) is int else None
+
+    @staticmethod
+    def _native(o: dict[str, Any], tokens: Any) -> dict[str, Any]:
+        n_out = o.get("tokens_predicted")
+        return {"index": o.get("index", 0), "tokens": tokens if isinstance(tokens, list) else None,
+                "n_output": n_out if type(n_out) is int else None, "id_slot": o.get("id_slot"),
+                "stop_type": o.get("stop_type"), "timings": o.get("timings"),
+                "n_prompt_server": o.get("tokens_evaluated")}
+
+    async def _prompt_tokens(self, p: Pending) -> list[list[int]] | None:
+        """Each prompt's token ids: as given, or from the upstream (/tokenize; chat: /apply-template first)."""
+        if p.kind == OAI_CHAT:
+            r = await self._upstream_json("/apply-template", p.body, p)
+            text = r.get("prompt") if isinstance(r, dict) else None
+            if not isinstance(text, str):
+                return None
+            return [await self._tokenize(text, p)]
+        prompt = p.body.get("prompt")
+        out = []
+        for item in split_prompts(prompt):
+            ids = prompt_ids(item)
+            out.append(ids if ids is not None else await self._tokenize(item, p))
+        return out
+
+    async def _tokenize(self, content: Any, p: Pending) -> list[int]:
+        # as the completion handlers tokenize a prompt: special tokens added (BOS) and parsed
+        r = await self._upstream_json("/tokenize", {"content": content, "add_special": True, "parse_special": True}, p)
+        toks = r.get("tokens") if isinstance(r, dict) else None
+        if not isinstance(toks, list) or not all(type(t) is int for t in toks):
+            raise ValueError(f"/tokenize answered {str(r)[:80]!r}")
+        return toks
+
+    async def _upstream_json(self, route: str, body: Any, p: Pending) -> Any:
+        prefix = p.path[:len(p.path) - len(_ENDPOINT_SUFFIX[p.kind](p.path))]
+        data = json.dumps(body).encode()
+        r = await self.client.request("POST", self.upstream + prefix + route, content=data,
+                                      headers=[(b"host", self._host), (b"content-type", b"application/json"),
+                                               (b"content-length", str(len(data)).encode()), *p.auth])
+        if r.status != 200:
+            raise ValueError(f"{route} answered {r.status}")
+        return json.loads(r.content)
+
+
+def _suffix(path: str, options: tuple[str, ...]) -> str:
+    return next(s for s in options if path.endswith(s))
+
+
+_ENDPOINT_SUFFIX = {
+    OAI_CHAT: lambda path: _suffix(path, ("/v1/chat/completions", "/chat/completions")),
+    OAI_CMPL: lambda path: "/v1/completions",
+    NATIVE: lambda path: _suffix(path, ("/completions", "/completion")),
+}
+
+
+class BackgroundRecorder:
+    """The recorder in a background thread (tests, benchmarks): `start()` returns once the socket listens."""
+
+    def __init__(self, upstream: str, out: str | Path, host: str = "127.0.0.1", port: int = 0,
+                 log_level: str = "warning") -> None:
+        self.recorder = Recorder(upstream, out, log=lambda msg: None)
+        self.server = uvicorn.Server(uvicorn_config(self.recorder.app, host, port, log_level,
+                                                    timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, name="slotlab-record", daemon=True)
+
+    def start(self, timeout_s: float = 30.0) -> "BackgroundRecorder":
+        self.thread.start()
+        t_end = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > t_end:
+                raise RuntimeError("the recorder did not start")
+            time.sleep(0.01)
+        return self
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.server.config.host}:{self.server.servers[0].sockets[0].getsockname()[1]}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+# --- command line ----------------------------------------------------------------------------------------
+
+EPILOG = """examples:
+  slotlab serve -m model.gguf --port 8080 &
+  slotlab record --upstream http://127.0.0.1:8080 --out trace.jsonl --port 8081
+      point clients at :8081; every request goes on to :8080, one trace line per completion
+  slotlab validate --recorded trace.jsonl -np 4 --latency parametric:cal.json
+      simulate the recorded requests (their own prompt and output tokens), compare with what :8080 measured
+"""
+
+
+def add_record_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        RECORD, help="record the traffic of a llama-server compatible server as a native trace",
+        allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+        description=__doc__.split("\n\n")[0].replace("`slotlab record`: a", "A"))
+    add_flags(p, RECORD)
+    p.set_defaults(func=run_record)
+    return p
+
+
+def run_record(args: argparse.Namespace) -> int:
+    if not args.upstream.startswith(("http://", "https://")):
+        print(f"slotlab record: error: --upstream must be an http(s) URL, got {args.upstream!r}", file=sys.stderr)
+        return 2
+    rec = Recorder(args.upstream, args.out)
+    try:
+        rec.open()
+    except OSError as e:
+        print(f"slotlab record: error: cannot write {args.out}: {e}", file=sys.stderr)
+        return 2
+    server = uvicorn.Server(uvicorn_config(rec.app, args.host, args.port, "warning", timeout_graceful_shutdown=5))
+    print(f"slotlab record: http://{args.host}:{args.port} -> {rec.upstream}, writing {args.out}", file=sys.stderr)
+    try:
+        server.run()
+    finally:
+        rec.close()
+        stats = ", ".join(f"{k} {v}" for k, v in sorted(rec.stats.items())) or "no completion requests"
+        print(f"slotlab record: {stats} -> {args.out}", file=sys.stderr)
+    return 0

@@ -1,0 +1,160 @@
+"""`slotlab record`: the reverse proxy forwards unchanged and writes one native-trace line per completion."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from experiments.record import BackgroundRecorder, blank_tokens, inject_return_tokens, split_prompts
+from traces import read_trace
+
+
+@pytest.fixture(scope="module")
+def upstream(start_server):
+    return start_server(n_parallel=2, n_ctx=2048, api_keys=())
+
+
+@pytest.fixture()
+def recorder(upstream, tmp_path):
+    rec = BackgroundRecorder(upstream.base_url, tmp_path / "trace.jsonl").start()
+    yield rec
+    rec.stop()
+
+
+def lines(path) -> list[dict]:
+    return [json.loads(x) for x in open(path, encoding="utf-8") if x.strip()]
+
+
+def wait_lines(path, n: int, timeout_s: float = 10.0) -> list[dict]:
+    t_end = time.monotonic() + timeout_s
+    while True:
+        got = lines(path)
+        if len(got) >= n or time.monotonic() > t_end:
+            return got
+        time.sleep(0.02)
+
+
+GREEDY = {"n_predict": 6, "temperature": 0, "seed": 3}
+
+
+def test_native_answer_is_what_the_client_would_get_and_the_ids_are_recorded(upstream, recorder, tmp_path):
+    body = {"prompt": "Hello world, the", **GREEDY}
+    with httpx.Client(base_url=recorder.base_url, timeout=60) as c, \
+            httpx.Client(base_url=upstream.base_url, timeout=60) as d:
+        via = c.post("/completion", json=body)
+        direct = d.post("/completion", json=body)
+        asked = c.post("/completion", json={**body, "return_tokens": True}).json()
+    assert via.status_code == 200 and via.headers["server"] == "llama.cpp"
+    a, b = via.json(), direct.json()
+    assert list(a) == list(b) and a["tokens"] == [] == b["tokens"]       # the recorder's return_tokens is blanked
+    assert a["content"] == b["content"] and a["generation_settings"] == b["generation_settings"]
+    assert len(asked["tokens"]) == 6                                    # a client that asks gets them
+    got = wait_lines(tmp_path / "trace.jsonl", 3)
+    assert got[0]["slotlab_native"] == 1 and got[0]["line_order"] == "end"
+    first, second = got[1], got[2]
+    assert first["output_tokens"] == asked["tokens"] == second["output_tokens"]
+    assert first["prompt_tokens"] == upstream_tokenize(upstream, "Hello world, the")
+    assert first["sampling"] == GREEDY and second["sampling"]["return_tokens"] is True
+    r = first["recorded"]
+    assert r["endpoint"] == "/completion" and r["stop_type"] == "limit" and r["tokens_source"] == "tokenize"
+    assert r["timings"]["predicted_n"] == 6 and r["n_prompt_server"] == len(first["prompt_tokens"])
+    assert 0 <= first["arrival_s"] <= r["end_s"] <= second["arrival_s"]
+    assert r["id_slot"] == a["id_slot"] and r["n_cached"] == a["timings"]["cache_n"]
+    trace = read_trace(tmp_path / "trace.jsonl")                          # a valid native trace
+    assert [t.output_tokens for t in trace] == [tuple(asked["tokens"])] * 2
+
+
+def upstream_tokenize(upstream, text: str) -> list[int]:
+    return httpx.post(upstream.base_url + "/tokenize", json={"content": text, "add_special": True}).json()["tokens"]
+
+
+def test_stream_goes_through_chunk_by_chunk_and_its_tokens_are_recorded(upstream, recorder, tmp_path):
+    ids = upstream_tokenize(upstream, "Hello world, the")        # a prompt whose greedy tokens are whole text
+    body = {"prompt": ids, "stream": True, **GREEDY}
+    with httpx.Client(base_url=recorder.base_url, timeout=60) as c:
+        with c.stream("POST", "/completion", json=body) as s:
+            assert s.headers["content-type"].startswith("text/event-stream")
+            chunks = list(s.iter_raw())
+    events = [json.loads(e[6:]) for e in b"".join(chunks).split(b"\n\n") if e.startswith(b"data: ")]
+    assert len(chunks) > 1 and events[-1]["stop"] is True
+    streamed = [t for e in events[:-1] for t in e["tokens"]]
+    line = wait_lines(tmp_path / "trace.jsonl", 2)[1]
+    assert line["prompt_tokens"] == ids and line["recorded"]["tokens_source"] == "request"
+    assert line["recorded"]["stream"] is True and line["recorded"]["first_byte_s"] >= line["arrival_s"]
+    if len(streamed) == events[-1]["tokens_predicted"]:
+        assert line["output_tokens"] == streamed
+    else:                            # a token ending inside a UTF-8 character is not streamed: length only
+        assert "output_tokens" not in line and line["n_output"] == events[-1]["tokens_predicted"]
+
+
+def test_chat_prompt_tokens_come_from_apply_template_and_tokenize(recorder, tmp_path):
+    body = {"messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 4, "temperature": 0}
+    with httpx.Client(base_url=recorder.base_url, timeout=60) as c:
+        r = c.post("/v1/chat/completions", json=body).json()
+        oai = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3}).json()
+    chat, cmpl = wait_lines(tmp_path / "trace.jsonl", 3)[1:]
+    assert len(chat["prompt_tokens"]) == r["usage"]["prompt_tokens"]
+    assert chat["recorded"]["tokens_source"] == "apply-template+tokenize"
+    assert chat["n_output"] == r["usage"]["completion_tokens"] and "output_tokens" not in chat
+    assert chat["sampling"]["n_predict"] == 4
+    assert len(cmpl["prompt_tokens"]) == oai["usage"]["prompt_tokens"]
+
+
+def test_other_routes_and_errors_are_forwarded_as_they_are(upstream, recorder, tmp_path):
+    with httpx.Client(base_url=recorder.base_url, timeout=60) as c, \
+            httpx.Client(base_url=upstream.base_url, timeout=60) as d:
+        for method, path, body in (("GET", "/health", None), ("POST", "/tokenize", {"content": "ab"}),
+                                   ("GET", "/nope", None), ("POST", "/completion", {"n_predict": 1}),
+                                   ("POST", "/completion", {"prompt": "x", "n_predict": -5})):
+            a = c.request(method, path, json=body)
+            b = d.request(method, path, json=body)
+            assert (a.status_code, a.content) == (b.status_code, b.content), path
+        bad = c.post("/completion", content=b"{not json")
+        assert bad.status_code == 500 and "parse_error" in bad.json()["error"]["message"]
+        assert c.get("/slots").json()[0]["id"] == 0
+    time.sleep(0.2)
+    assert len(lines(tmp_path / "trace.jsonl")) == 1          # only the header: nothing was answered with 200
+
+
+def test_upstream_down_is_a_502_with_a_clear_message(tmp_path):
+    rec = BackgroundRecorder("http://127.0.0.1:9", tmp_path / "t.jsonl").start()
+    try:
+        r = httpx.post(rec.base_url + "/completion", json={"prompt": "x"}, timeout=30)
+    finally:
+        rec.stop()
+    assert r.status_code == 502
+    err = r.json()["error"]
+    assert err["type"] == "unavailable_error" and "http://127.0.0.1:9 did not answer POST /completion" in err["message"]
+
+
+def test_a_line_is_on_disk_as_soon_as_its_request_ended(recorder, tmp_path):
+    with httpx.Client(base_url=recorder.base_url, timeout=60) as c:
+        c.post("/completion", json={"prompt": [1, 2, 3], "n_predict": 2})
+        got = wait_lines(tmp_path / "trace.jsonl", 2)             # read while the recorder still runs
+    assert len(got) == 2 and got[1]["prompt_tokens"] == [1, 2, 3]
+
+
+def test_request_body_edits_keep_the_client_bytes():
+    raw = b'{ "prompt" : "a",\n "n_predict": 1e0}'
+    assert inject_return_tokens(raw, json.loads(raw)) == b'{"return_tokens":true, "prompt" : "a",\n "n_predict": 1e0}'
+    assert inject_return_tokens(b"{}", {}) == b'{"return_tokens":true}'
+    assert json.loads(inject_return_tokens(b'{"return_tokens":false}', {"return_tokens": False})) == \
+        {"return_tokens": True}
+
+
+def test_blank_tokens_touches_only_the_tokens_key():
+    raw = (b'[{"index":0,"content":"say \\"tokens\\":[1,2]","tokens":[5, 6,-1],"x":{"tokens":[]}},'
+           b'{"tokens":[7]}]')
+    assert blank_tokens(raw) == (b'[{"index":0,"content":"say \\"tokens\\":[1,2]","tokens":[],"x":{"tokens":[]}},'
+                                 b'{"tokens":[]}]')
+
+
+def test_prompt_lists_are_split_as_upstream_reads_them():
+    assert split_prompts("a") == ["a"]
+    assert split_prompts([1, 2]) == [[1, 2]]
+    assert split_prompts([1, "a"]) == [[1, "a"]]
+    assert split_prompts(["a", "b"]) == ["a", "b"]
+    assert split_prompts([[1], [2, 3]]) == [[1], [2, 3]]
