@@ -510,6 +510,12 @@ class Simulation:
         runs ahead of SimPy's (see _server), SimPy's otherwise."""
         return max(self._clock_ns, self.env.now)
 
+    @property
+    def now_s(self) -> float:
+        """The simulated time in seconds, as the core and the backend see it (during a step: its start).
+        `env.now` lags behind it while the server runs steps back to back with no other process to wait for."""
+        return _s(max(self._clock_ns, self.env.now))
+
     def describe(self) -> dict[str, Any]:
         r = self.resolved
         base = {f: getattr(self.config, f) for f in self.config.__dataclass_fields__}

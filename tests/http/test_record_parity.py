@@ -132,7 +132,7 @@ def test_recorded_serve_run_replays_with_the_identical_decision_log(start_server
     cfg = replace(st.options.config, **st.model.config_facts())
     sim_log = Recorder()
     sim: Simulation | None = None
-    tape = StepTape([s - t0 for s in starts], last_end - t0, lambda: sim.env.now / 1e9)
+    tape = StepTape([s - t0 for s in starts], last_end - t0, lambda: sim.now_s)
     sim = Simulation(cfg, tape, fast_forward=False, recorder=sim_log)
     res = sim.run(workload)
 
