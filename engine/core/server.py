@@ -623,18 +623,28 @@ class ServerCore:
         if self._blocked():
             return 0, []
         gen = []
+        k = 1 << 62                          # the bound of _decode_bound, computed in the same pass
         for s in self.slots:
             st = s.state
             if st == IDLE:
                 continue
-            if st != GENERATING or s.task.text_hook is not None:
+            task = s.task
+            if st != GENERATING or task.text_hook is not None:
                 return 0, []
             gen.append(s)
+            n = s.n_ctx - len(s.tokens) - 1
+            if n < k:
+                k = n
+            n_predict = task.n_predict_max
+            if n_predict != -1:
+                n = n_predict - len(task.generated)
+                if n < k:
+                    k = n
         if not gen or len(gen) > self.cfg.n_batch:
             return 0, []
         if not self.policies.batch_builder.include_decodes(len(gen), 0):
             return 0, []
-        k = min(self._decode_bound(gen), self.kv.decode_steps_left(len(gen)))
+        k = min(k, self.kv.decode_steps_left(len(gen)))
         return max(k, 0), gen
 
     def prefill_horizon(self) -> tuple[int, list[Slot], Slot | None, int]:
@@ -724,9 +734,8 @@ class ServerCore:
             new = tokens[s.id]
             toks = s.tokens
             toks.append(s.sampled)
-            if k > 1:
-                toks += new[:-1]
-            s.sampled = new[-1]
+            toks += new
+            s.sampled = toks.pop()           # the last sampled token is not in the KV yet
             task.generated += new
             task.t_gen_last_s = t_end
             if stream:
