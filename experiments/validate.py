@@ -437,18 +437,10 @@ def run_validate_recorded(args: argparse.Namespace, values: dict[str, Any]) -> i
         eog_ids_from_trace=sorted(eog), latency=values["latency"], latency_model=latency.describe(),
         load_average_start=list(load_start), load_average_end=list(os.getloadavg()), sim_dir=str(out / "sim"),
         sim_steps=simres.run.get("steps"), command=context["command"])
-    per.to_csv(out / FILES["per_request"], index=False)
-    errors.to_csv(out / FILES["errors"], index=False)
-    write_json(out / FILES["summary"], summary)
-    if not args.no_plots:
-        title = f"recorded {Path(args.recorded).name} vs {latency.describe().get('kind')} latency ({len(per)} requests)"
-        plot_scatter(per, out / FILES["scatter"], title)
-        plot_cdfs(real, simres.requests, out / FILES["cdf"], title)
+    title = f"recorded {Path(args.recorded).name} vs {latency.describe().get('kind')} latency ({len(per)} requests)"
+    _write_comparison(out, per, errors, summary, real, simres.requests, None if args.no_plots else title)
     if args.quiet:
-        e2e = errors[(errors["metric"] == "e2e") & (errors["stat"] == "p50")].iloc[0]
-        print(f"slotlab validate: {summary['n_requests']} recorded requests, E2E P50 real {e2e['real_s']:.3g} s sim "
-              f"{e2e['sim_s']:.3g} s ({100 * e2e['rel_err']:+.1f}%), decisions match "
-              f"{100 * summary['decision_match_rate']:.0f}% -> {out}")
+        _print_quiet(errors, summary, out, "recorded requests")
     else:
         print(format_errors(errors, summary).replace("real (s)", "rec (s)").replace("sim-real", "sim-rec"))
         print(f"recorded {len(trace)} requests ({desc['n_with_output_ids']} with output ids, slot known for "
@@ -510,19 +502,11 @@ def run_validate(args: argparse.Namespace) -> int:
         load_average_end=list(os.getloadavg()), real_dir=str(real.path), real_reused=reused is not None,
         sim_dir=str(out / "sim"), real_sim_s=real.summary.get("sim_s"), sim_sim_s=sim.summary.get("sim_s"),
         real_steps=real.run.get("steps"), sim_steps=sim.run.get("steps"), command=context["command"])
-    per.to_csv(out / FILES["per_request"], index=False)
-    errors.to_csv(out / FILES["errors"], index=False)
-    write_json(out / FILES["summary"], summary)
-    if not args.no_plots:
-        title = (f"{Path(model).name}, {summary['threads']} threads vs {latency.describe().get('kind')} latency "
-                 f"({summary['n_requests']} requests)")
-        plot_scatter(per, out / FILES["scatter"], title)
-        plot_cdfs(real.requests, sim.requests, out / FILES["cdf"], title)
+    title = (f"{Path(model).name}, {summary['threads']} threads vs {latency.describe().get('kind')} latency "
+             f"({summary['n_requests']} requests)")
+    _write_comparison(out, per, errors, summary, real.requests, sim.requests, None if args.no_plots else title)
     if args.quiet:
-        e2e = errors[(errors["metric"] == "e2e") & (errors["stat"] == "p50")].iloc[0]
-        print(f"slotlab validate: {summary['n_requests']} requests, E2E P50 real {e2e['real_s']:.3g} s sim "
-              f"{e2e['sim_s']:.3g} s ({100 * e2e['rel_err']:+.1f}%), decisions match "
-              f"{100 * summary['decision_match_rate']:.0f}% -> {out}")
+        _print_quiet(errors, summary, out, "requests")
     else:
         print(format_errors(errors, summary))
         print(f"threads {summary['threads']}, load average {load_start[0]:.2f} -> {summary['load_average_end'][0]:.2f}"
@@ -538,3 +522,20 @@ def read_validation(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict[
     p = Path(path)
     return (pd.read_csv(p / FILES["per_request"]), pd.read_csv(p / FILES["errors"]),
             json.loads((p / FILES["summary"]).read_text(encoding="utf-8")))
+
+
+def _write_comparison(out: Path, per, errors, summary: dict, real_rows, sim_rows, plot_title: str | None) -> None:
+    """The files of a validation: per-request and aggregate errors, the summary, and (with a title) plots."""
+    per.to_csv(out / FILES["per_request"], index=False)
+    errors.to_csv(out / FILES["errors"], index=False)
+    write_json(out / FILES["summary"], summary)
+    if plot_title is not None:
+        plot_scatter(per, out / FILES["scatter"], plot_title)
+        plot_cdfs(real_rows, sim_rows, out / FILES["cdf"], plot_title)
+
+
+def _print_quiet(errors, summary: dict, out: Path, what: str) -> None:
+    e2e = errors[(errors["metric"] == "e2e") & (errors["stat"] == "p50")].iloc[0]
+    print(f"slotlab validate: {summary['n_requests']} {what}, E2E P50 real {e2e['real_s']:.3g} s sim "
+          f"{e2e['sim_s']:.3g} s ({100 * e2e['rel_err']:+.1f}%), decisions match "
+          f"{100 * summary['decision_match_rate']:.0f}% -> {out}")
