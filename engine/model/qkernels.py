@@ -121,6 +121,9 @@ def _finish_block(d, m, xs, b, m0, g, t, y, o0, o1, has_m):
                 yr[o] += db[o] * tr[o]
 
 
+# _range_nib and _range_byte differ only in the block kernel they call. They stay two functions on purpose:
+# numba compiles each with its kernel inlined, while passing the kernel as an argument would make it a
+# first-class function call per block (measurably slower in the inner loop).
 @njit(cache=True, fastmath=True, nogil=True)
 def _range_nib(q, d, m, x, xs, y, o0, o1, t):
     nb = q.shape[0]
