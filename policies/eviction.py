@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Protocol
 
-from engine.core.prompt_cache import CacheEntry
+from engine.core.types import CacheEntry
 
 
 class _NoHooks:

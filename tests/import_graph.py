@@ -2,8 +2,8 @@
 
 Reads every module of the project packages with `ast` (nothing is imported or run) and prints one edge per
 line, `importer -> imported`, for imports of other project modules. Imports inside functions are marked
-`(lazy)`: they are the usual way to hide a circle; imports under `if TYPE_CHECKING:` make no edge (they
-never run). `--cycles` prints the strongly connected components of
+`(lazy)`: they are the usual way to hide a circle. Imports under `if TYPE_CHECKING:` count too: they never
+run, but a circle among type-only imports is still a circle in the design. `--cycles` prints the strongly connected components of
 more than one module (import circles), `--packages` the edges between packages instead of modules.
 `tests/test_import_rule.py` uses the same functions.
 """
@@ -53,11 +53,6 @@ def _resolve(name: str, modules: dict[str, Path]) -> str | None:
     return None
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def _imports(tree: ast.AST, this: str, is_pkg: bool) -> Iterator[tuple[str, bool, int]]:
     """(dotted name, lazy, line) of every import; relative imports resolved against `this`."""
     def visit(node: ast.AST, in_func: bool) -> Iterator[tuple[str, bool, int]]:
@@ -74,8 +69,6 @@ def _imports(tree: ast.AST, this: str, is_pkg: bool) -> Iterator[tuple[str, bool
                     base = ".".join([*pkg, base] if base else pkg)
                 for a in child.names:       # `from pkg import module` names a module
                     yield f"{base}.{a.name}", in_func, child.lineno
-            elif isinstance(child, ast.If) and _is_type_checking(child.test):
-                yield from visit(ast.Module(body=child.orelse, type_ignores=[]), func)   # typing-only: no edge
             else:
                 yield from visit(child, func)
     yield from visit(tree, False)

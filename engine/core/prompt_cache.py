@@ -12,27 +12,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from engine.core.protocols import EvictionPolicy
 from engine.core.recorder import Recorder
 from engine.core.tokens import common_prefix
+from engine.core.types import CacheEntry
 
 
 class CacheLoadFailed(Exception):
     """The chosen entry cannot be restored into the slot (`llama_state_seq_set_data` fails): it stays."""
-
-
-@dataclass(slots=True, eq=False)
-class CacheEntry:
-    id: int
-    tokens: list[int]
-    size_bytes: int
-    t_insert_s: float
-    t_used_s: float
-    n_hits: int = 0
-    priority: float = 0.0      # free for policies (e.g. GDSF's H value)
-    seq: int = field(default=0)  # insertion sequence number (ties)
 
 
 class PromptCache:

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from engine.core.prompt_cache import CacheEntry
     from engine.core.slot import Slot
-    from engine.core.types import Task
+    from engine.core.types import CacheEntry, Task
 
 
 @dataclass(frozen=True, slots=True)

@@ -192,3 +192,17 @@ class Backend(Protocol):
     """An execution backend: applies a plan's KV operations and forward calls in order."""
 
     def execute(self, plan: BatchPlan) -> StepResult: ...
+
+
+@dataclass(slots=True, eq=False)
+class CacheEntry:
+    """One host-RAM prompt-cache entry (`server_prompt` in `server_prompt_cache`): a saved sequence state."""
+
+    id: int
+    tokens: list[int]
+    size_bytes: int
+    t_insert_s: float
+    t_used_s: float
+    n_hits: int = 0
+    priority: float = 0.0      # free for policies (e.g. GDSF's H value)
+    seq: int = field(default=0)  # insertion sequence number (ties)
