@@ -26,7 +26,6 @@ import contextlib
 import json
 import re
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -41,7 +40,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from engine.http.app import uvicorn_config
+from engine.http.app import ThreadedUvicorn, uvicorn_config
 from experiments.flags import RECORD, add_flags
 
 NATIVE, OAI_CMPL, OAI_CHAT = "native", "oai_cmpl", "oai_chat"
@@ -491,32 +490,13 @@ _ENDPOINT_SUFFIX = {
 }
 
 
-class BackgroundRecorder:
+class BackgroundRecorder(ThreadedUvicorn):
     """The recorder in a background thread (tests, benchmarks): `start()` returns once the socket listens."""
 
     def __init__(self, upstream: str, out: str | Path, host: str = "127.0.0.1", port: int = 0,
                  log_level: str = "warning") -> None:
         self.recorder = Recorder(upstream, out, log=lambda msg: None)
-        self.server = uvicorn.Server(uvicorn_config(self.recorder.app, host, port, log_level,
-                                                    timeout_graceful_shutdown=5))
-        self.thread = threading.Thread(target=self.server.run, name="slotlab-record", daemon=True)
-
-    def start(self, timeout_s: float = 30.0) -> "BackgroundRecorder":
-        self.thread.start()
-        t_end = time.monotonic() + timeout_s
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > t_end:
-                raise RuntimeError("the recorder did not start")
-            time.sleep(0.01)
-        return self
-
-    @property
-    def base_url(self) -> str:
-        return f"http://{self.server.config.host}:{self.server.servers[0].sockets[0].getsockname()[1]}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
+        super().__init__(self.recorder.app, host, port, log_level, name="slotlab-record", shutdown_s=5.0)
 
 
 # --- command line ----------------------------------------------------------------------------------------

@@ -203,21 +203,23 @@ def uvicorn_config(app, host: str, port: int, log_level: str, **kw) -> uvicorn.C
                           lifespan="on", ws="none", **kw)
 
 
-class BackgroundServer:
-    """uvicorn in a background thread (tests, notebooks): `start()` returns once the socket listens."""
+class ThreadedUvicorn:
+    """uvicorn serving `app` in a background thread (tests, notebooks, benchmarks): `start()` returns once
+    the socket listens; `stop()` asks it to exit and waits."""
 
-    def __init__(self, state: ServerState, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        self.state = state
-        self.app = create_app(state)
-        self.server = uvicorn.Server(uvicorn_config(self.app, host, port, log_level, timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, name="slotlab-http", daemon=True)
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", *,
+                 name: str = "slotlab-http", shutdown_s: float = 2.0) -> None:
+        self.app = app
+        self.server = uvicorn.Server(uvicorn_config(app, host, port, log_level, timeout_graceful_shutdown=shutdown_s))
+        self.thread = threading.Thread(target=self.server.run, name=name, daemon=True)
+        self._join_s = shutdown_s + 8.0
 
-    def start(self, timeout_s: float = 30.0) -> "BackgroundServer":
+    def start(self, timeout_s: float = 30.0):
         self.thread.start()
         t_end = time.monotonic() + timeout_s
         while not self.server.started:
             if not self.thread.is_alive() or time.monotonic() > t_end:
-                raise RuntimeError("the HTTP server did not start")
+                raise RuntimeError(f"{self.thread.name} did not start")
             time.sleep(0.01)
         return self
 
@@ -227,13 +229,27 @@ class BackgroundServer:
 
     @property
     def base_url(self) -> str:
-        host = self.server.config.host
-        return f"http://{host}:{self.port}{self.state.options.api_prefix}"
+        return f"http://{self.server.config.host}:{self.port}"
 
     def stop(self) -> None:
         self.server.should_exit = True
-        self.thread.join(10)
+        self.thread.join(self._join_s)
+
+
+class BackgroundServer(ThreadedUvicorn):
+    """`slotlab serve`'s app in a background thread; `base_url` includes the --api-prefix."""
+
+    def __init__(self, state: ServerState, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        self.state = state
+        super().__init__(create_app(state), host, port, log_level, name="slotlab-http", shutdown_s=2.0)
+
+    @property
+    def base_url(self) -> str:
+        return super().base_url + self.state.options.api_prefix
+
+    def stop(self) -> None:
+        super().stop()
         self.state.shutdown()
 
 
-__all__ = ["BackgroundServer", "ServerOptions", "ServerState", "create_app"]
+__all__ = ["BackgroundServer", "ServerOptions", "ServerState", "ThreadedUvicorn", "create_app"]
