@@ -45,6 +45,8 @@ def origin_is_localhost(origin: str) -> bool:
     scheme, sep, rest = origin.partition("://")
     if not sep or scheme not in ("http", "https"):
         return False
+    # user info is cut from the authority only; upstream looks for '@' anywhere in the URL, so it would read
+    # "http://evil.example/@localhost" as local: a deliberate difference (an Origin carries no path anyway)
     rest = rest.rpartition("@")[2] if "@" in rest.partition("/")[0] else rest
     host = rest.partition("/")[0]
     port = ""

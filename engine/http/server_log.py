@@ -6,7 +6,8 @@ upstream's wording and layout (the `SLT_*` / `SRV_*` macros of tools/server/serv
 users look for: slot selection (`get_available_slot`), prompt-cache save, load and eviction
 (`server_slot::prompt_save`, `server_prompt_cache::alloc` / `load` / `update`), idle-slot purges
 (`try_clear_idle_slots`), context shift and n_batch halving (`update_slots`). Lines at upstream's INFO
-level go to INFO, its WRN to WARNING, its TRC (trace) lines to DEBUG.
+level go to INFO, its WRN to WARNING, its TRC (trace) lines to DEBUG. Deliberate difference: the
+similarity line omits upstream's `f_keep` (the core's selection event does not carry it).
 """
 
 from __future__ import annotations

@@ -89,3 +89,8 @@ def test_health_is_public_but_a_prefixed_health_is_not_as_upstream(start_server)
     s = start_server(api_keys=("k",), api_prefix="/llm")
     assert httpx.get(s.base_url + "/health").status_code == 401      # upstream compares the unprefixed path
     assert httpx.get(s.base_url + "/health", headers={"Authorization": "Bearer k"}).status_code == 200
+
+
+def test_user_info_is_cut_from_the_authority_only():
+    """Deliberate difference from upstream's parser, which finds '@' anywhere in the URL."""
+    assert not origin_is_localhost("http://evil.example/@localhost")
