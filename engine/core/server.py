@@ -194,20 +194,12 @@ class ServerCore:
                 self._launch(cs, child_task, now_s, WAIT_OTHER)
         self._launch(slot, task, now_s, STARTED)
         if self.base.cache_idle_slots and self.cache is not None:
-            cache = self.cache
-            saved_in = self._saved_in
-            unified = self.cfg.kv_unified
             for s in self.slots:
                 if s.state:                         # not IDLE
                     continue
-                if not s.tokens:                    # nothing to save or clear
-                    if unified:
-                        saved_in[s.id] = -1
-                    continue
-                known = saved_in[s.id]
-                if (known < 0 or known not in cache.entries) and self._prompt_save(s, now_s):
-                    cache.update(now_s)
-                if unified:
+                if self._prompt_save(s, now_s):     # (skips empty slots and slots already saved)
+                    self.cache.update(now_s)
+                if self.cfg.kv_unified:
                     self._prompt_clear(s)
 
     def _defer(self, task: Task, now_s: float, why: str) -> None:
@@ -237,7 +229,7 @@ class ServerCore:
 
     # --- RAM prompt cache (slot.prompt_save / prompt_load / prompt_clear) ---------------------------
     def _emit_cache_drop(self, entry_id: int) -> None:
-        self._ops.append(_tuple_new(KVOp, ("cache_drop", -1, -1, -1, 0, -1, entry_id, 0, False)))
+        self._ops.append(KVOp("cache_drop", entry=entry_id))
 
     def _prompt_save(self, slot: Slot, now_s: float) -> bool:
         if not slot.tokens:
