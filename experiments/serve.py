@@ -96,6 +96,7 @@ def options_from_args(args: argparse.Namespace):
     dl = U.download_flag(args)
     if dl is not None:
         raise ServeError(f"{dl}: models cannot be downloaded here; pass a local GGUF file with -m FILE")
+    sleep_s = _sleep_idle_seconds(U.value_of(args, "--sleep-idle-seconds"))
     template = U.value_of(args, "--chat-template") or ""
     template_file = U.value_of(args, "--chat-template-file")
     if template_file:
@@ -116,7 +117,20 @@ def options_from_args(args: argparse.Namespace):
         cors_headers=args.cors_headers, cors_credentials=args.cors_credentials, endpoint_metrics=args.metrics,
         endpoint_slots=args.slots, endpoint_props=args.props,
         slot_save_path=args.slot_save_path, api_prefix=args.api_prefix.rstrip("/"), numerics=args.numerics,
-        chat_template=template, verbose=bool(U.value_of(args, "--verbose")))
+        chat_template=template, verbose=bool(U.value_of(args, "--verbose")), sleep_idle_s=sleep_s)
+
+
+def _sleep_idle_seconds(value: object) -> int:
+    """--sleep-idle-seconds as upstream's common/arg.cpp takes it: an integer, -1 (the default) = never sleep."""
+    if value is None:
+        return -1
+    try:
+        n = int(str(value))
+    except ValueError:
+        raise ServeError(f"--sleep-idle-seconds: expected an integer number of seconds, got {value!r}") from None
+    if n == 0 or n < -1:
+        raise ServeError("--sleep-idle-seconds: invalid value: cannot be 0 or less than -1")
+    return n
 
 
 def upstream_warnings(args: argparse.Namespace) -> list[str]:

@@ -7,7 +7,7 @@ module adds the rest with the right arity, so that argparse consumes their value
 
 - aliases upstream has for a flag slotlab implements (`--temperature` for `--temp`) set the same option;
 - a few upstream flags are implemented here: `-v/--verbose/--log-verbose`, `--log-file`, `--chat-template`
-  (a Jinja template), `--chat-template-file`, `--jinja/--no-jinja`;
+  (a Jinja template), `--chat-template-file`, `--jinja/--no-jinja`, `--sleep-idle-seconds` (sleeping on idle);
 - flags that only concern hardware, memory placement or the build (GPU layers, flash attention, KV cache
   types, NUMA, CPU masks, mmap, ...) are accepted with one warning each: the numpy engine has no such knob;
 - features this server does not have (embeddings, reranking, LoRA, speculative decoding, multimodal, tools,
@@ -39,7 +39,7 @@ DOWNLOADS = {"-mu", "--model-url", "-hf", "-hfr", "--hf-repo", "-hff", "--hf-fil
              "--hf-repo-v", "-hffv", "--hf-file-v", "-dr", "--docker-repo", "-hft", "--hf-token",
              "--spec-draft-hf", "-hfd", "-hfrd", "--hf-repo-draft"}
 IMPLEMENTED = {"-v", "--verbose", "--log-verbose", "--log-file", "--chat-template", "--chat-template-file",
-               "--jinja", "--no-jinja"}
+               "--jinja", "--no-jinja", "--sleep-idle-seconds"}
 
 # why a flag has no effect here, by a word its names contain (first match wins); the rest: "has no
 # effect on this server"
@@ -63,7 +63,6 @@ _REASONS = (
     (("ui", "webui", "static", "path", "public"), "the web UI is not served"),
     (("rope", "yarn", "swa", "override-kv", "defrag", "kv-unified-per-slot"),
      "model and KV options of llama.cpp that the numpy engine does not take"),
-    (("sleep",), "sleeping on idle is not implemented"),
 )
 
 

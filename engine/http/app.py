@@ -13,6 +13,7 @@ lower-cases every name. Clients that read headers into a plain dict see the same
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import threading
@@ -36,6 +37,9 @@ log = logging.getLogger("slotlab.http")
 # it is (an --api-prefix is not stripped, as upstream); "/" is the UI's path, which this server does not serve
 PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/"})
 FRONTEND_PATHS = frozenset({"/"})
+# GET endpoints that answer while the server sleeps, without waking it or resetting its idle timer
+# (upstream's `create_response(true)` handlers: server_routes::init_routes)
+SLEEP_READS = frozenset({"/health", "/v1/health", "/props", "/models", "/v1/models", "/metrics"})
 _LOCAL_ORIGIN_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
@@ -124,7 +128,28 @@ class FrontMiddleware:
                 await _respond_json(send_with_headers, 401,
                                     error_body(ErrorType.AUTHENTICATION, "Invalid API Key"))
                 return
-        await self.app(scope, receive, send_with_headers)
+        state = self.state
+        if state.options.sleep_idle_s < 0 or path in FRONTEND_PATHS or (
+                scope["method"] in ("GET", "HEAD") and path[len(opts.api_prefix):] in SLEEP_READS):
+            await self.app(scope, receive, send_with_headers)
+            return
+        # a request that needs the model: it keeps the model loaded while open and wakes it if asleep
+        with state.lock:
+            state.n_busy += 1
+            asleep = state.sleeping
+        try:
+            if asleep:
+                try:
+                    await asyncio.to_thread(state.wake)
+                except Exception as e:  # noqa: BLE001 - the request gets upstream's error JSON, the server stays up
+                    log.exception("failed to reload the model after sleeping")
+                    await _respond_json(send_with_headers, 500, error_body(
+                        ErrorType.SERVER, f"failed to reload the model after sleeping: {type(e).__name__}: {e}"))
+                    return
+            await self.app(scope, receive, send_with_headers)
+        finally:
+            with state.lock:
+                state.n_busy -= 1
 
 
 async def _respond(send, status: int, body: bytes, content_type: str, headers: list | None = None) -> None:
@@ -194,6 +219,7 @@ def create_app(state: ServerState, load_on_startup: bool = True) -> Starlette:
                     exception_handlers={HTTPError: _http_error, 404: _not_found,
                                         StarletteHTTPException: _starlette_error, Exception: _server_error})
     app.state.server = state
+    state.sleep_snapshot = routes.sleep_snapshot
     app.add_middleware(FrontMiddleware, state=state)
     return app
 

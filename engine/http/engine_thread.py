@@ -130,6 +130,12 @@ class Engine:
         self.n_steps = 0
         self.t_busy_s = 0.0
         self.last_task: list[Task | None] = [None] * len(core.slots)   # per slot: its current or last task
+        # sleeping on idle (--sleep-idle-seconds), as server_queue::start_loop: when nothing is to be done and
+        # `sleep_idle_s` (>= 0) passed since the last task, `may_sleep()` is asked; True ends the thread
+        self.sleep_idle_s = -1.0
+        self.may_sleep: Callable[[], bool] | None = None
+        self.t_last_task = time.monotonic()
+        self.slept = False
 
     # --- called from other threads --------------------------------------------------------------------------
     def start(self) -> None:
@@ -150,11 +156,12 @@ class Engine:
     def cancel(self, job: Job) -> None:
         self.inbox.put(_Msg("cancel", job))
 
-    def call(self, fn: Callable[[], Any]) -> Future:
+    def call(self, fn: Callable[[], Any], resets_idle: bool = True) -> Future:
         """Run `fn()` in the engine thread between steps; its result (or exception) lands in the Future.
-        For reads of the core's state (`/slots`, `/metrics`)."""
+        For reads of the core's state (`/slots`, `/metrics`). A call with `resets_idle=False` does not count as
+        a task for the idle timer (upstream's METRICS task, `task_resets_idle_timer`)."""
         fut: Future = Future()
-        self.inbox.put(_Msg("call", fn=fn, fut=fut))
+        self.inbox.put(_Msg("call" if resets_idle else "read", fn=fn, fut=fut))
         return fut
 
     def _slot_call(self, slot_id: int, fn: Callable[[], Any]) -> Future:
@@ -207,15 +214,30 @@ class Engine:
                 self._drain(block=not busy)
                 self._run_slot_actions()
                 if core.has_work():
+                    t0 = time.monotonic()
                     self._step()
+                    # a step is not idle time: shift the timer by the step's duration (start_loop does the
+                    # same, so that reads which do not reset the timer cannot delay the sleep)
+                    now = time.monotonic()
+                    self.t_last_task = min(now, self.t_last_task + (now - t0))
                 else:
                     self._route_finished(core.pop_finished())     # ended outside a step (cancels)
+                    if self._sleep_due() and self.may_sleep is not None and self.may_sleep():
+                        self.slept = True        # the server dropped its references; this thread ends
+                        return
             except Exception:      # noqa: BLE001 - keep serving; the failing step's tasks were answered
                 log.error("engine loop error:\n%s", traceback.format_exc())
 
+    def _sleep_due(self) -> bool:
+        return (self.sleep_idle_s >= 0 and not self._slot_actions and not self.core.has_work()
+                and time.monotonic() - self.t_last_task >= self.sleep_idle_s)
+
     def _drain(self, block: bool) -> None:
+        timeout = IDLE_WAIT_S
+        if self.sleep_idle_s >= 0:      # wake up in time to fall asleep when due
+            timeout = min(timeout, max(0.0, self.t_last_task + self.sleep_idle_s - time.monotonic()) + 0.01)
         try:
-            msg = self.inbox.get(timeout=IDLE_WAIT_S) if block else self.inbox.get_nowait()
+            msg = self.inbox.get(timeout=timeout) if block else self.inbox.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -228,6 +250,8 @@ class Engine:
     def _handle(self, msg: _Msg) -> None:
         kind = msg.kind
         now = time.monotonic()
+        if kind not in ("read", "wake"):
+            self.t_last_task = now
         if kind == "submit":
             job = msg.job
             if job.cancelled:
@@ -245,7 +269,7 @@ class Engine:
                     child.text_hook = job.make_hook()
         elif kind == "cancel":
             self._cancel(msg.job, now)
-        elif kind == "call":
+        elif kind in ("call", "read"):
             self._resolve(msg.fut, msg.fn)
         elif kind == "slot":
             self._slot_actions.append(msg)

@@ -1,9 +1,10 @@
 """Prometheus text for `/metrics` with llama-server's `llamacpp:` names, help texts, types and order
 (`server_context` METRICS handler, server-task.cpp). Values use C++ ostream formatting (6 significant digits).
 
-slotlab adds two counters under its own prefix (not upstream): the prompt and generated tokens of requests
-whose client went away before receiving the final result. Upstream counts those tokens in its totals too;
-these counters let a client reconcile the totals with the responses it received.
+slotlab adds, under its own prefix (not upstream): two counters of the prompt and generated tokens of requests
+whose client went away before receiving the final result (upstream counts those tokens in its totals too;
+these counters let a client reconcile the totals with the responses it received), and for sleeping on idle
+(`--sleep-idle-seconds`, for which upstream exports nothing) a counter of sleeps and an `is_sleeping` gauge.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class MetricsSnapshot:
     n_busy_slots_per_decode: float
     n_cancelled_prompt_tokens: int
     n_cancelled_predicted_tokens: int
+    n_sleeps: int = 0                    # times the server fell asleep (--sleep-idle-seconds)
+    is_sleeping: int = 0
 
 
 def _fmt(v: float) -> str:
@@ -72,7 +75,11 @@ def render(m: MetricsSnapshot) -> str:
                                     ("cancelled_tokens_predicted_total",
                                      "slotlab: generated tokens of requests whose client left before the final "
                                      "result (included in llamacpp:tokens_predicted_total).",
-                                     m.n_cancelled_predicted_tokens)], "slotlab:")):
+                                     m.n_cancelled_predicted_tokens),
+                                    ("sleeps_total", "slotlab: times the server unloaded the model after "
+                                     "--sleep-idle-seconds without a task.", m.n_sleeps)], "slotlab:"),
+                                ("gauge", [("is_sleeping", "slotlab: 1 while the model is unloaded "
+                                            "(--sleep-idle-seconds), else 0.", m.is_sleeping)], "slotlab:")):
         for name, help_text, value in items:
             lines.append(f"# HELP {prefix}{name} {help_text}")
             lines.append(f"# TYPE {prefix}{name} {kind}")

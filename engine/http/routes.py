@@ -9,6 +9,7 @@ import json
 import os
 import time
 from collections import defaultdict
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -396,11 +397,10 @@ def _model_meta(state: ServerState) -> dict[str, Any]:
             "n_params": m.summary.n_params, "size": m.summary.n_tensor_bytes, "ftype": m.summary.ftype_name}
 
 
-async def models(request: Request) -> Response:
-    state = server_of(request)
+def _models_json(state: ServerState) -> dict[str, Any]:
     name = state.options.model_name
     aliases = sorted(state.options.aliases)
-    return JSONResponse({
+    return {
         "models": [{"name": name, "model": name, "modified_at": "", "size": "", "digest": "", "type": "model",
                     "description": "", "tags": [""], "capabilities": ["completion"], "parameters": "",
                     "details": {"parent_model": "", "format": "gguf", "family": "", "families": [""],
@@ -408,7 +408,14 @@ async def models(request: Request) -> Response:
         "object": "list",
         "data": [{"id": name, "aliases": aliases, "tags": [], "object": "model", "created": int(time.time()),
                   "owned_by": "llamacpp", "meta": _model_meta(state)}],
-    })
+    }
+
+
+async def models(request: Request) -> Response:
+    state = server_of(request)
+    with state.lock:          # answers while asleep, from the response cached when the server fell asleep
+        body = state.sleep_cache["models"] if state.sleeping else _models_json(state)
+    return JSONResponse(body)
 
 
 def _default_params(state: ServerState) -> CompletionParams:
@@ -425,8 +432,15 @@ async def props(request: Request) -> Response:
             return _not_supported("changing global properties", "--props")
         await read_json(request)
         return JSONResponse({"success": True})
+    with state.lock:          # answers while asleep, from the response cached when the server fell asleep
+        data = state.sleep_cache["props"] if state.sleeping else _props_json(state)
+    return JSONResponse(data)
+
+
+def _props_json(state: ServerState, is_sleeping: bool = False) -> dict[str, Any]:
+    opts = state.options
     tok = state.tokenizer
-    return JSONResponse({
+    return {
         "default_generation_settings": {"params": R.generation_settings(_default_params(state), only_metrics=True),
                                         "n_ctx": state.core.cfg.n_ctx_slot},
         "total_slots": state.core.cfg.n_slots,
@@ -445,9 +459,9 @@ async def props(request: Request) -> Response:
         "bos_token": state.token_text(tok.bos_id),
         "eos_token": state.token_text(tok.eos_id),
         "build_info": R.BUILD_INFO,
-        "is_sleeping": False,
+        "is_sleeping": is_sleeping,
         "cors_proxy_enabled": False,
-    })
+    }
 
 
 # --- /slots -------------------------------------------------------------------------------------------------
@@ -546,24 +560,44 @@ async def slot_action(request: Request) -> Response:
 
 # --- /metrics -----------------------------------------------------------------------------------------------
 
+def _metrics_snapshot(state: ServerState, reset_bucket: bool = True) -> MetricsSnapshot:
+    """The core's metrics (engine thread only). Each scrape resets the rate buckets, as upstream."""
+    core, engine = state.core, state.engine
+    m = core.metrics
+    snap = MetricsSnapshot(
+        m.n_prompt_tokens_processed_total, m.n_prompt_tokens_cached_total, m.t_prompt_processing_total_s,
+        m.n_tokens_predicted_total, m.t_tokens_generation_total_s, m.n_decode_total, m.n_tokens_max,
+        m.n_prompt_tokens_processed, m.t_prompt_processing_s, m.n_tokens_predicted, m.t_tokens_generation_s,
+        core.n_processing, len(core.deferred), m.n_busy_slots_per_decode,
+        engine.n_cancelled_prompt_tokens, engine.n_cancelled_predicted_tokens, state.n_sleeps, 0)
+    if reset_bucket:
+        m.reset_bucket()
+    return snap
+
+
+def sleep_snapshot(state: ServerState) -> dict[str, Any]:
+    """What the read-only endpoints answer while the server sleeps (`update_cached_responses`): taken in the
+    engine thread as the server falls asleep."""
+    return {"props": _props_json(state, is_sleeping=True), "models": _models_json(state),
+            "metrics": _metrics_snapshot(state, reset_bucket=False)}
+
+
 async def metrics(request: Request) -> Response:
     state = server_of(request)
     if not state.options.endpoint_metrics:
         return _not_supported("metrics endpoint", "--metrics")
-    core, engine = state.core, state.engine
-
-    def snapshot() -> MetricsSnapshot:
-        m = core.metrics
-        snap = MetricsSnapshot(
-            m.n_prompt_tokens_processed_total, m.n_prompt_tokens_cached_total, m.t_prompt_processing_total_s,
-            m.n_tokens_predicted_total, m.t_tokens_generation_total_s, m.n_decode_total, m.n_tokens_max,
-            m.n_prompt_tokens_processed, m.t_prompt_processing_s, m.n_tokens_predicted, m.t_tokens_generation_s,
-            core.n_processing, len(core.deferred), m.n_busy_slots_per_decode,
-            engine.n_cancelled_prompt_tokens, engine.n_cancelled_predicted_tokens)
-        m.reset_bucket()          # each scrape resets the rate buckets, as upstream
-        return snap
-
-    snap = await asyncio.wrap_future(engine.call(snapshot))
+    with state.lock:
+        if state.sleeping:
+            # the metrics cached at sleep; a scrape empties their buckets (and the core's, on waking)
+            snap = replace(state.sleep_cache["metrics"], n_sleeps=state.n_sleeps, is_sleeping=1)
+            state.sleep_cache["metrics"] = replace(snap, n_prompt_tokens_processed=0, t_prompt_processing_s=0.0,
+                                                   n_tokens_predicted=0, t_tokens_generation_s=0.0)
+            state.reset_bucket_on_wake = True
+            fut = None
+        else:       # posted under the lock: the engine cannot fall asleep with the read waiting
+            fut = state.engine.call(lambda: _metrics_snapshot(state), resets_idle=False)
+    if fut is not None:
+        snap = await asyncio.wrap_future(fut)
     return Response(render(snap), media_type=METRICS_CONTENT_TYPE,
                     headers={"Process-Start-Time-Unix": str(int(state.t_start_s))})
 

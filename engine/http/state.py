@@ -1,7 +1,12 @@
 """Server options (the `slotlab serve` flags that are not scheduling settings) and the running server state:
 the model, core, backend and engine thread, loaded in the background while the API answers 503.
 
-Mirrors `server_context::load_model` / `init` and the model-name rules of server.cpp.
+Mirrors `server_context::load_model` / `init` and the model-name rules of server.cpp, and sleeping on idle
+(`--sleep-idle-seconds`, `server_queue::start_loop` + `server_context::handle_sleeping_state`): when the
+engine thread has had no task for that long and no request that needs the model is open, the model, KV
+memory, slots and prompt cache are dropped; `/health`, `/props`, `/models` and `/metrics` answer from
+responses cached at that moment; any other request reloads the model first (`wake`). As upstream, the metrics
+counters survive a sleep (the reloaded core takes them over) and the slots and prompt cache start empty.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ class ServerOptions:
     numerics: str = "f32"              # engine arithmetic (engine.model.load): "f32" or "ggml"
     chat_template: str = ""            # --chat-template / --chat-template-file: overrides the model's template
     verbose: bool = False              # -v/--verbose: OpenAI-shaped responses carry `__verbose` debug data
+    sleep_idle_s: float = -1           # --sleep-idle-seconds: unload the model after this long idle; -1 = never
 
     @property
     def model_name(self) -> str:
@@ -81,6 +87,18 @@ class ServerState:
         self.t_start_s = time.time()
         self.load_s = 0.0
         self._thread: threading.Thread | None = None
+        # sleeping on idle
+        self.sleeping = False
+        self.n_sleeps = 0
+        self.n_wakes = 0
+        self.n_busy = 0                  # open requests that need the model: the model stays loaded meanwhile
+        self.sleep_cache: dict[str, Any] = {}    # responses of the read-only endpoints, taken when falling asleep
+        self.sleep_snapshot: Callable[[ServerState], dict[str, Any]] | None = None   # set by the app
+        self.reset_bucket_on_wake = False
+        self.lock = threading.Lock()     # guards `sleeping`, `n_busy` and posting to the engine while awake
+        self._wake_lock = threading.Lock()
+        self._carry: tuple[Any, int, int] | None = None   # metrics and cancelled-token counts across a sleep
+        self._slept_thread: threading.Thread | None = None
 
     # --- loading ---------------------------------------------------------------------------------------------
     def start_loading(self, on_error: Callable[[str], None] | None = None) -> None:
@@ -123,8 +141,17 @@ class ServerState:
                                        n_cache_reuse=resolved.base.n_cache_reuse, cache_prompt=config.cache_prompt,
                                        n_parallel=resolved.n_slots, sampling=opts.default_sampling,
                                        verbose=opts.verbose)
-        self.engine = Engine(core, backend)
-        self.engine.start()
+        engine = Engine(core, backend)
+        if self._carry is not None:          # waking up: the counters go on, as upstream's server_metrics
+            core.metrics, engine.n_cancelled_prompt_tokens, engine.n_cancelled_predicted_tokens = self._carry
+            self._carry = None
+            if self.reset_bucket_on_wake:    # a scrape while asleep already reported the buckets
+                core.metrics.reset_bucket()
+                self.reset_bucket_on_wake = False
+        engine.sleep_idle_s = opts.sleep_idle_s
+        engine.may_sleep = self._may_sleep
+        self.engine = engine
+        engine.start()
         self.load_s = time.perf_counter() - t0
         log.info("model loaded in %.2f s: %d slots, n_ctx %d (per slot %d), %s KV, %s, numerics %s",
                  self.load_s, resolved.n_slots, resolved.n_ctx, resolved.n_ctx_slot,
@@ -142,6 +169,38 @@ class ServerState:
                 return False
             time.sleep(0.01)
         return self.ready
+
+    # --- sleeping on idle --------------------------------------------------------------------------------------
+    def _may_sleep(self) -> bool:
+        """Asked by the engine thread when it has been idle for `sleep_idle_s`: fall asleep unless a request
+        needs the model or a message is waiting. Runs in the engine thread (the core may be read)."""
+        engine = self.engine
+        with self.lock:
+            if self.n_busy or engine is None or not engine.inbox.empty():
+                return False
+            self.sleep_cache = self.sleep_snapshot(self) if self.sleep_snapshot is not None else {}
+            self._carry = (self.core.metrics, engine.n_cancelled_prompt_tokens, engine.n_cancelled_predicted_tokens)
+            self.sleeping = True
+            self.n_sleeps += 1
+            self._slept_thread = threading.current_thread()
+            self.model = self.tokenizer = self.core = self.backend = self.engine = None
+        log.info("srv  handle_sleeping_state: server is entering sleeping state")
+        return True
+
+    def wake(self) -> None:
+        """Reload the model if asleep (blocking: run it off the event loop). Requests that need the model call
+        this after counting themselves in `n_busy`, so the server cannot fall asleep again under them."""
+        with self._wake_lock:
+            if not self.sleeping:
+                return
+            if self._slept_thread is not None:     # the old engine thread has let go of the model
+                self._slept_thread.join()
+                self._slept_thread = None
+            log.info("srv  handle_sleeping_state: server is exiting sleeping state")
+            self.load()
+            with self.lock:
+                self.sleeping = False
+                self.n_wakes += 1
 
     def shutdown(self) -> None:
         if self.engine is not None:
