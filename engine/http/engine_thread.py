@@ -134,6 +134,7 @@ class Engine:
         # `sleep_idle_s` (>= 0) passed since the last task, `may_sleep()` is asked; True ends the thread
         self.sleep_idle_s = -1.0
         self.may_sleep: Callable[[], bool] | None = None
+        self.after_sleep: Callable[[], None] | None = None    # called once the thread has let go of the model
         self.t_last_task = time.monotonic()
         self.slept = False
 
@@ -223,7 +224,12 @@ class Engine:
                 else:
                     self._route_finished(core.pop_finished())     # ended outside a step (cancels)
                     if self._sleep_due() and self.may_sleep is not None and self.may_sleep():
-                        self.slept = True        # the server dropped its references; this thread ends
+                        # the server dropped its references; let go of ours and end the thread
+                        self.slept = True
+                        self.core = self.backend = None    # type: ignore[assignment]
+                        del core
+                        if self.after_sleep is not None:
+                            self.after_sleep()
                         return
             except Exception:      # noqa: BLE001 - keep serving; the failing step's tasks were answered
                 log.error("engine loop error:\n%s", traceback.format_exc())

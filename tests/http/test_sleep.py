@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 
 import httpx
 import pytest
@@ -56,9 +57,11 @@ def asleep(state) -> bool:
 def test_the_server_sleeps_after_the_idle_time_and_drops_the_model(sleepy, sc):
     body = {"prompt": "Hello the", "n_predict": 6, "ignore_eos": True, "temperature": 0}
     before = sc.post("/completion", json=body).json()
+    model = weakref.ref(sleepy.state.model)
     assert wait_until(lambda: asleep(sleepy.state))
     st = sleepy.state
     assert st.model is None and st.core is None and st.backend is None and st.engine is None
+    assert wait_until(lambda: model() is None)        # nothing holds the weights any more
     props = sc.get("/props").json()
     assert props["is_sleeping"] is True
     # the next task wakes the model and is served as before the sleep, from empty slots and prompt cache
