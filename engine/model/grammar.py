@@ -173,18 +173,26 @@ class GrammarTrigger:
 
 @dataclass(frozen=True, slots=True)
 class TriggerPattern:
-    """One compiled trigger pattern (`llama_grammar_trigger_pattern`)."""
+    """One compiled trigger pattern (`llama_grammar_trigger_pattern`); `literal` is a word's bytes."""
 
     source: str
     regex: re.Pattern[bytes]
+    literal: bytes | None = None
+    from_start: bool = False        # the pattern begins with [\s\S]* (see _absorbs_any_prefix)
 
-    def find(self, text: bytes) -> int:
-        """Where the constrained text starts in `text` (first non-empty group, else the match), or -1."""
+    def find(self, text: bytes | bytearray, new_from: int = 0) -> int:
+        """Where the constrained text starts in `text` (first non-empty group, else the match), or -1.
+
+        `new_from`: `text[:new_from]` was searched before without a match. That only matters for a word: a
+        literal match found now must end past `new_from`, so the search starts just before it (the answer
+        is the same; a regex can depend on what follows, so it is searched whole, as upstream does)."""
+        if self.literal is not None:
+            return text.find(self.literal, max(0, new_from - len(self.literal) + 1))
         m = None
         if self.source.startswith("^") and self.source.endswith("$"):
             m = self.regex.fullmatch(text)
         if m is None:
-            m = self.regex.search(text)
+            m = self.regex.match(text) if self.from_start else self.regex.search(text)
         if m is None:
             return -1
         for i in range(1, (m.re.groups or 0) + 1):
@@ -206,6 +214,24 @@ def trigger_pattern_source(t: GrammarTrigger) -> str | None:
     return None
 
 
+_ANY_RUNS = (r"[\s\S]*", r"[\S\s]*")
+
+
+def _absorbs_any_prefix(source: str) -> bool:
+    r"""Whether the pattern is `[\s\S]*` or `[\s\S]*?` followed by the rest, with no alternation around
+    both: then a match starting anywhere is also one starting at 0 (the run takes the text before it), so
+    `search` finds what `match` finds, and `match` costs one pass where `search` retries at every start
+    (quadratic in the text for patterns like `[\s\S]*?(<tool_call>)[\s\S]*`)."""
+    if not source.startswith(_ANY_RUNS):
+        return False
+    try:    # the structure from the re module's own parser (private; without it: search, as upstream)
+        from re import _constants as sre_c, _parser as sre_p
+        first = sre_p.parse(source.encode("utf-8")).data[0]
+    except Exception:  # noqa: BLE001
+        return False
+    return first[0] in (sre_c.MIN_REPEAT, sre_c.MAX_REPEAT) and tuple(first[1][:2]) == (0, sre_c.MAXREPEAT)
+
+
 def compile_trigger_patterns(triggers: Iterable[GrammarTrigger]) -> tuple[TriggerPattern, ...]:
     """The word/pattern triggers compiled; a pattern that does not compile raises GrammarError naming it."""
     out = []
@@ -214,7 +240,9 @@ def compile_trigger_patterns(triggers: Iterable[GrammarTrigger]) -> tuple[Trigge
         if source is None:
             continue
         try:
-            out.append(TriggerPattern(source, re.compile(source.encode("utf-8"))))
+            literal = t.value.encode("utf-8") if t.type == TRIGGER_WORD and t.value else None
+            out.append(TriggerPattern(source, re.compile(source.encode("utf-8")), literal,
+                                      _absorbs_any_prefix(source)))
         except re.error as e:
             raise GrammarError(f"invalid grammar trigger pattern {source!r}: {e}") from None
     return tuple(out)
@@ -258,11 +286,11 @@ class LazyConstraint(Constraint):
         self._spans.append((token, start, len(self._buffer)))
         if not self._patterns:
             return
-        text = bytes(self._buffer)
+        text = self._buffer                               # searched in place (re takes a bytearray)
         for pat in self._patterns:
-            at = pat.find(text)
+            at = pat.find(text, start)
             if at >= 0:
-                self._fire([(tok, text[max(s, at):e], s >= at) for tok, s, e in self._spans if e > at])
+                self._fire([(tok, bytes(text[max(s, at):e]), s >= at) for tok, s, e in self._spans if e > at])
                 return
 
     def _fire(self, pieces: list[tuple[int, bytes, bool]]) -> None:

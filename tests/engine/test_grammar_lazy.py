@@ -5,6 +5,8 @@ each step's logits put the largest value on the token the test wants unless the 
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -165,3 +167,41 @@ def test_a_bad_trigger_regex_is_a_grammar_error_naming_the_pattern():
 def test_trigger_json_as_upstream_reports_it():
     assert GrammarTrigger(TRIGGER_WORD, "ab").to_json() == {"type": 1, "value": "ab"}
     assert GrammarTrigger(TRIGGER_TOKEN, "<t>", 7).to_json() == {"type": 0, "value": "<t>", "token": 7}
+
+
+def _fires_at(trigger: GrammarTrigger, tokens: list[int]) -> int | None:
+    """The index of the token at which the trigger fires (the grammar accepts anything after "ya")."""
+    c = LazyConstraint(from_gbnf('root ::= [a-z12<>/]*'), _Tok(), [trigger])
+    for i, t in enumerate(tokens):
+        c.accept(t)
+        if c.active:
+            return i
+    return None
+
+
+def test_a_word_fires_where_its_escaped_regex_would():
+    # words are found by a literal search of the new text only; an escaped pattern is searched whole
+    rng = np.random.default_rng(0)
+    fired = 0
+    for _ in range(60):
+        tokens = rng.choice([A, B, Y, YA, X], size=12).tolist()
+        for word in ("ya", "aya", "yy", "ab"):
+            at = _fires_at(GrammarTrigger(TRIGGER_WORD, word), tokens)
+            assert at == _fires_at(GrammarTrigger(TRIGGER_PATTERN, re.escape(word)), tokens), (word, tokens)
+            fired += at is not None
+    assert fired > 60                                   # the comparison saw many firings
+
+
+@pytest.mark.parametrize("source, from_start", [
+    (r"[\s\S]*?(ya)[\s\S]*", True), (r"[\s\S]*(a)", True), (r"[\S\s]*?b", True),
+    (r"[\s\S]*?a|b", False),            # the run is in one branch only: b may match anywhere
+    (r"[\s\S]*+a", False), (r"[\s\S]+?a", False), (r"a[\s\S]*", False), ("x", False),
+])
+def test_patterns_led_by_an_any_run_are_matched_from_the_start(source, from_start):
+    (pat,) = compile_trigger_patterns([GrammarTrigger(TRIGGER_PATTERN, source)])
+    assert pat.from_start is from_start
+    searched = type(pat)(pat.source, pat.regex)            # the same pattern, always searched
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        text = bytes(rng.choice(list(b"abxy"), size=int(rng.integers(0, 9))).tolist())
+        assert pat.find(text) == searched.find(text), text
