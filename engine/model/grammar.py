@@ -1,4 +1,4 @@
-"""Grammar-constrained sampling (`grammar`, `json_schema`, `response_format`) with llguidance.
+r"""Grammar-constrained sampling (`grammar`, `json_schema`, `response_format`) with llguidance.
 
 llama-server constrains sampling with a grammar sampler (`llama_sampler_init_grammar`, src/llama-grammar.cpp,
 set up in `common_sampler_init`, common/sampling.cpp): a GBNF grammar given as `grammar`, or a JSON schema
@@ -30,7 +30,8 @@ a final newline in Python, `.` matches `\r`, and lookbehind is accepted (std::re
 fed to llguidance as tokens: the sampled tokens themselves, and the text of a partial first token or of a
 special token re-tokenized as plain text (upstream's grammar reads pieces as text, so it accepts the same
 bytes). A trigger text the grammar rejects fails the request (`GrammarError`); upstream's exception in
-`post_decode` aborts every running slot.
+`post_decode` aborts every running slot. Same answers, lower cost: a word is searched for in the new text
+only, and a pattern led by `[\s\S]*` is matched once from the start instead of searched from every start.
 """
 
 from __future__ import annotations
@@ -184,8 +185,9 @@ class TriggerPattern:
         """Where the constrained text starts in `text` (first non-empty group, else the match), or -1.
 
         `new_from`: `text[:new_from]` was searched before without a match. That only matters for a word: a
-        literal match found now must end past `new_from`, so the search starts just before it (the answer
-        is the same; a regex can depend on what follows, so it is searched whole, as upstream does)."""
+        literal match found now must end past `new_from`, so the search starts just before it. A regex can
+        depend on what follows, so it is tried on the whole text, as upstream does (from the start only when
+        `from_start`); the answers are upstream's either way."""
         if self.literal is not None:
             return text.find(self.literal, max(0, new_from - len(self.literal) + 1))
         m = None
