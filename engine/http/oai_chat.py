@@ -1,7 +1,8 @@
 """OpenAI chat request -> completion request (`oaicompat_chat_params_parse`, server-common.cpp).
 
 Renders `messages` with the model's chat template (jinja), maps `logprobs`/`top_logprobs` to `n_probs`, and
-copies every other body key through so llama.cpp-specific parameters work on the OpenAI endpoint.
+copies every other body key through so llama.cpp-specific parameters work on the OpenAI endpoint, except
+`grammar_lazy`, `grammar_triggers` and `preserved_tokens`, which upstream takes from the template's output.
 """
 
 from __future__ import annotations
@@ -126,6 +127,9 @@ def chat_to_completion(body: Any, template: ChatTemplate | None, bos_token: str,
     if tools:
         raise bad_request("tools are not supported by slotlab")
     data = dict(body)
+    # upstream sets these from the chat template's output (common_chat_params), overriding the body's; a
+    # template without tool calls (the only kind served here) gives no lazy grammar and no preserved tokens
+    data.update({"grammar_lazy": False, "grammar_triggers": [], "preserved_tokens": []})
     schema = _json_schema(body)
     if schema is not None:
         data["json_schema"] = schema

@@ -28,6 +28,10 @@ _SAMPLING = {
     "n_probs": {"type": "integer"}, "min_keep": {"type": "integer"}, "post_sampling_probs": {"type": "boolean"},
     "ignore_eos": {"type": "boolean"}, "logit_bias": {}, "samplers": {}, "xtc_probability": {"type": "number"},
     "dynatemp_range": {"type": "number"}, "grammar": {"type": "string"}, "json_schema": {"type": "object"},
+    "grammar_lazy": {"type": "boolean"}, "preserved_tokens": {"type": "array", "items": {"type": "string"}},
+    "grammar_triggers": {"type": "array", "items": {"type": "object", "required": ["type", "value"], "properties": {
+        "type": {"type": "integer", "enum": [0, 1, 2, 3]}, "value": {"type": "string"},
+        "token": {"type": "integer"}}}},
 }
 _COMMON = {
     "stream": {"type": "boolean"}, "cache_prompt": {"type": "boolean"}, "id_slot": {"type": "integer"},

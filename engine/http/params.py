@@ -9,16 +9,19 @@ Mirrors `server_schema::eval_llama_cmpl_schema` (server-schema.cpp) for the fiel
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.http.jsonutil import bad_request, json_type_name
+from engine.model.grammar import (TRIGGER_TOKEN, TRIGGER_TYPE_NAMES, TRIGGER_WORD, GrammarError, GrammarTrigger,
+                                  compile_trigger_patterns)
 from engine.model.sampling import SamplingParams
 
 INT32_MAX = 2**31 - 1
 MSG_BAD_PROMPT = ('"prompt" elements must be a string, a list of tokens, a JSON object containing a prompt '
                   'string, or a list of mixed strings & tokens.')
 MSG_NO_MTMD = "Multimodal data provided, but model does not support multimodal requests."
+MSG_SAMPLER_INIT = "Failed to initialize samplers: "
 
 
 @dataclass(slots=True)
@@ -112,8 +115,11 @@ def _stop(value: Any) -> list[str]:
     return []
 
 
-def parse_completion_params(data: dict, defaults: ServerDefaults, *, n_vocab: int, eog_ids, tokenize) -> CompletionParams:
-    """Parse and validate a request body (already a JSON object)."""
+def parse_completion_params(data: dict, defaults: ServerDefaults, *, n_vocab: int, eog_ids, tokenize,
+                            tokenize_special=None) -> CompletionParams:
+    """Parse and validate a request body (already a JSON object). `tokenize(str)` resolves `logit_bias` keys;
+    `tokenize_special(str)` (special-token text parsed, as `common_tokenize(vocab, s, false, true)`) reads
+    `preserved_tokens` and trigger words."""
     p = CompletionParams()
     p.verbose = _bool(data, "verbose", defaults.verbose)
     p.timings_per_token = _bool(data, "timings_per_token", False)
@@ -141,17 +147,118 @@ def parse_completion_params(data: dict, defaults: ServerDefaults, *, n_vocab: in
     p.id_slot = id_slot if isinstance(id_slot, int) and not isinstance(id_slot, bool) else -1
     if _present(data, "stop"):
         p.stop = _stop(data["stop"])
+    init_error = ""        # a sampler-init error is found after every field is read, as upstream
     try:
         p.sampling = SamplingParams.from_request(data, defaults.sampling, n_vocab=n_vocab, eog_ids=eog_ids,
                                                  tokenize=tokenize)
     except ValueError as e:
-        raise bad_request(str(e)) from None
+        if not str(e).startswith(MSG_SAMPLER_INIT):
+            raise bad_request(str(e)) from None
+        init_error = str(e)
     except (TypeError, OverflowError) as e:
         raise bad_request(f"invalid sampling parameter: {e}") from None
+    lazy = _parse_lazy(data, defaults.sampling, tokenize_special or tokenize)
+    if init_error:
+        raise bad_request(init_error)
+    p.sampling = replace(p.sampling, **lazy)
+    if p.sampling.grammar and p.sampling.grammar_triggers:
+        try:        # common_sampler_init compiles the trigger patterns only for a grammar
+            compile_trigger_patterns(p.sampling.grammar_triggers)
+        except GrammarError as e:
+            raise bad_request(f"{MSG_SAMPLER_INIT}{e}") from None
     p.ignore_eos = p.sampling.ignore_eos
     p.n_probs = p.sampling.n_probs
     p.post_sampling_probs = p.sampling.post_sampling_probs
     return p
+
+
+class _FieldError(ValueError):
+    """An error inside one field's handler; `handle_with_catch` prefixes it with "Field 'NAME': "."""
+
+
+def _json_items(value: Any) -> list:
+    """What nlohmann's range-for visits: an array's elements, an object's values, a primitive itself."""
+    if isinstance(value, list):
+        return value
+    if isinstance(value, dict):
+        return list(value.values())
+    return [value]
+
+
+def _at(obj: Any, key: str) -> Any:
+    """nlohmann's `at(key)`."""
+    if not isinstance(obj, dict):
+        raise _FieldError(f"[json.exception.type_error.304] cannot use at() with {json_type_name(obj)}")
+    if key not in obj:
+        raise _FieldError(f"[json.exception.out_of_range.403] key '{key}' not found")
+    return obj[key]
+
+
+def _get_int(value: Any) -> int:
+    """nlohmann's `get<int>()`: numbers (a fraction truncates) and booleans."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and math.isfinite(value):
+        return int(value)
+    if isinstance(value, float):
+        raise _FieldError("value must be finite")
+    raise _FieldError(f"[json.exception.type_error.302] type must be number, but is {json_type_name(value)}")
+
+
+def _get_str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise _FieldError(f"[json.exception.type_error.302] type must be string, but is {json_type_name(value)}")
+    return value
+
+
+def _trigger(obj: Any) -> GrammarTrigger:
+    """`server_grammar_trigger(const json &)` (tools/server/server-common.h): `type` (an integer, see
+    `common_grammar_trigger_type`), `value`, and `token` for a token trigger."""
+    kind = _get_int(_at(obj, "type"))
+    value = _get_str(_at(obj, "value"))
+    token = _get_int(_at(obj, "token")) if kind == TRIGGER_TOKEN else -1
+    if kind not in TRIGGER_TYPE_NAMES:
+        # upstream casts any integer and asserts in common_sampler_init (the server aborts): refused here
+        raise _FieldError(f"unknown grammar trigger type {kind} "
+                          "(expected 0 token, 1 word, 2 pattern or 3 pattern_full)")
+    return GrammarTrigger(kind, value, token)
+
+
+def _parse_lazy(data: dict, base: SamplingParams, tokenize_special) -> dict:
+    """`grammar_lazy`, `preserved_tokens`, `grammar_triggers` as server-schema.cpp reads them, in its order.
+
+    A preserved token is a string that tokenizes (special text parsed) to one token; other strings are
+    dropped. A word trigger that is one token becomes a token trigger, and that token must be preserved.
+    `grammar_lazy` with an empty `grammar_triggers` is an error (an absent one is not: the grammar then never
+    fires)."""
+    lazy = _bool(data, "grammar_lazy", base.grammar_lazy)
+    preserved = set(base.preserved_tokens)
+    triggers = list(base.grammar_triggers)
+    field_name = "preserved_tokens"
+    try:
+        if _present(data, "preserved_tokens"):
+            for item in _json_items(data["preserved_tokens"]):
+                ids = tokenize_special(_get_str(item))
+                if len(ids) == 1:
+                    preserved.add(ids[0])
+        field_name = "grammar_triggers"
+        if _present(data, "grammar_triggers"):
+            for item in _json_items(data["grammar_triggers"]):
+                t = _trigger(item)
+                if t.type == TRIGGER_WORD:
+                    ids = tokenize_special(t.value)
+                    if len(ids) == 1:
+                        if ids[0] not in preserved:
+                            raise _FieldError(f"Grammar trigger word should be marked as preserved token: {t.value}")
+                        t = GrammarTrigger(TRIGGER_TOKEN, t.value, ids[0])
+                triggers.append(t)
+            if lazy and not triggers:
+                raise _FieldError("Error: no triggers set for lazy grammar!")
+    except _FieldError as e:
+        raise bad_request(f"Field '{field_name}': {e}") from None
+    return {"grammar_lazy": lazy, "grammar_triggers": tuple(triggers), "preserved_tokens": tuple(sorted(preserved))}
 
 
 def tokenize_prompts(prompt: Any, tokenize, n_vocab: int) -> list[list[int]]:

@@ -108,8 +108,9 @@ def generation_settings(p: CompletionParams, only_metrics: bool = False, n_predi
         out["logit_bias"] = [{"bias": f32(b) if math.isfinite(b) else None, "token": t} for t, b in s.logit_bias]
     out.update({"n_probs": s.n_probs, "min_keep": s.min_keep})
     if not only_metrics:
-        out.update({"grammar": s.grammar_source, "grammar_lazy": False, "grammar_triggers": [],
-                    "preserved_tokens": []})
+        out.update({"grammar": s.grammar_source, "grammar_lazy": s.grammar_lazy,
+                    "grammar_triggers": [t.to_json() for t in s.grammar_triggers],
+                    "preserved_tokens": list(s.preserved_tokens)})
     out.update({
         "chat_format": "Content-only", "reasoning_format": "auto", "reasoning_in_content": False,
         "generation_prompt": "", "samplers": list(s.samplers), "speculative.types": ["none"],

@@ -133,15 +133,17 @@ def _build_job(state: ServerState, data: Any, kind: str) -> tuple[Job, R.JobInfo
     tok = state.tokenizer
     params = parse_completion_params(
         data, state.defaults, n_vocab=tok.n_vocab, eog_ids=tok.eog_ids,
-        tokenize=lambda s: state.tokenize(s, add_special=False, parse_special=False))
+        tokenize=lambda s: state.tokenize(s, add_special=False, parse_special=False),
+        tokenize_special=lambda s: state.tokenize(s, add_special=False, parse_special=True))
     prompts = tokenize_prompts(data["prompt"], lambda s, first: state.tokenize(s, add_special=first),
                                tok.n_vocab)
     model = data.get("model") if kind != NATIVE and isinstance(data.get("model"), str) else None
     info = R.JobInfo(params, model or state.options.model_name)
     stop = tuple(params.stop)
+    preserved = frozenset(params.sampling.preserved_tokens)
 
     def make_hook() -> TextHook:
-        return TextHook(TextStream(tok, stop=stop))
+        return TextHook(TextStream(tok, stop=stop, preserved_tokens=preserved))
 
     job = Job(asyncio.get_running_loop(), [], make_hook, n_cmpl=params.n_cmpl,
               return_progress=params.stream and params.return_progress,

@@ -68,6 +68,9 @@ class SamplingParams:
     samplers: tuple[str, ...] = DEFAULT_SAMPLERS
     grammar: str = ""         # llguidance grammar (engine.model.grammar) from the request's grammar / json_schema
     grammar_source: str = ""  # what the request gave: the GBNF text, or the JSON schema as JSON
+    grammar_lazy: bool = False                                 # constrain only once a trigger has fired
+    grammar_triggers: tuple[grammar_mod.GrammarTrigger, ...] = ()
+    preserved_tokens: tuple[int, ...] = ()                     # sorted ids whose text is kept in the output
 
     @classmethod
     def from_request(cls, data: dict, defaults: SamplingParams | None = None, *, n_vocab: int | None = None,
@@ -492,7 +495,11 @@ class Sampler:
         if self.params.grammar:
             if self.tokenizer is None:
                 raise ValueError("a grammar needs the model's tokenizer")
-            self.constraint = grammar_mod.Constraint(self.params.grammar, self.tokenizer)
+            if self.params.grammar_lazy:    # common_sampler_init: llama_sampler_init_grammar_lazy_patterns
+                self.constraint = grammar_mod.LazyConstraint(self.params.grammar, self.tokenizer,
+                                                             self.params.grammar_triggers)
+            else:
+                self.constraint = grammar_mod.Constraint(self.params.grammar, self.tokenizer)
         bias = [(t, b) for t, b in self.params.logit_bias if 0 <= t < self.n_vocab]
         if self.params.ignore_eos:  # from_request already added these; params built in code may not have
             banned = {t for t, b in bias if b == -math.inf}
@@ -511,6 +518,7 @@ class Sampler:
         g = self.constraint
         if g is not None:
             # common_sampler_sample: keep the token if the grammar accepts it, else mask and sample again
+            # (a lazy grammar awaiting its trigger accepts every token)
             if not g.allows(token):
                 c, selected = self._run_chain(raw, prev_tokens, grammar=True)
                 token = int(c.ids[selected])

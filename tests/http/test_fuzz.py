@@ -29,6 +29,10 @@ FIELDS = {
     "repeat_penalty": JSON_LEAF, "repeat_last_n": JSON_LEAF, "mirostat": JSON_LEAF, "samplers": JSON_ANY,
     "typical_p": JSON_LEAF, "dynatemp_range": st.floats(-3, 3), "xtc_probability": JSON_LEAF,
     "presence_penalty": JSON_LEAF, "frequency_penalty": JSON_LEAF, "n_cache_reuse": JSON_LEAF,
+    "grammar_lazy": JSON_LEAF, "preserved_tokens": st.one_of(JSON_ANY, st.lists(st.text(max_size=6), max_size=3)),
+    "grammar_triggers": st.one_of(JSON_ANY, st.lists(st.fixed_dictionaries(
+        {"type": st.one_of(st.integers(-1, 4), JSON_LEAF), "value": st.one_of(st.text(max_size=6), JSON_LEAF)},
+        optional={"token": JSON_LEAF}), max_size=3)),
 }
 PROMPT = st.one_of(st.text(max_size=40), st.lists(st.integers(-5, 400), max_size=30),
                    st.lists(st.one_of(st.text(max_size=10), st.integers(0, 296)), max_size=5), JSON_ANY)
