@@ -193,6 +193,19 @@ def softmax_attend(q: Ball, k: Ball, v: Ball) -> Ball:
     return Ball(o, r)
 
 
+def softmax_rel(logits, roundings: int = 1, renormalized: bool = False) -> float:
+    """Relative error bound of every probability of a float32 softmax (the sampler's) of `logits` (float64,
+    the exact values) whose float32 inputs went through `roundings` roundings each (u |l| apiece: the
+    float32 logit, a temperature division): scores perturbed by at most d = roundings u max|l| + u spread
+    (the shift by the max) move p_j by a factor within exp(+-2 d); exp 4 ULP (twice: in p_j and in the sum),
+    the sum gamma_n, the division u; `renormalized`: the kept probabilities summed and divided once more."""
+    ll = np.asarray(logits, np.float64)
+    n = ll.size
+    d = roundings * U * np.abs(ll).max() + U * (ll.max() - ll.min())
+    rel = np.expm1(2 * d + 2 * EXP_REL / (1 - EXP_REL)) + gamma(n + 1)
+    return float(rel + (gamma(n + 1) if renormalized else 0.0))
+
+
 def silu_mul(g: Ball, up: Ball) -> Ball:
     """silu(g) * up = g / (1 + exp(-g)) * up in float32: exp (8u), + 1 (its error relative to 1 + e^-g is at
     most exp's), /, * : relative eta = 8u + 4u of |silu(g^) up^|; input errors through silu's Lipschitz
