@@ -230,7 +230,7 @@ def checked_forward(model, kv, chunks: Sequence[BatchChunk | tuple], weights: _W
         else:
             _sum_is(x, *x_prev, f"layer {il} input = residual + FFN")
         kind, lin, xq, y = ev.pop(0)
-        assert kind == "mm" and xq is not None and np.array_equal(xq, xn), f"layer {il}: QKV reads its norm"
+        assert kind == "mm" and np.array_equal(xq, xn), f"layer {il}: QKV reads its norm"
         qkv = _product(W, lin, L["wqkv"], xq, y, f"layer {il} QKV", L["bqkv"])
         q = nb.rope(nb.Ball(qkv.v[:, :n_q].reshape(-1, n_head, hd), qkv.r[:, :n_q].reshape(-1, n_head, hd)), pos, hp)
         k = nb.rope(nb.Ball(qkv.v[:, n_q:n_q + n_k].reshape(-1, n_kv, hd),
@@ -260,7 +260,8 @@ def checked_forward(model, kv, chunks: Sequence[BatchChunk | tuple], weights: _W
         x_mid, xn2 = _norm(ev.pop(0), L["ffn_norm"], eps, f"layer {il} ffn_norm")
         _sum_is(x_mid, x, y_o, f"layer {il} residual after attention")
         kind, gate_up, down, xf, y_f = ev.pop(0)
-        assert kind == "ffn" and gate_up is L["w_gate_up"] and down is L["w_down"] and np.array_equal(xf, xn2)
+        assert kind == "ffn" and gate_up is L["w_gate_up"] and down is L["w_down"] and np.array_equal(xf, xn2), \
+            f"layer {il}: the FFN reads its norm"
         _ffn(W, L, gate_up, down, xf, y_f, f"layer {il} FFN")
         x_prev = (x_mid, y_f)
     rows = [_logit_rows(c.want_logits, n) for c, n in zip(chunks, sizes)]

@@ -198,7 +198,10 @@ def test_ggml_mode_is_close_to_f32_mode_but_not_identical(tiny_pair, tensor_type
     a, b = f32_model.forward_logits(PROMPT), ggml_model.forward_logits(PROMPT)
     assert b.shape == a.shape and b.dtype == np.float32
     assert not np.array_equal(a, b)
-    np.testing.assert_allclose(b, a, atol=0.05 * np.abs(a).max())
+    # a modelling band, not an arithmetic bound: ggml mode quantizes every activation to 8 bits (relative
+    # steps of ~1/254 per product, compounding over the layers), which moves the logits by ~1e-2 of their
+    # range; float32 summation order moves either mode by less than 1e-5 of it (test_forward), far inside
+    assert np.abs(b - a).max() <= 0.05 * np.abs(a).max()
     assert (a.argmax(1) == b.argmax(1)).mean() >= 0.75
 
 
