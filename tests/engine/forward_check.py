@@ -147,7 +147,7 @@ class _Weights:
 
 def _dense(lin) -> np.ndarray:
     """The engine's float32 matrix W [n_out, n_in] of a `Linear`, as float64."""
-    return lin.t.T.astype(np.float64)
+    return lin.t.astype(np.float64).T                      # a contiguous copy, then its transposed view
 
 
 _WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()     # model -> _Weights

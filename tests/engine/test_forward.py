@@ -232,13 +232,15 @@ def test_smollm2_greedy_answer_is_sane_and_stable(smollm2):
 
 
 @pytest.mark.realmodel
-def test_smollm2_batched_prefill_and_decode_are_the_model(smollm2):
-    """Two sequences prefilled in one batch, then decoded together: every op of the 30 layers within its
-    float32 bound (the engine's own float32 weights as reference; the tiny models check loading)."""
+def test_smollm2_batched_decode_and_prefill_are_the_model(smollm2):
+    """One step of two pooled sequences decoding together (batched attention) and a third one prefilling:
+    every op of the 30 layers within its float32 bound (the engine's own float32 weights as reference; the
+    tiny models check loading)."""
+    kv = smollm2.new_kv(3, 64)
+    smollm2.forward_batch(kv, [(0, FRANCE_PROMPT, 0, False), (1, FRANCE_PROMPT[:9], 0, False)])
     ref = reference_weights(smollm2, from_engine=True)
-    kv = smollm2.new_kv(2, 64)
-    checked_forward(smollm2, kv, [(0, FRANCE_PROMPT, 0, True), (1, FRANCE_PROMPT[:9], 0, True)], ref)
-    checked_forward(smollm2, kv, [(0, [504], len(FRANCE_PROMPT), True), (1, [29], 9, True)], ref)
+    checked_forward(smollm2, kv, [(0, [504], len(FRANCE_PROMPT), True), (1, [29], 9, True),
+                                  (2, FRANCE_PROMPT[:5], 0, True)], ref)
 
 
 @pytest.mark.parametrize("n_threads", [1, 3])
