@@ -9,6 +9,8 @@ import pytest
 
 from engine.model import KVCacheFull
 from engine.model.kv import KV_STATE_MAGIC, KVStore
+from tests import numerics_bounds as nb
+from tests.engine.forward_check import _tensors, checked_forward
 
 PROMPT = [5, 77, 12, 200, 3, 9, 150, 33, 281, 64, 7, 120]
 
@@ -23,6 +25,16 @@ def _next_logits(model, kv, seq, token):
     return model.forward_batch(kv, [(seq, [token], kv.pos_max(seq) + 1, True)])[0][0]
 
 
+def _checked_next(model, kv, seq, token):
+    """The next token's logits, every op of the step checked against float64 on the cells seq holds."""
+    return checked_forward(model, kv, [(seq, [token], kv.pos_max(seq) + 1, True)])[0][0]
+
+
+def _cells(kv, seq):
+    s = kv._seqs[seq]
+    return s.k[:, :, :s.n].copy(), s.v[:, :, :s.n].copy()
+
+
 def test_positions_are_consecutive_after_prefill(tiny_model):
     kv = _filled(tiny_model())
     assert kv.n_tokens(0) == 12 and kv.n_tokens(1) == 0
@@ -31,11 +43,17 @@ def test_positions_are_consecutive_after_prefill(tiny_model):
 
 
 def test_seq_rm_to_the_end_truncates_and_decoding_continues_like_a_shorter_prompt(tiny_model):
+    """The cells kept are the prompt's first five, bit for bit (a cell depends on its token and those before
+    it only), and the next token attends exactly them (checked op by op)."""
     model = tiny_model()
     kv = _filled(model)
+    k, v = _cells(kv, 0)
     kv.seq_rm(0, 5, -1)
     assert kv.n_tokens(0) == 5 and kv.pos_max(0) == 4
-    np.testing.assert_allclose(_next_logits(model, kv, 0, 99), model.forward_logits(PROMPT[:5] + [99])[-1], atol=1e-5)
+    k5, v5 = _cells(kv, 0)
+    np.testing.assert_array_equal(k5, k[:, :, :5])
+    np.testing.assert_array_equal(v5, v[:, :, :5])
+    _checked_next(model, kv, 0, 99)
 
 
 def test_seq_rm_in_the_middle_leaves_a_position_gap(tiny_model):
@@ -60,20 +78,45 @@ def test_seq_rm_with_negative_seq_clears_the_range_in_every_sequence(tiny_model)
     assert (kv.n_tokens(0), kv.n_tokens(1)) == (2, 2)
 
 
+def _layer0_kv(model, tokens, pos, delta=0) -> tuple[nb.Ball, nb.Ball]:
+    """Layer 0's K and V cells of `tokens` at positions `pos` (K re-rotated by `delta` after), from the GGUF's
+    float64 weights: each depends only on (token, position). Balls [n_head_kv, n, head_dim] with the float32
+    bound of the embedding -> rms_norm -> K/V products -> RoPE (-> re-rotation) chain."""
+    hp = model.hparams
+    t = _tensors(model.path)
+    xn = nb.rms_norm(nb.exact(t["token_embd.weight"][tokens]), t["blk.0.attn_norm.weight"], hp.f_norm_rms_eps)
+    k = nb.matmul(xn, t["blk.0.attn_k.weight"], bias=t.get("blk.0.attn_k.bias"))
+    v = nb.matmul(xn, t["blk.0.attn_v.weight"], bias=t.get("blk.0.attn_v.bias"))
+    shape = (len(tokens), hp.n_head_kv, hp.head_dim)
+    k = nb.rope(nb.Ball(k.v.reshape(shape), k.r.reshape(shape)), np.asarray(pos), hp)
+    if delta:
+        k = nb.rope(k, np.full(len(tokens), delta), hp)
+    return (nb.Ball(k.v.transpose(1, 0, 2), k.r.transpose(1, 0, 2)),
+            nb.Ball(v.v.reshape(shape).transpose(1, 0, 2), v.r.reshape(shape).transpose(1, 0, 2)))
+
+
 def test_context_shift_then_attend_equals_fresh_prompt_at_the_new_positions(tiny_model):
     """llama-server's context shift: keep n_keep, drop n_discard, slide the rest down. With one layer the
-    cached K/V of a token depend only on (token, position), so the shifted cache must equal a fresh
-    prefill of the kept tokens at their new positions."""
+    cached K/V of a token depend only on (token, position): the kept cells stay bit for bit, the slid ones
+    hold K rotated at the old position then back by n_discard, within float32's bound of the K a fresh
+    prefill of the kept tokens computes at the new positions; the next token attends exactly them."""
     model = tiny_model(n_layer=1)
     n_keep, n_discard = 4, 4
     kv = _filled(model)
+    k, v = _cells(kv, 0)
     kv.seq_rm(0, n_keep, n_keep + n_discard)
     kv.seq_add(0, n_keep + n_discard, -1, -n_discard)
     np.testing.assert_array_equal(kv.positions(0), np.arange(len(PROMPT) - n_discard))
-    kept = PROMPT[:n_keep] + PROMPT[n_keep + n_discard:]
-    got = _next_logits(model, kv, 0, 99)
-    want = model.forward_logits(kept + [99])[-1]
-    np.testing.assert_allclose(got, want, atol=1e-4)
+    k2, v2 = _cells(kv, 0)
+    np.testing.assert_array_equal(k2[:, :, :n_keep], k[:, :, :n_keep])
+    np.testing.assert_array_equal(v2, np.concatenate([v[:, :, :n_keep], v[:, :, n_keep + n_discard:]], axis=2))
+    moved = PROMPT[n_keep + n_discard:]
+    old_pos = np.arange(n_keep + n_discard, len(PROMPT))
+    shifted, _ = _layer0_kv(model, moved, old_pos, -n_discard)
+    fresh, _ = _layer0_kv(model, moved, old_pos - n_discard)
+    assert np.all(np.abs(shifted.v - fresh.v) <= 1e-6 * shifted.r)     # one rotation: float64 centres agree
+    nb.check_within(k2[0, :, n_keep:], shifted.v, shifted.r, "shifted K")
+    _checked_next(model, kv, 0, 99)
 
 
 def test_seq_add_rerotates_cached_keys_by_the_delta(tiny_model):
@@ -82,10 +125,15 @@ def test_seq_add_rerotates_cached_keys_by_the_delta(tiny_model):
     shifted.seq_add(0, -1, -1, 7)                     # positions 7..11
     np.testing.assert_array_equal(shifted.positions(0), np.arange(7, 12))
     padded = _filled(model, tokens=PROMPT[5:12] + PROMPT[:5])   # same tokens at 7..11 after 7 others
-    got = shifted._seqs[0]
-    want = padded._seqs[0]
-    np.testing.assert_allclose(got.k[:, :, :5], want.k[:, :, 7:12], atol=1e-5)
-    np.testing.assert_allclose(got.v[:, :, :5], want.v[:, :, 7:12], atol=1e-6)
+    got, want = shifted._seqs[0], padded._seqs[0]
+    # both within float32's bound of the exact K at 7..11 (rotated at 0..4 then by 7, or at 7..11 directly)
+    rerotated, v = _layer0_kv(model, PROMPT[:5], np.arange(5), 7)
+    direct, _ = _layer0_kv(model, PROMPT[:5], np.arange(7, 12))
+    assert np.all(np.abs(rerotated.v - direct.v) <= 1e-6 * direct.r)   # one rotation: float64 centres agree
+    nb.check_within(got.k[0, :, :5], rerotated.v, rerotated.r, "re-rotated K")
+    nb.check_within(want.k[0, :, 7:12], direct.v, direct.r, "K prefilled at 7..11")
+    nb.check_within(got.v[0, :, :5], v.v, v.r, "V of the shifted cells")
+    nb.check_within(want.v[0, :, 7:12], v.v, v.r, "V prefilled at 7..11")
 
 
 def test_seq_add_moving_cells_below_zero_removes_them(tiny_model):
@@ -99,7 +147,9 @@ def test_seq_cp_copies_a_sequence_that_then_decodes_identically(tiny_model):
     kv = _filled(model, n_seq=3)
     kv.seq_cp(0, 2, -1, -1)
     assert kv.n_tokens(2) == 12
-    np.testing.assert_allclose(_next_logits(model, kv, 2, 42), _next_logits(model, kv, 0, 42), atol=1e-6)
+    # the copy holds the same bits at the same positions, and a one-token chunk alone runs the same calls on
+    # arrays of the same shapes: the same kernels in the same order give the same bits
+    np.testing.assert_array_equal(_next_logits(model, kv, 2, 42), _next_logits(model, kv, 0, 42))
 
 
 def test_seq_cp_of_a_range_replaces_only_that_range_in_the_destination(tiny_model):
@@ -123,9 +173,10 @@ def test_cells_beyond_the_initial_capacity_keep_their_contents(tiny_model):
     model = tiny_model()
     ids = [int(i) for i in np.random.default_rng(3).integers(0, model.hparams.n_vocab, 150)]
     kv = model.new_kv(1, 200)
-    for a in range(0, 150, 50):                       # grows 64 -> 128 -> 256 on the way
-        model.forward_batch(kv, [(0, ids[a:a + 50], a, False)])
-    np.testing.assert_allclose(_next_logits(model, kv, 0, 7), model.forward_logits(ids + [7])[-1], atol=1e-4)
+    for a in range(0, 150, 50):                       # grows 64 -> 128 -> 256 on the way; each step checks
+        checked_forward(model, kv, [(0, ids[a:a + 50], a, False)])   # that the earlier cells survived
+    assert kv._seqs[0].k.shape[2] > 128
+    _checked_next(model, kv, 0, 7)
 
 
 # --- state blobs ----------------------------------------------------------------------------------------
@@ -139,7 +190,8 @@ def test_state_load_of_state_save_restores_cells_and_next_logits(tiny_model, dty
     dst.state_load(2, blob)
     assert dst.state_save(2) == blob
     np.testing.assert_array_equal(dst.positions(2), src.positions(0))
-    np.testing.assert_allclose(_next_logits(model, dst, 2, 9), _next_logits(model, src, 0, 9), atol=1e-6)
+    # the same bits in cells of the same capacity: the same calls, the same kernels, the same result
+    np.testing.assert_array_equal(_next_logits(model, dst, 2, 9), _next_logits(model, src, 0, 9))
 
 
 def test_state_size_is_header_plus_bytes_per_token(tiny_model):

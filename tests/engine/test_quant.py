@@ -13,6 +13,7 @@ import pytest
 from engine.model import load
 from engine.model import quant
 from engine.model.numerics import resolve
+from tests.engine.forward_check import checked_forward
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason="numba cannot be loaded")
 
@@ -61,16 +62,17 @@ def test_product_within_float32_bound(tiny_gguf, tensor_type, n_threads):
 
 
 def test_q_mode_forward_invariants(tiny_model, tiny_gguf):
-    """Close to f32 mode (same weights, another summation order), and cached decode == one chunk."""
+    """The q forward (one chunk; a prefill then cached one-token steps: the fused kernels) and the f32
+    forward of the same file are each the model, every op within its float32 bound (`forward_check`)."""
     path = tiny_gguf(tensor_type="Q4_1")
     f, q = load(path, n_threads=1), load(path, n_threads=2, numerics="q")
     ids = list(range(3, 30))
-    lq, lf = q.forward_logits(ids), f.forward_logits(ids)
-    np.testing.assert_allclose(lq, lf, atol=1e-4 * np.abs(lf).max())
+    for model in (q, f):
+        checked_forward(model, model.new_kv(1, 64), [(0, ids, 0, range(len(ids)))])
     kv = q.new_kv(1, 64)
-    rows = [q.forward_batch(kv, [(0, ids[:20], 0, range(20))])[0]]
-    rows += [q.forward_batch(kv, [(0, [t], 20 + i, True)])[0] for i, t in enumerate(ids[20:])]
-    np.testing.assert_allclose(np.concatenate(rows), lq, atol=1e-4 * np.abs(lf).max())
+    checked_forward(q, kv, [(0, ids[:20], 0, range(20))])
+    for i, t in enumerate(ids[20:]):
+        checked_forward(q, kv, [(0, [t], 20 + i, True)])
 
 
 def test_falls_back_to_f32_with_one_warning(monkeypatch):
