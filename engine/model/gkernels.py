@@ -27,7 +27,7 @@ I64 = np.int64
 F32 = np.float32
 F64 = np.float64
 
-_TILE = 64          # outputs per tile in the dot kernels (accumulators [rows, 8, _TILE] stay in L1)
+_TILE = 256         # outputs per tile of the dot kernels for 2+ rows (the tile's weights stay in L2)
 _KEYS = 256         # keys per block of the score kernels (lane scratch [16 or 64, _KEYS])
 
 # ggml_v_expf constants (ggml.expf)
@@ -132,10 +132,30 @@ def q8_values(qx, d16, out):
 
 
 # --- Q4_1 / Q5_1 x Q8_1 (ggml.dot_q8_1) ---------------------------------------------------------------------
+#
+# Per row r, output o and block b: lane l (elements 4l..4l+3 of the block) has the exact integer dot
+# xy = sum q_w * q_x (|xy| < 2^14, exact in float32 whatever the order), then acc_l = fma(d_x * d_w, xy, acc_l)
+# replayed as F32(F64(xy) * F64(d_x * d_w) + F64(acc_l)), summs = fma(s_x, m_w, summs) likewise, and at the end
+# y = ((acc4 + acc0) + (acc6 + acc2)) + ((acc5 + acc1) + (acc7 + acc3)) + summs: ggml.dot_q8_1's operations.
+#
+# These kernels alone are compiled with fastmath={"contract"}: LLVM may then fuse a multiply and an add into an
+# fma. Every such pair here has an exact product (small integers in float32, float32 x float32 in float64), and
+# fma(a, b, c) = round(a*b + c) = round(round(a*b) + c) when a*b is exact: the bits cannot change. No other
+# fast-math flag (no reassociation) is given, and the other kernels get none (there a fused product would
+# round differently).
+#
+# One row (decode): every (block, element) row of the weights is streamed over the whole output range, with the
+# 8 lane accumulators of all outputs in a scratch [8, w] (as `qkernels`; tiles of a few outputs read short
+# pieces at a stride of n_out bytes, which measured 2x slower from DRAM). Two rows and more (prefill): tiles of
+# _TILE outputs whose weights stay in cache while every row passes; two rows share each weight's decoding, the
+# lane sums go to a scratch and a second loop applies the float64 fma steps.
+
+_CONTRACT = {"contract"}
+
 
 @njit(cache=True, nogil=True, inline="always")
 def _finish(acc, summ, y, r, t0, w):
-    """y[r, t0:t0+w] = hsum_float_8(acc) + summs, in ggml.dot_q8_1's order."""
+    """y[r, t0:t0+w] = hsum_float_8(acc) + summs, in ggml.dot_q8_1's order; acc [8, >= w], summ [>= w]."""
     for o in range(w):
         h0 = acc[4, o] + acc[0, o]
         h1 = acc[5, o] + acc[1, o]
@@ -144,98 +164,238 @@ def _finish(acc, summ, y, r, t0, w):
         y[r, t0 + o] = ((h0 + h2) + (h1 + h3)) + summ[o]
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _summs(sx, mw, summ, r, b, t0, w):
-    """summs = fma(m_w, s_x, summs) over the outputs of a tile (ggml.dot_q8_1's first loop)."""
+@njit(cache=True, nogil=True, inline="always", fastmath=_CONTRACT)
+def _block_scales(sx, dx, mw, dw, summ, dd, r, b, t0, w):
+    """summs = fma(s_x, m_w, summs) over the outputs t0..t0+w-1 of block b, and dd = F64(d_x * d_w) for them."""
     sv = F64(sx[r, b])
+    dxv = dx[r, b]
     mb = mw[b, t0:t0 + w]
+    db = dw[b, t0:t0 + w]
     for o in range(w):
         summ[o] = F32(sv * F64(mb[o]) + F64(summ[o]))
+    for o in range(w):
+        dd[o] = F64(dxv * db[o])
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=_CONTRACT)
+def _fma_lanes(xy, dd, acc, w):
+    """acc[l, o] = fma(dd[o], xy[l, o], acc[l, o]) for the 8 lanes, replayed in float64."""
+    for lane in range(8):
+        al = acc[lane]
+        xl = xy[lane]
+        for o in range(w):
+            al[o] = F32(F64(xl[o]) * dd[o] + F64(al[o]))
+
+
+@njit(cache=True, nogil=True, fastmath=_CONTRACT)
+def _nib_row(qw, dw, mw, qx, dx, sx, y, r, o0, o1):
+    """One row of `dot_nib` over the outputs o0..o1-1, each weight row streamed once."""
+    nb = qw.shape[0]
+    w = o1 - o0
+    acc = np.zeros((8, w), F32)
+    summ = np.zeros(w, F32)
+    dd = np.empty(w, F64)
+    for b in range(nb):
+        _block_scales(sx, dx, mw, dw, summ, dd, r, b, o0, w)
+        qb = qw[b]
+        for lane in range(4):
+            j = 32 * b + 4 * lane
+            x0 = qx[r, j]
+            x1 = qx[r, j + 1]
+            x2 = qx[r, j + 2]
+            x3 = qx[r, j + 3]
+            c0 = qx[r, j + 16]
+            c1 = qx[r, j + 17]
+            c2 = qx[r, j + 18]
+            c3 = qx[r, j + 19]
+            q0 = qb[4 * lane, o0:o1]
+            q1 = qb[4 * lane + 1, o0:o1]
+            q2 = qb[4 * lane + 2, o0:o1]
+            q3 = qb[4 * lane + 3, o0:o1]
+            al = acc[lane]
+            ah = acc[lane + 4]
+            for o in range(w):
+                v0 = I32(q0[o])
+                v1 = I32(q1[o])
+                v2 = I32(q2[o])
+                v3 = I32(q3[o])
+                lo = (F32(I32(v0 & I32(15))) * x0 + F32(I32(v1 & I32(15))) * x1
+                      + F32(I32(v2 & I32(15))) * x2 + F32(I32(v3 & I32(15))) * x3)
+                hi = (F32(I32(v0 >> I32(4))) * c0 + F32(I32(v1 >> I32(4))) * c1
+                      + F32(I32(v2 >> I32(4))) * c2 + F32(I32(v3 >> I32(4))) * c3)
+                e = dd[o]
+                al[o] = F32(F64(lo) * e + F64(al[o]))
+                ah[o] = F32(F64(hi) * e + F64(ah[o]))
+    _finish(acc, summ, y, r, o0, w)
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=_CONTRACT)
+def _nib_lanes(qb, qx, r, g, b, t0, w, xy):
+    """xy[i, l, :w] = the lane sums of block b for rows r + i (i < g, g in 1..2), outputs t0..t0+w-1; the two
+    rows share each byte's decoding."""
+    for lane in range(4):
+        j = 32 * b + 4 * lane
+        q0 = qb[4 * lane, t0:t0 + w]
+        q1 = qb[4 * lane + 1, t0:t0 + w]
+        q2 = qb[4 * lane + 2, t0:t0 + w]
+        q3 = qb[4 * lane + 3, t0:t0 + w]
+        a0 = qx[r, j]
+        a1 = qx[r, j + 1]
+        a2 = qx[r, j + 2]
+        a3 = qx[r, j + 3]
+        c0 = qx[r, j + 16]
+        c1 = qx[r, j + 17]
+        c2 = qx[r, j + 18]
+        c3 = qx[r, j + 19]
+        xl = xy[0, lane]
+        xh = xy[0, lane + 4]
+        if g == 2:
+            e0 = qx[r + 1, j]
+            e1 = qx[r + 1, j + 1]
+            e2 = qx[r + 1, j + 2]
+            e3 = qx[r + 1, j + 3]
+            f0 = qx[r + 1, j + 16]
+            f1 = qx[r + 1, j + 17]
+            f2 = qx[r + 1, j + 18]
+            f3 = qx[r + 1, j + 19]
+            yl = xy[1, lane]
+            yh = xy[1, lane + 4]
+            for o in range(w):
+                v0 = I32(q0[o])
+                v1 = I32(q1[o])
+                v2 = I32(q2[o])
+                v3 = I32(q3[o])
+                l0 = F32(I32(v0 & I32(15)))
+                l1 = F32(I32(v1 & I32(15)))
+                l2 = F32(I32(v2 & I32(15)))
+                l3 = F32(I32(v3 & I32(15)))
+                h0 = F32(I32(v0 >> I32(4)))
+                h1 = F32(I32(v1 >> I32(4)))
+                h2 = F32(I32(v2 >> I32(4)))
+                h3 = F32(I32(v3 >> I32(4)))
+                xl[o] = l0 * a0 + l1 * a1 + l2 * a2 + l3 * a3
+                xh[o] = h0 * c0 + h1 * c1 + h2 * c2 + h3 * c3
+                yl[o] = l0 * e0 + l1 * e1 + l2 * e2 + l3 * e3
+                yh[o] = h0 * f0 + h1 * f1 + h2 * f2 + h3 * f3
+        else:
+            for o in range(w):
+                v0 = I32(q0[o])
+                v1 = I32(q1[o])
+                v2 = I32(q2[o])
+                v3 = I32(q3[o])
+                xl[o] = (F32(I32(v0 & I32(15))) * a0 + F32(I32(v1 & I32(15))) * a1
+                         + F32(I32(v2 & I32(15))) * a2 + F32(I32(v3 & I32(15))) * a3)
+                xh[o] = (F32(I32(v0 >> I32(4))) * c0 + F32(I32(v1 >> I32(4))) * c1
+                         + F32(I32(v2 >> I32(4))) * c2 + F32(I32(v3 >> I32(4))) * c3)
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=_CONTRACT)
+def _byte_lanes(qb, qx, r, g, b, t0, w, xy):
+    """`_nib_lanes` for one quant per byte: lane l = elements 4l..4l+3, rows 4l..4l+3 of qb."""
+    for lane in range(8):
+        j = 32 * b + 4 * lane
+        q0 = qb[4 * lane, t0:t0 + w]
+        q1 = qb[4 * lane + 1, t0:t0 + w]
+        q2 = qb[4 * lane + 2, t0:t0 + w]
+        q3 = qb[4 * lane + 3, t0:t0 + w]
+        a0 = qx[r, j]
+        a1 = qx[r, j + 1]
+        a2 = qx[r, j + 2]
+        a3 = qx[r, j + 3]
+        xl = xy[0, lane]
+        if g == 2:
+            e0 = qx[r + 1, j]
+            e1 = qx[r + 1, j + 1]
+            e2 = qx[r + 1, j + 2]
+            e3 = qx[r + 1, j + 3]
+            yl = xy[1, lane]
+            for o in range(w):
+                u0 = F32(I32(q0[o]))
+                u1 = F32(I32(q1[o]))
+                u2 = F32(I32(q2[o]))
+                u3 = F32(I32(q3[o]))
+                xl[o] = u0 * a0 + u1 * a1 + u2 * a2 + u3 * a3
+                yl[o] = u0 * e0 + u1 * e1 + u2 * e2 + u3 * e3
+        else:
+            for o in range(w):
+                xl[o] = (F32(I32(q0[o])) * a0 + F32(I32(q1[o])) * a1
+                         + F32(I32(q2[o])) * a2 + F32(I32(q3[o])) * a3)
+
+
+@njit(cache=True, nogil=True, fastmath=_CONTRACT)
+def _byte_row(qw, dw, mw, qx, dx, sx, y, r, o0, o1):
+    """One row of `dot_byte` over the outputs o0..o1-1, each weight row streamed once."""
+    nb = qw.shape[0]
+    w = o1 - o0
+    acc = np.zeros((8, w), F32)
+    summ = np.zeros(w, F32)
+    dd = np.empty(w, F64)
+    for b in range(nb):
+        _block_scales(sx, dx, mw, dw, summ, dd, r, b, o0, w)
+        qb = qw[b]
+        for lane in range(8):
+            j = 32 * b + 4 * lane
+            x0 = qx[r, j]
+            x1 = qx[r, j + 1]
+            x2 = qx[r, j + 2]
+            x3 = qx[r, j + 3]
+            q0 = qb[4 * lane, o0:o1]
+            q1 = qb[4 * lane + 1, o0:o1]
+            q2 = qb[4 * lane + 2, o0:o1]
+            q3 = qb[4 * lane + 3, o0:o1]
+            al = acc[lane]
+            for o in range(w):
+                xy = (F32(I32(q0[o])) * x0 + F32(I32(q1[o])) * x1
+                      + F32(I32(q2[o])) * x2 + F32(I32(q3[o])) * x3)
+                al[o] = F32(F64(xy) * dd[o] + F64(al[o]))
+    _finish(acc, summ, y, r, o0, w)
+
+
+@njit(cache=True, nogil=True, fastmath=_CONTRACT)
+def _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, nib):
+    """All rows of `dot_nib` / `dot_byte` over the outputs o0..o1-1: tiles of _TILE outputs, rows in pairs."""
+    nb = qw.shape[0]
+    m = qx.shape[0]
+    acc = np.empty((2, 8, _TILE), F32)
+    summ = np.empty((2, _TILE), F32)
+    dd = np.empty(_TILE, F64)
+    xy = np.empty((2, 8, _TILE), F32)
+    for t0 in range(o0, o1, _TILE):
+        w = min(o1, t0 + _TILE) - t0
+        for r in range(0, m, 2):
+            g = min(2, m - r)
+            acc[:, :, :w] = F32(0.0)
+            summ[:, :w] = F32(0.0)
+            for b in range(nb):
+                if nib:
+                    _nib_lanes(qw[b], qx, r, g, b, t0, w, xy)
+                else:
+                    _byte_lanes(qw[b], qx, r, g, b, t0, w, xy)
+                for i in range(g):
+                    _block_scales(sx, dx, mw, dw, summ[i], dd, r + i, b, t0, w)
+                    _fma_lanes(xy[i], dd, acc[i], w)
+            for i in range(g):
+                _finish(acc[i], summ[i], y, r + i, t0, w)
 
 
 @njit(cache=True, nogil=True)
 def dot_nib(qw, dw, mw, qx, dx, sx, y, o0, o1):
     """y[:, o0:o1] of ggml.dot_q8_1 for 4-bit weights (Q4_1): qw [nb, 16, n_out] uint8 (low nibble = element j
     of the block, high nibble = element j + 16), dw, mw [nb, n_out] float32; qx [M, n_in], dx, sx [M, nb] from
-    `quantize_q8`. Lane l of a block = its elements 4l..4l+3: lanes 0..3 are the low nibbles of bytes 4l..4l+3,
-    lanes 4..7 their high nibbles."""
-    nb = qw.shape[0]
-    m = qx.shape[0]
-    acc = np.empty((8, _TILE), F32)
-    summ = np.empty(_TILE, F32)
-    for t0 in range(o0, o1, _TILE):
-        w = min(o1, t0 + _TILE) - t0
-        for r in range(m):
-            acc[:, :w] = F32(0.0)
-            summ[:w] = F32(0.0)
-            for b in range(nb):
-                _summs(sx, mw, summ, r, b, t0, w)
-                dxv = dx[r, b]
-                db = dw[b, t0:t0 + w]
-                xb = 32 * b
-                for lane in range(4):
-                    j = xb + 4 * lane
-                    x0 = qx[r, j]
-                    x1 = qx[r, j + 1]
-                    x2 = qx[r, j + 2]
-                    x3 = qx[r, j + 3]
-                    c0 = qx[r, j + 16]
-                    c1 = qx[r, j + 17]
-                    c2 = qx[r, j + 18]
-                    c3 = qx[r, j + 19]
-                    q0 = qw[b, 4 * lane, t0:t0 + w]
-                    q1 = qw[b, 4 * lane + 1, t0:t0 + w]
-                    q2 = qw[b, 4 * lane + 2, t0:t0 + w]
-                    q3 = qw[b, 4 * lane + 3, t0:t0 + w]
-                    al = acc[lane]
-                    ah = acc[lane + 4]
-                    for o in range(w):
-                        v0 = I32(q0[o])
-                        v1 = I32(q1[o])
-                        v2 = I32(q2[o])
-                        v3 = I32(q3[o])
-                        lo = (F32(I32(v0 & I32(15))) * x0 + F32(I32(v1 & I32(15))) * x1
-                              + F32(I32(v2 & I32(15))) * x2 + F32(I32(v3 & I32(15))) * x3)
-                        hi = (F32(I32(v0 >> I32(4))) * c0 + F32(I32(v1 >> I32(4))) * c1
-                              + F32(I32(v2 >> I32(4))) * c2 + F32(I32(v3 >> I32(4))) * c3)
-                        dd = F64(dxv * db[o])
-                        al[o] = F32(F64(lo) * dd + F64(al[o]))
-                        ah[o] = F32(F64(hi) * dd + F64(ah[o]))
-            _finish(acc, summ, y, r, t0, w)
+    `quantize_q8`. Lanes 0..3 of a block are the low nibbles of bytes 4l..4l+3, lanes 4..7 their high nibbles."""
+    if qx.shape[0] == 1:
+        _nib_row(qw, dw, mw, qx, dx, sx, y, 0, o0, o1)
+    else:
+        _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, True)
 
 
 @njit(cache=True, nogil=True)
 def dot_byte(qw, dw, mw, qx, dx, sx, y, o0, o1):
-    """`dot_nib` for weights with one quant per byte (Q5_1): qw [nb, 32, n_out] int8."""
-    nb = qw.shape[0]
-    m = qx.shape[0]
-    acc = np.empty((8, _TILE), F32)
-    summ = np.empty(_TILE, F32)
-    for t0 in range(o0, o1, _TILE):
-        w = min(o1, t0 + _TILE) - t0
-        for r in range(m):
-            acc[:, :w] = F32(0.0)
-            summ[:w] = F32(0.0)
-            for b in range(nb):
-                _summs(sx, mw, summ, r, b, t0, w)
-                dxv = dx[r, b]
-                db = dw[b, t0:t0 + w]
-                for lane in range(8):
-                    j = 32 * b + 4 * lane
-                    x0 = qx[r, j]
-                    x1 = qx[r, j + 1]
-                    x2 = qx[r, j + 2]
-                    x3 = qx[r, j + 3]
-                    q0 = qw[b, 4 * lane, t0:t0 + w]
-                    q1 = qw[b, 4 * lane + 1, t0:t0 + w]
-                    q2 = qw[b, 4 * lane + 2, t0:t0 + w]
-                    q3 = qw[b, 4 * lane + 3, t0:t0 + w]
-                    al = acc[lane]
-                    for o in range(w):
-                        xy = (F32(I32(q0[o])) * x0 + F32(I32(q1[o])) * x1
-                              + F32(I32(q2[o])) * x2 + F32(I32(q3[o])) * x3)
-                        al[o] = F32(F64(xy) * F64(dxv * db[o]) + F64(al[o]))
-            _finish(acc, summ, y, r, t0, w)
+    """`dot_nib` for weights with one quant per byte (Q5_1): qw [nb, 32, n_out] int8, lane l = rows 4l..4l+3."""
+    if qx.shape[0] == 1:
+        _byte_row(qw, dw, mw, qx, dx, sx, y, 0, o0, o1)
+    else:
+        _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, False)
 
 
 # --- norm, SwiGLU --------------------------------------------------------------------------------------------
