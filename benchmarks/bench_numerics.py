@@ -1,11 +1,14 @@
 """Speed of the engine's numerics modes, f32 (default) vs ggml (llama.cpp's CPU arithmetic), in one process.
 
     .venv/bin/python benchmarks/bench_numerics.py [--model PATH] [--threads 1] [--prompt 512] [--steps 8] [--reps 2]
+        [--modes f32,ggml-numpy,ggml] [--numpy-reps N]
 
-Both models are loaded once; each repetition measures, for each mode in turn (interleaved, so a change of the
-machine's load hits both): prefill of a `--prompt`-token prompt in one chunk (logits of the last row only),
-then `--steps` single-sequence decode steps after it. Prints the median of the repetitions, BLAS threads in
-force (threadpoolctl) and the load average before and after.
+The models are loaded once; each repetition measures, for each mode in turn (interleaved, so a change of the
+machine's load hits all): prefill of a `--prompt`-token prompt in one chunk (logits of the last row only),
+then `--steps` single-sequence decode steps after it. "ggml" is the mode on its numba kernels, "ggml-numpy"
+the same arithmetic on its numpy reference (`numerics.GGML_REFERENCE`, minutes per prefill: `--numpy-reps`
+limits its repetitions, default 1). Prints the median of the repetitions (and every rep's figures), BLAS
+threads in force (threadpoolctl) and the load average before, during and after.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from threadpoolctl import threadpool_info
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.model import BatchChunk, default_model_path, load  # noqa: E402
+from engine.model.numerics import GGML_REFERENCE  # noqa: E402
+
+NUMERICS = {"f32": "f32", "q": "q", "ggml": "ggml", "ggml-numpy": GGML_REFERENCE}
 
 
 def measure(model, prompt: list[int], n_steps: int) -> tuple[float, float]:
@@ -47,30 +53,44 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--modes", default="f32,ggml-numpy,ggml", help=f"comma-separated, of {tuple(NUMERICS)}")
+    ap.add_argument("--numpy-reps", type=int, default=1, help="repetitions of ggml-numpy (slow), at most --reps")
     args = ap.parse_args()
     if not args.model:
         raise SystemExit("model not found; pass --model")
-    models = {m: load(args.model, n_threads=args.threads, numerics=m) for m in ("f32", "ggml")}
+    modes = args.modes.split(",")
+    if any(m not in NUMERICS for m in modes):
+        raise SystemExit(f"--modes: each of {tuple(NUMERICS)}, got {args.modes!r}")
+    models = {m: load(args.model, n_threads=args.threads, numerics=NUMERICS[m]) for m in modes}
     rng = np.random.default_rng(0)
     prompt = rng.integers(100, 40000, args.prompt).tolist()
-    with models["f32"].compute_threads():
+    first = next(iter(models.values()))
+    with first.compute_threads():
         blas = [(lib["internal_api"], lib["num_threads"]) for lib in threadpool_info() if lib["user_api"] == "blas"]
+    for model in models.values():                      # compile / load the numba cache, warm the caches
+        measure(model, prompt[:16], 1)
     print(f"model {os.path.basename(args.model)}, --threads {args.threads} (split mode: BLAS threads in compute "
-          f"{blas}, matmul threads {models['f32'].n_threads}), load average before {os.getloadavg()}")
+          f"{blas}, matmul threads {first.n_threads}), load average before {os.getloadavg()}")
     results: dict[str, list[tuple[float, float]]] = {m: [] for m in models}
-    for _ in range(args.reps):
+    for rep in range(args.reps):
         for mode, model in models.items():
+            if mode == "ggml-numpy" and rep >= args.numpy_reps:
+                continue
             results[mode].append(measure(model, prompt, args.steps))
-    print(f"| mode | prefill {args.prompt} tokens | prefill tok/s | decode step (median of {args.steps}) |")
-    print("|---|---|---|---|")
-    for mode, rs in results.items():
-        pre = statistics.median(r[0] for r in rs)
-        dec = statistics.median(r[1] for r in rs)
-        print(f"| {mode} | {pre:.2f} s | {args.prompt / pre:.0f} | {dec * 1e3:.1f} ms |")
-    f, g = results["f32"], results["ggml"]
-    print(f"ggml / f32: prefill {statistics.median(r[0] for r in g) / statistics.median(r[0] for r in f):.1f}x, "
-          f"decode {statistics.median(r[1] for r in g) / statistics.median(r[1] for r in f):.1f}x; "
-          f"load average after {os.getloadavg()}")
+            pre, dec = results[mode][-1]
+            print(f"  rep {rep} {mode}: prefill {pre:.2f} s, decode step {dec * 1e3:.1f} ms "
+                  f"(load average {os.getloadavg()[0]:.2f})", flush=True)
+    print(f"| mode | prefill {args.prompt} tokens | prefill tok/s | decode step (median of {args.steps}) | decode tok/s |")
+    print("|---|---|---|---|---|")
+    med = {m: (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs)) for m, rs in results.items()}
+    for mode, (pre, dec) in med.items():
+        print(f"| {mode} | {pre:.2f} s | {args.prompt / pre:.0f} | {dec * 1e3:.1f} ms | {1 / dec:.1f} |")
+    if "f32" in med:
+        for mode in med:
+            if mode != "f32":
+                print(f"{mode} / f32: prefill {med[mode][0] / med['f32'][0]:.2f}x, "
+                      f"decode {med[mode][1] / med['f32'][1]:.2f}x")
+    print(f"load average after {os.getloadavg()}")
     return 0
 
 

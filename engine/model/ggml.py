@@ -37,6 +37,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
+import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +49,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from engine.model.f32 import Rope
-from engine.model.matmul import Matmul
+from engine.model.matmul import _SPLIT_MIN_MACS, Matmul
+from engine.model.quant import QPart, concat_parts
 from engine.model.types import HParams, Linear
 
 QK8 = 32          # block of Q8_0 / Q8_1 (and of Q4_0 .. Q8_0 weights)
@@ -65,6 +69,39 @@ VEC_DOT_TYPE: dict[GGMLQuantizationType, str] = {
 }
 # weights whose x86 dot product with Q8_1 is replayed exactly (d*q + m blocks of 32)
 EXACT_DOT_TYPES = frozenset({T.Q4_1, T.Q5_1})
+
+# --- the compiled kernels (numba, `gkernels`), loaded on first use ----------------------------------------------
+
+_kernels: Any = None
+_kernels_error: str | None = None
+_kernels_lock = threading.Lock()
+_warned = False
+
+
+def kernels() -> Any:
+    """The compiled kernels module (imported once), or None if numba cannot load (`compiled_unavailable_reason`)."""
+    global _kernels, _kernels_error
+    with _kernels_lock:
+        if _kernels is None and _kernels_error is None:
+            try:
+                from engine.model import gkernels
+                _kernels = gkernels
+            except Exception as e:                       # ImportError, or numba/llvmlite failing to initialise
+                _kernels_error = f"{type(e).__name__}: {e}"
+    return _kernels
+
+
+def compiled_available() -> bool:
+    return kernels() is not None
+
+
+def warn_unavailable() -> None:
+    """One warning per process that "ggml" runs on its numpy reference (same results, many times slower)."""
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(f"numerics 'ggml' runs its numpy reference (same results, 6-50x slower): numba cannot be "
+                      f"loaded ({_kernels_error})", RuntimeWarning, stacklevel=3)
 
 
 # --- float32 helpers -------------------------------------------------------------------------------------------
@@ -120,13 +157,20 @@ def expf(x: np.ndarray) -> np.ndarray:
         return np.where(big, np.where(n <= 0, np.float32(0), np.float32(np.inf)), res).astype(np.float32)
 
 
+def _sum_sequential(a: np.ndarray) -> np.ndarray:
+    """Sum over the last axis in double, element after element as a C loop `sum += (double) a[i]` does
+    (ggml's order; numpy's own sum is pairwise, which differs in the last double bits)."""
+    return np.cumsum(a, axis=-1, dtype=np.float64)[..., -1]
+
+
 def softmax_rows(s: np.ndarray) -> np.ndarray:
     """ggml_compute_forward_soft_max_f32 on rows already scaled and masked (last axis, a multiple of 16):
-    max, e = ggml_v_expf(s - max) per 16, sum of each 16 (reduce) added in double, times float(1/sum)."""
+    max, e = ggml_v_expf(s - max) per 16, sum of each 16 (reduce) added in double (in order, as
+    ggml_vec_soft_max_f32), times float(1/sum)."""
     n = s.shape[-1]
     mx = s.max(axis=-1, keepdims=True)
     e = expf(s - mx)
-    sums = _reduce16(e.reshape(*e.shape[:-1], n // 16, 16)).astype(np.float64).sum(axis=-1, keepdims=True)
+    sums = _sum_sequential(_reduce16(e.reshape(*e.shape[:-1], n // 16, 16)))[..., None]
     return e * (1.0 / sums).astype(np.float32)
 
 
@@ -246,20 +290,39 @@ class BlasPart:
         return self.lin.stream_bytes, self.lin.resident_bytes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Q8_1DotPart:
-    """Output columns of Q4_1/Q5_1 weights, computed as ggml_vec_dot_q4_1_q8_1 (x86) does."""
+    """Output columns of Q4_1/Q5_1 weights, computed as ggml_vec_dot_q4_1_q8_1 (x86) does.
 
-    qw: np.ndarray     # [n_in/4, 4, n_out] float32 integer quants, grouped by 4-element lane
-    d: np.ndarray      # [n_in/32, n_out] float32 block scales
-    m: np.ndarray      # [n_in/32, n_out] float32 block minimums
+    The weights stay in `quant.QPart`'s transposed block layout (integer quants, 4-bit ones two per byte, and
+    float32 d, m per block of 32: W = d*q + m, exactly GGUF's values), which the compiled kernels read; the
+    numpy reference (`dot_q8_1`) reads `qw`, the same quants as float32 grouped by lane, made on first use."""
+
+    w: QPart           # q [nb, 16 or 32, n_out], d, m [nb, n_out]
     n_out: int
     act: str = "q8_1"
 
     @property
+    def d(self) -> np.ndarray:
+        """[n_in/32, n_out] float32 block scales."""
+        return self.w.d
+
+    @property
+    def m(self) -> np.ndarray:
+        """[n_in/32, n_out] float32 block minimums."""
+        return self.w.m
+
+    @functools.cached_property
+    def qw(self) -> np.ndarray:
+        """[n_in/4, 4, n_out] float32 integer quants grouped by 4-element lane (the numpy reference's layout)."""
+        q = self.w.q
+        if self.w.nib:
+            q = np.concatenate([q & 15, q >> 4], axis=1)                       # [nb, 32, n_out]: elements j, j + 16
+        return np.ascontiguousarray(q.astype(np.float32).reshape(-1, 4, self.n_out))
+
+    @property
     def nbytes(self) -> tuple[int, int]:
-        n = self.qw.nbytes + self.d.nbytes + self.m.nbytes
-        return n, n
+        return self.w.nbytes, self.w.nbytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,31 +343,38 @@ class QLinear:
         return sum(p.nbytes[1] for p in self.parts)
 
 
-def qlinear(pieces: list[tuple[np.ndarray, GGMLQuantizationType, Any]]) -> QLinear:
-    """Fuse (w [n_out_i, n_in] dequantized, ggml type, `block_params` or None) along the outputs; consecutive
-    pieces of the same kind share a part. Q4_1/Q5_1 pieces with block params get the exact kernel."""
-    n_in = pieces[0][0].shape[1]
+def exact_part(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> QPart:
+    """A Q4_1/Q5_1 tensor's raw blocks (shape (ne1, ne0)) -> the `QPart` its exact product reads (bit for bit
+    the integer quants, d and m of `block_params`)."""
+    if qtype not in EXACT_DOT_TYPES:
+        raise ValueError(f"{qtype.name} is not a d*q + m type")
+    return QPart.from_tensor(data, qtype, shape)
+
+
+def qlinear(pieces: list[tuple[np.ndarray | None, GGMLQuantizationType, Any]]) -> QLinear:
+    """Fuse (w [n_out_i, n_in] dequantized -- None for exact pieces --, ggml type, `exact_part` or None) along
+    the outputs; consecutive pieces of the same kind share a part. Pieces with an `exact_part` (Q4_1/Q5_1)
+    get the exact kernel."""
     groups: list[tuple[str, list]] = []
-    for w, qtype, blocks in pieces:
-        if w.shape[1] != n_in:
-            raise ValueError(f"fused pieces have different input sizes ({w.shape[1]} != {n_in})")
-        kind = "exact" if blocks is not None else VEC_DOT_TYPE[qtype]
+    n_in = None
+    for w, qtype, part in pieces:
+        n = part.n_in if isinstance(part, QPart) else w.shape[1]
+        if n_in is not None and n != n_in:
+            raise ValueError(f"fused pieces have different input sizes ({n} != {n_in})")
+        n_in = n
+        kind = f"exact-{qtype.name}" if isinstance(part, QPart) else VEC_DOT_TYPE[qtype]
         if groups and groups[-1][0] == kind:
-            groups[-1][1].append((w, blocks))
+            groups[-1][1].append(part if isinstance(part, QPart) else w)
         else:
-            groups.append((kind, [(w, blocks)]))
+            groups.append((kind, [part if isinstance(part, QPart) else w]))
     parts: list[BlasPart | Q8_1DotPart] = []
     for kind, items in groups:
-        n_out = sum(w.shape[0] for w, _ in items)
-        if kind == "exact":
-            q = np.concatenate([b[0] for _, b in items])                              # [n_out, n_in]
-            d = np.concatenate([b[1] for _, b in items]).T                            # [nb, n_out]
-            m = np.concatenate([b[2] for _, b in items]).T
-            qw = np.ascontiguousarray(q.T.reshape(n_in // 4, 4, n_out))
-            parts.append(Q8_1DotPart(qw=qw, d=np.ascontiguousarray(d), m=np.ascontiguousarray(m), n_out=n_out))
+        if kind.startswith("exact"):
+            qp = concat_parts(items)
+            parts.append(Q8_1DotPart(w=qp, n_out=qp.n_out))
         else:
-            w = np.concatenate([w for w, _ in items]) if len(items) > 1 else items[0][0]
-            parts.append(BlasPart(act=kind, lin=Linear.from_weight(w), n_out=n_out))
+            w = np.concatenate(items) if len(items) > 1 else items[0]
+            parts.append(BlasPart(act=kind, lin=Linear.from_weight(w), n_out=w.shape[0]))
     return QLinear(parts=tuple(parts), n_in=n_in, n_out=sum(p.n_out for p in parts))
 
 
@@ -347,8 +417,13 @@ def dot_q8_1(part: Q8_1DotPart, x: np.ndarray) -> np.ndarray:
 
 
 class GgmlMatmul(Matmul):
-    """`Matmul` for `QLinear`s: exact Q8_1 dot products (rows split over the threads) or activation
-    quantization + BLAS (plain `Linear`s pass through)."""
+    """`Matmul` for `QLinear`s: exact Q8_1 dot products or activation quantization + BLAS (plain `Linear`s pass
+    through). `compiled`: the numba kernels (`gkernels`: same bits, output ranges split over the threads);
+    otherwise the numpy reference (`dot_q8_1`, row blocks split over the threads)."""
+
+    def __init__(self, n_threads: int = 1, compiled: bool = False):
+        super().__init__(n_threads)
+        self.compiled = compiled
 
     def __call__(self, lin: Linear | QLinear, x: np.ndarray) -> np.ndarray:
         if not isinstance(lin, QLinear):
@@ -358,7 +433,14 @@ class GgmlMatmul(Matmul):
 
     def _part(self, p: BlasPart | Q8_1DotPart, x: np.ndarray) -> np.ndarray:
         if isinstance(p, BlasPart):
+            if self.compiled and p.act in ("q8_0", "q8_1"):
+                qx, d16, _ = quantize_q8_compiled(x)
+                xq = np.empty_like(qx)
+                kernels().q8_values(qx, d16, xq)
+                return Matmul.__call__(self, p.lin, xq)
             return Matmul.__call__(self, p.lin, quantize_activations(p.act, x))
+        if self.compiled:
+            return self._dot_compiled(p, x)
         m = x.shape[0]
         if m <= _ROWS:
             return dot_q8_1(p, x)
@@ -368,6 +450,18 @@ class GgmlMatmul(Matmul):
             out[a:a + _ROWS] = dot_q8_1(p, x[a:a + _ROWS])
         self.parallel([lambda a=a: rows(a) for a in range(0, m, _ROWS)])
         return out
+
+    def _dot_compiled(self, p: Q8_1DotPart, x: np.ndarray) -> np.ndarray:
+        """`dot_q8_1` by `gkernels.dot_nib` / `dot_byte`, the output range split over the threads."""
+        k = kernels()
+        qx, d16, s = quantize_q8_compiled(x)
+        m, n_in = qx.shape
+        y = np.empty((m, p.n_out), np.float32)
+        w = p.w
+        fn = k.dot_nib if w.nib else k.dot_byte
+        split = self._pool is not None and m * n_in * p.n_out >= _SPLIT_MIN_MACS
+        self._run(lambda a, b: fn(w.q, w.d, w.m, qx, d16, s, y, a, b), p.n_out, 64, split)
+        return y
 
 
 # --- RoPE, norm -------------------------------------------------------------------------------------------------
@@ -434,8 +528,9 @@ class GgmlRope(Rope):
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """ggml_rms_norm + mul: sum of float32 squares in double, scale = 1/sqrtf(float(mean) + eps), x*scale*w."""
-    ss = np.square(x).sum(axis=1, dtype=np.float64)                       # [T]
+    """ggml_rms_norm + mul: sum of float32 squares in double (in order, as ggml_compute_forward_rms_norm_f32),
+    scale = 1/sqrtf(float(mean) + eps), x*scale*w."""
+    ss = _sum_sequential(np.square(x))                                    # [T]
     mean = (ss / x.shape[1]).astype(np.float32)
     scale = np.float32(1.0) / np.sqrt(mean + np.float32(eps))            # [T] float32
     return x * scale[:, None] * w                                         # [T, D]
@@ -535,6 +630,64 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_old: int, mm: Matmul |
 
     starts = list(range(0, m, _QUERY_BLOCK))
     tasks = [lambda a=a: block(a, min(m, a + _QUERY_BLOCK)) for a in reversed(starts)]
+    if mm is None or len(tasks) == 1:
+        for t in tasks:
+            t()
+    else:
+        mm.parallel(tasks)
+    return out.reshape(m, n_head * head_dim)
+
+
+# --- the compiled path: the same operations by `gkernels`, bit for bit -----------------------------------------------
+
+def quantize_q8_compiled(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`_q8_blocks` + the Q8_1 sums by `gkernels.quantize_q8`: (q [M, n] float32 integers, d16 [M, n/32],
+    s [M, n/32])."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    m, n = x.shape
+    if n % QK8:
+        raise ValueError(f"row length {n} is not a multiple of {QK8}")
+    qx = np.empty_like(x)
+    d16 = np.empty((m, n // QK8), np.float32)
+    s = np.empty((m, n // QK8), np.float32)
+    kernels().quantize_q8(x, qx, d16, s)
+    return qx, d16, s
+
+
+def rms_norm_compiled(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """`rms_norm` by `gkernels.rms_norm`."""
+    out = np.empty(x.shape, np.float32)
+    kernels().rms_norm(np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(w, dtype=np.float32),
+                       np.float32(eps), out)
+    return out
+
+
+def silu_mul_compiled(g: np.ndarray, u: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """`silu_mul` by `gkernels.silu_mul` (g, u may be strided views)."""
+    kernels().silu_mul(g, u, out)
+    return out
+
+
+def attend_compiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_old: int, mm: Matmul | None = None) -> np.ndarray:
+    """`attend` with each query block (the same blocks) by `gkernels.attend_block`. An f32 KV store, or a
+    head_dim that is not a multiple of 16 (where `attend` has no exact kernel), goes to `attend`."""
+    m, n_head, head_dim = q.shape
+    if k.dtype == np.float32 or head_dim % 16:
+        return attend(q, k, v, n_old, mm)
+    kern = kernels()
+    n_tot = n_old + m
+    n_gqa = n_head // k.shape[0]
+    kt = np.ascontiguousarray(k[:, :n_tot].astype(np.float32).transpose(0, 2, 1))   # [n_head_kv, hd, n_tot]
+    vf = v[:, :n_tot].astype(np.float32)                                           # [n_head_kv, n_tot, hd]
+    q16 = round_f16(q)                                                             # [m, n_head, hd]
+    out = np.empty((m, n_head, head_dim), np.float32)
+    scale = attention_scale(head_dim)
+    one = m == 1
+
+    def block(a: int) -> None:
+        kern.attend_block(q16, kt, vf, n_old, a, min(m, a + _QUERY_BLOCK), one, scale, n_gqa, out)
+
+    tasks = [lambda a=a: block(a) for a in reversed(range(0, m, _QUERY_BLOCK))]
     if mm is None or len(tasks) == 1:
         for t in tasks:
             t()

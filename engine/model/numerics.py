@@ -6,7 +6,8 @@ out, whether the attention scale is folded into Q), the matmul and RoPE classes,
 per-chunk attention, whether one-token chunks are attended together, and the KV store's dtype.
 
 `NUMERICS` maps the names users give (`engine.model.load(path, numerics=...)`) to the objects; `resolve` is
-the one place that reads a name (and where "q" falls back to "f32" when numba cannot load).
+the one place that reads a name (and where, when numba cannot load, "q" falls back to "f32" and "ggml" to its
+numpy reference `GGML_REFERENCE`, the same results).
 """
 
 from __future__ import annotations
@@ -113,7 +114,11 @@ class F32Numerics(Numerics):
 class GgmlNumerics(Numerics):
     """llama.cpp's CPU arithmetic (`engine.model.ggml`): Q4_1/Q5_1 matrices kept as integer quants + block
     scales + minimums, activations quantized to each matrix's vec_dot_type, f16 KV, ggml's RoPE, rms_norm,
-    softmax and SwiGLU; the attention scale is applied to the scores, as ggml does, not folded into Q."""
+    softmax and SwiGLU; the attention scale is applied to the scores, as ggml does, not folded into Q.
+
+    `compiled` (the "ggml" of `NUMERICS`): matmuls, quantizers, norm, SwiGLU and attention by the numba kernels
+    of `engine.model.gkernels`, bit for bit the numpy code's results (tests); `GGML_REFERENCE` is the numpy
+    code itself, which `resolve` falls back to (one warning) when numba cannot load."""
 
     name = "ggml"
     kv_dtype = np.dtype(np.float16)
@@ -122,11 +127,22 @@ class GgmlNumerics(Numerics):
     silu_mul = staticmethod(ggml.silu_mul)
     attend = staticmethod(ggml.attend)
 
+    def __init__(self, compiled: bool = True):
+        self.compiled = compiled
+        if compiled:
+            self.rms_norm = ggml.rms_norm_compiled
+            self.silu_mul = ggml.silu_mul_compiled
+            self.attend = ggml.attend_compiled
+
     def tensor_extra(self, t: Any) -> Any:
-        """Q4_1/Q5_1 matrices: their integer quants and block scales (`ggml.block_params`)."""
-        if t.tensor_type in ggml.EXACT_DOT_TYPES and len(t.shape) == 2:
-            return ggml.block_params(t.data, t.tensor_type, (int(t.shape[1]), int(t.shape[0])))
+        """Q4_1/Q5_1 matrices of the layers: their integer quants and block scales (`ggml.exact_part`); the
+        token embedding and the head keep their float32 values only (`output`)."""
+        if t.tensor_type in ggml.EXACT_DOT_TYPES and len(t.shape) == 2 and t.name.startswith("blk."):
+            return ggml.exact_part(t.data, t.tensor_type, (int(t.shape[1]), int(t.shape[0])))
         return None
+
+    def keeps_quantized(self, extra: Any) -> bool:
+        return isinstance(extra, quant.QPart)
 
     def linear(self, pieces: list[Piece]) -> ggml.QLinear:
         return ggml.qlinear(pieces)
@@ -136,10 +152,13 @@ class GgmlNumerics(Numerics):
         return ggml.qlinear([(w, qtype, None)])
 
     def matmul(self, n_threads: int) -> Matmul:
-        return ggml.GgmlMatmul(n_threads)
+        return ggml.GgmlMatmul(n_threads, compiled=self.compiled)
 
     def rope(self, hp: HParams, freq_factors: np.ndarray | None) -> f32.Rope:
         return ggml.GgmlRope(hp, freq_factors)
+
+    def __repr__(self) -> str:
+        return f"<numerics {self.name!r} ({'numba kernels' if self.compiled else 'numpy reference'})>"
 
 
 class QuantNumerics(F32Numerics):
@@ -178,6 +197,7 @@ class QuantNumerics(F32Numerics):
 
 NUMERICS: dict[str, Numerics] = {"f32": F32Numerics(), "ggml": GgmlNumerics(), "q": QuantNumerics()}
 NUMERICS_MODES = tuple(NUMERICS)
+GGML_REFERENCE = GgmlNumerics(compiled=False)     # "ggml" on its numpy code (tests, benchmarks, no numba)
 
 
 def resolve(numerics: str | Numerics) -> Numerics:
@@ -190,4 +210,7 @@ def resolve(numerics: str | Numerics) -> Numerics:
     if isinstance(numerics, QuantNumerics) and not quant.available():
         quant.warn_unavailable()
         return NUMERICS["f32"]
+    if isinstance(numerics, GgmlNumerics) and numerics.compiled and not ggml.compiled_available():
+        ggml.warn_unavailable()
+        return GGML_REFERENCE
     return numerics

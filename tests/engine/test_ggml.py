@@ -90,6 +90,13 @@ def test_block_params_reproduce_the_dequantized_weight(type_name):
     assert q.min() >= 0 and q.max() <= (15 if type_name == "Q4_1" else 31) and np.all(q == np.round(q))
     rebuilt = np.repeat(d, 32, axis=1) * q + np.repeat(m, 32, axis=1)
     np.testing.assert_array_equal(rebuilt, gguf_quants.dequantize(data, qtype))
+    # the layout the exact kernels read holds the same quants, scales and minimums
+    lin = G.qlinear([(None, qtype, G.exact_part(data, qtype, w.shape))])
+    [part] = lin.parts
+    assert isinstance(part, G.Q8_1DotPart) and part.w.nib == (type_name == "Q4_1")
+    np.testing.assert_array_equal(part.qw, np.ascontiguousarray(q.T.reshape(96 // 4, 4, 48)))
+    np.testing.assert_array_equal(part.d, d.T)
+    np.testing.assert_array_equal(part.m, m.T)
 
 
 def _fma32(a: float, b: float, c: float) -> np.float32:
@@ -116,7 +123,7 @@ def test_q4_1_dot_matches_the_scalar_kernel_bit_for_bit():
     w = rng.normal(0, 0.05, (24, 128)).astype(np.float32)
     qtype = GGMLQuantizationType.Q4_1
     data = gguf_quants.quantize(w, qtype)
-    lin = G.qlinear([(gguf_quants.dequantize(data, qtype), qtype, G.block_params(data, qtype, w.shape))])
+    lin = G.qlinear([(None, qtype, G.exact_part(data, qtype, w.shape))])
     [part] = lin.parts
     assert isinstance(part, G.Q8_1DotPart)
     q, d, m = G.block_params(data, qtype, w.shape)

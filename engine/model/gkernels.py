@@ -1,0 +1,608 @@
+"""numba kernels of the "ggml" numerics: the same arithmetic as the numpy code of `engine.model.ggml`, bit for bit.
+
+Every kernel replays, operation by operation, what the numpy reference in `ggml.py` computes (itself a replay of
+ggml's x86 CPU kernels); the tests (`tests/engine/test_ggml_kernels.py`) hold them to np.array_equal against it.
+Rules that keep the bits:
+
+- no `fastmath`: LLVM must not contract a * b + c into an fma, reassociate a sum or assume away inf / NaN;
+- float32 values stay float32 (numba types float32 op float32 as float32; constants are typed `F32(...)`);
+- an fma of float32 operands is replayed as the numpy code does, `F32(F64(a) * F64(b) + F64(c))`: the product
+  is exact in float64, the sum is rounded to float64 and then to float32 (`ggml._fma`);
+- sums whose order matters are written in ggml's order (16-lane reductions as `_mm512_reduce_add_ps`, double
+  sums sequential); sums of exact integers or of exact f16 x f16 products may be written in any order the
+  vectorizer likes only where every partial sum is exact (integer dot products below 2^24).
+
+Quantized weights come in `quant.QPart`'s transposed block layout (`qkernels` docstring): the quants of all
+outputs contiguous per (block, element), so the loops over outputs are innermost and vectorize. All kernels
+are `nogil`: the engine's own threads (`Matmul._run`) call them on disjoint output ranges or query blocks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+I32 = np.int32
+I64 = np.int64
+F32 = np.float32
+F64 = np.float64
+
+_TILE = 256         # outputs per tile of the dot kernels for 2+ rows (the tile's weights stay in L2)
+_KEYS = 256         # keys per block of the score kernels (lane scratch [16 or 64, _KEYS])
+
+# ggml_v_expf constants (ggml.expf)
+_R = F32(float.fromhex("0x1.8p23"))
+_LOG2E = F32(float.fromhex("0x1.715476p+0"))
+_LN2_HI = F32(float.fromhex("0x1.62e4p-1"))
+_LN2_LO = F32(float.fromhex("0x1.7f7d1cp-20"))
+_C5 = F32(float.fromhex("0x1.0e4020p-7"))
+_C4 = F32(float.fromhex("0x1.573e2ep-5"))
+_C3 = F32(float.fromhex("0x1.555e66p-3"))
+_C2 = F32(float.fromhex("0x1.fffdb6p-2"))
+_C1 = F32(float.fromhex("0x1.ffffecp-1"))
+_INF = F32(np.inf)
+
+
+# --- scalar helpers ------------------------------------------------------------------------------------------
+
+@njit(cache=True, nogil=True, inline="always")
+def _fma(a, b, c):
+    """ggml._fma on float32 operands: exact float64 product, float64 sum, rounded to float32."""
+    return F32(F64(a) * F64(b) + F64(c))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def f16_round(x):
+    """float32 -> nearest fp16 (round half to even; overflow to inf) -> float32, as x.astype(float16).astype(
+    float32) does for every non-NaN x (a NaN is returned as it is)."""
+    u = I64(F32(x).view(np.uint32))
+    s = u & 0x80000000
+    a = u & 0x7FFFFFFF
+    if a > 0x7F800000:                                   # NaN
+        return F32(x)
+    if a >= 0x477FF000:                                  # |x| >= 65520 rounds to inf
+        r = s | 0x7F800000
+    elif a >= 0x38800000:                                # fp16 normal range: keep 10 mantissa bits
+        r = s | ((a + 0xFFF + ((a >> 13) & 1)) & 0xFFFFE000)
+    else:                                                # fp16 subnormal or zero: k * 2^-24, k = RNE(|x| 2^24)
+        e = a >> 23
+        if e < 102:                                      # |x| < 2^-25: rounds to 0 (2^-25 itself: tie to 0)
+            r = s
+        else:
+            mant = (a & 0x7FFFFF) | 0x800000
+            sh = 126 - e                                 # 14..24
+            k = (mant + (I64(1) << (sh - 1)) - 1 + ((mant >> sh) & 1)) >> sh
+            sub = F32(F32(k) * F32(5.9604644775390625e-08))    # exact: k < 2^11
+            r = s | I64(sub.view(np.uint32))
+    return np.uint32(r).view(np.float32)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def expf(x):
+    """ggml.expf (ggml_v_expf, AVX-512) for one float32 x."""
+    z = _fma(x, _LOG2E, _R)
+    n = z - _R
+    b = _fma(-n, _LN2_HI, x)
+    b = _fma(-n, _LN2_LO, b)
+    u = b * b
+    j = _fma(_fma(_fma(_C5, b, _C4), u, _fma(_C3, b, _C2)), u, _fma(_C1, b, F32(1.0)))
+    if abs(n) <= F32(192.0):
+        p2 = I64((I64(n) + 1023) << 52)                  # 2^n as float64 bits (|n| <= 192: normal)
+        return F32(F64(j) * p2.view(np.float64))         # = ldexpf(j, n): exact scaling, one rounding
+    if n != n:
+        return j                                         # NaN in, NaN out
+    return F32(0.0) if n <= F32(0.0) else _INF
+
+
+# --- activation quantization --------------------------------------------------------------------------------
+
+@njit(cache=True, nogil=True)
+def quantize_q8(x, qx, d16, s):
+    """ggml._q8_blocks / quantize_q8_1 for x [M, n] (n a multiple of 32): qx [M, n] the integer quants (as
+    float32), d16 [M, n/32] the scales d = amax/127 rounded to fp16, s [M, n/32] = fp16(d * sum q)."""
+    m, n = x.shape
+    for r in range(m):
+        for b in range(n // 32):
+            o = 32 * b
+            amax = F32(0.0)
+            for j in range(32):
+                v = abs(x[r, o + j])
+                if v > amax or v != v:                   # max with NaN propagating, as np.max
+                    amax = v
+            d = amax / F32(127.0)
+            inv = F32(127.0) / amax if amax != F32(0.0) else F32(0.0)
+            tot = F32(0.0)
+            for j in range(32):
+                q = np.rint(x[r, o + j] * inv)
+                qx[r, o + j] = q
+                tot += q                                 # exact: |sum| <= 32 * 127
+            d16[r, b] = f16_round(d)
+            s[r, b] = f16_round(d * tot)
+
+
+@njit(cache=True, nogil=True)
+def q8_values(qx, d16, out):
+    """out [M, n] = qx * d16 per block of 32: the Q8_0 / Q8_1 values (ggml.quantize_q8_0)."""
+    m, n = qx.shape
+    for r in range(m):
+        for b in range(n // 32):
+            d = d16[r, b]
+            for j in range(32 * b, 32 * b + 32):
+                out[r, j] = qx[r, j] * d
+
+
+# --- Q4_1 / Q5_1 x Q8_1 (ggml.dot_q8_1) ---------------------------------------------------------------------
+#
+# Per row r, output o and block b: lane l (elements 4l..4l+3 of the block) has the exact integer dot
+# xy = sum q_w * q_x (|xy| < 2^14, exact in float32 whatever the order), then acc_l = fma(d_x * d_w, xy, acc_l)
+# replayed as F32(F64(xy) * F64(d_x * d_w) + F64(acc_l)), summs = fma(s_x, m_w, summs) likewise, and at the end
+# y = ((acc4 + acc0) + (acc6 + acc2)) + ((acc5 + acc1) + (acc7 + acc3)) + summs: ggml.dot_q8_1's operations.
+#
+# These kernels alone are compiled with fastmath={"contract"}: LLVM may then fuse a multiply and an add into an
+# fma. Every such pair here has an exact product (small integers in float32, float32 x float32 in float64), and
+# fma(a, b, c) = round(a*b + c) = round(round(a*b) + c) when a*b is exact: the bits cannot change. No other
+# fast-math flag (no reassociation) is given, and the other kernels get none (there a fused product would
+# round differently).
+#
+# One row (decode): every (block, element) row of the weights is streamed over the whole output range, with the
+# 8 lane accumulators of all outputs in a scratch [8, w] (as `qkernels`; tiles of a few outputs read short
+# pieces at a stride of n_out bytes, which measured 2x slower from DRAM). Two rows and more (prefill): tiles of
+# _TILE outputs whose weights stay in cache while every row passes; two rows share each weight's decoding, the
+# lane sums go to a scratch and a second loop applies the float64 fma steps.
+
+_CONTRACT = {"contract"}
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _finish(acc, summ, y, r, t0, w):
+    """y[r, t0:t0+w] = hsum_float_8(acc) + summs, in ggml.dot_q8_1's order; acc [8, >= w], summ [>= w]."""
+    for o in range(w):
+        h0 = acc[4, o] + acc[0, o]
+        h1 = acc[5, o] + acc[1, o]
+        h2 = acc[6, o] + acc[2, o]
+        h3 = acc[7, o] + acc[3, o]
+        y[r, t0 + o] = ((h0 + h2) + (h1 + h3)) + summ[o]
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=_CONTRACT)
+def _block_scales(sx, dx, mw, dw, summ, dd, r, b, t0, w):
+    """summs = fma(s_x, m_w, summs) over the outputs t0..t0+w-1 of block b, and dd = F64(d_x * d_w) for them."""
+    sv = F64(sx[r, b])
+    dxv = dx[r, b]
+    mb = mw[b, t0:t0 + w]
+    db = dw[b, t0:t0 + w]
+    for o in range(w):
+        summ[o] = F32(sv * F64(mb[o]) + F64(summ[o]))
+    for o in range(w):
+        dd[o] = F64(dxv * db[o])
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=_CONTRACT)
+def _fma_lanes(xy, dd, acc, w):
+    """acc[l, o] = fma(dd[o], xy[l, o], acc[l, o]) for the 8 lanes, replayed in float64."""
+    for lane in range(8):
+        al = acc[lane]
+        xl = xy[lane]
+        for o in range(w):
+            al[o] = F32(F64(xl[o]) * dd[o] + F64(al[o]))
+
+
+@njit(cache=True, nogil=True, fastmath=_CONTRACT)
+def _nib_row(qw, dw, mw, qx, dx, sx, y, r, o0, o1):
+    """One row of `dot_nib` over the outputs o0..o1-1, each weight row streamed once."""
+    nb = qw.shape[0]
+    w = o1 - o0
+    acc = np.zeros((8, w), F32)
+    summ = np.zeros(w, F32)
+    dd = np.empty(w, F64)
+    for b in range(nb):
+        _block_scales(sx, dx, mw, dw, summ, dd, r, b, o0, w)
+        qb = qw[b]
+        for lane in range(4):
+            j = 32 * b + 4 * lane
+            x0 = qx[r, j]
+            x1 = qx[r, j + 1]
+            x2 = qx[r, j + 2]
+            x3 = qx[r, j + 3]
+            c0 = qx[r, j + 16]
+            c1 = qx[r, j + 17]
+            c2 = qx[r, j + 18]
+            c3 = qx[r, j + 19]
+            q0 = qb[4 * lane, o0:o1]
+            q1 = qb[4 * lane + 1, o0:o1]
+            q2 = qb[4 * lane + 2, o0:o1]
+            q3 = qb[4 * lane + 3, o0:o1]
+            al = acc[lane]
+            ah = acc[lane + 4]
+            for o in range(w):
+                v0 = I32(q0[o])
+                v1 = I32(q1[o])
+                v2 = I32(q2[o])
+                v3 = I32(q3[o])
+                lo = (F32(I32(v0 & I32(15))) * x0 + F32(I32(v1 & I32(15))) * x1
+                      + F32(I32(v2 & I32(15))) * x2 + F32(I32(v3 & I32(15))) * x3)
+                hi = (F32(I32(v0 >> I32(4))) * c0 + F32(I32(v1 >> I32(4))) * c1
+                      + F32(I32(v2 >> I32(4))) * c2 + F32(I32(v3 >> I32(4))) * c3)
+                e = dd[o]
+                al[o] = F32(F64(lo) * e + F64(al[o]))
+                ah[o] = F32(F64(hi) * e + F64(ah[o]))
+    _finish(acc, summ, y, r, o0, w)
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=_CONTRACT)
+def _nib_lanes(qb, qx, r, g, b, t0, w, xy):
+    """xy[i, l, :w] = the lane sums of block b for rows r + i (i < g, g in 1..2), outputs t0..t0+w-1; the two
+    rows share each byte's decoding."""
+    for lane in range(4):
+        j = 32 * b + 4 * lane
+        q0 = qb[4 * lane, t0:t0 + w]
+        q1 = qb[4 * lane + 1, t0:t0 + w]
+        q2 = qb[4 * lane + 2, t0:t0 + w]
+        q3 = qb[4 * lane + 3, t0:t0 + w]
+        a0 = qx[r, j]
+        a1 = qx[r, j + 1]
+        a2 = qx[r, j + 2]
+        a3 = qx[r, j + 3]
+        c0 = qx[r, j + 16]
+        c1 = qx[r, j + 17]
+        c2 = qx[r, j + 18]
+        c3 = qx[r, j + 19]
+        xl = xy[0, lane]
+        xh = xy[0, lane + 4]
+        if g == 2:
+            e0 = qx[r + 1, j]
+            e1 = qx[r + 1, j + 1]
+            e2 = qx[r + 1, j + 2]
+            e3 = qx[r + 1, j + 3]
+            f0 = qx[r + 1, j + 16]
+            f1 = qx[r + 1, j + 17]
+            f2 = qx[r + 1, j + 18]
+            f3 = qx[r + 1, j + 19]
+            yl = xy[1, lane]
+            yh = xy[1, lane + 4]
+            for o in range(w):
+                v0 = I32(q0[o])
+                v1 = I32(q1[o])
+                v2 = I32(q2[o])
+                v3 = I32(q3[o])
+                l0 = F32(I32(v0 & I32(15)))
+                l1 = F32(I32(v1 & I32(15)))
+                l2 = F32(I32(v2 & I32(15)))
+                l3 = F32(I32(v3 & I32(15)))
+                h0 = F32(I32(v0 >> I32(4)))
+                h1 = F32(I32(v1 >> I32(4)))
+                h2 = F32(I32(v2 >> I32(4)))
+                h3 = F32(I32(v3 >> I32(4)))
+                xl[o] = l0 * a0 + l1 * a1 + l2 * a2 + l3 * a3
+                xh[o] = h0 * c0 + h1 * c1 + h2 * c2 + h3 * c3
+                yl[o] = l0 * e0 + l1 * e1 + l2 * e2 + l3 * e3
+                yh[o] = h0 * f0 + h1 * f1 + h2 * f2 + h3 * f3
+        else:
+            for o in range(w):
+                v0 = I32(q0[o])
+                v1 = I32(q1[o])
+                v2 = I32(q2[o])
+                v3 = I32(q3[o])
+                xl[o] = (F32(I32(v0 & I32(15))) * a0 + F32(I32(v1 & I32(15))) * a1
+                         + F32(I32(v2 & I32(15))) * a2 + F32(I32(v3 & I32(15))) * a3)
+                xh[o] = (F32(I32(v0 >> I32(4))) * c0 + F32(I32(v1 >> I32(4))) * c1
+                         + F32(I32(v2 >> I32(4))) * c2 + F32(I32(v3 >> I32(4))) * c3)
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=_CONTRACT)
+def _byte_lanes(qb, qx, r, g, b, t0, w, xy):
+    """`_nib_lanes` for one quant per byte: lane l = elements 4l..4l+3, rows 4l..4l+3 of qb."""
+    for lane in range(8):
+        j = 32 * b + 4 * lane
+        q0 = qb[4 * lane, t0:t0 + w]
+        q1 = qb[4 * lane + 1, t0:t0 + w]
+        q2 = qb[4 * lane + 2, t0:t0 + w]
+        q3 = qb[4 * lane + 3, t0:t0 + w]
+        a0 = qx[r, j]
+        a1 = qx[r, j + 1]
+        a2 = qx[r, j + 2]
+        a3 = qx[r, j + 3]
+        xl = xy[0, lane]
+        if g == 2:
+            e0 = qx[r + 1, j]
+            e1 = qx[r + 1, j + 1]
+            e2 = qx[r + 1, j + 2]
+            e3 = qx[r + 1, j + 3]
+            yl = xy[1, lane]
+            for o in range(w):
+                u0 = F32(I32(q0[o]))
+                u1 = F32(I32(q1[o]))
+                u2 = F32(I32(q2[o]))
+                u3 = F32(I32(q3[o]))
+                xl[o] = u0 * a0 + u1 * a1 + u2 * a2 + u3 * a3
+                yl[o] = u0 * e0 + u1 * e1 + u2 * e2 + u3 * e3
+        else:
+            for o in range(w):
+                xl[o] = (F32(I32(q0[o])) * a0 + F32(I32(q1[o])) * a1
+                         + F32(I32(q2[o])) * a2 + F32(I32(q3[o])) * a3)
+
+
+@njit(cache=True, nogil=True, fastmath=_CONTRACT)
+def _byte_row(qw, dw, mw, qx, dx, sx, y, r, o0, o1):
+    """One row of `dot_byte` over the outputs o0..o1-1, each weight row streamed once."""
+    nb = qw.shape[0]
+    w = o1 - o0
+    acc = np.zeros((8, w), F32)
+    summ = np.zeros(w, F32)
+    dd = np.empty(w, F64)
+    for b in range(nb):
+        _block_scales(sx, dx, mw, dw, summ, dd, r, b, o0, w)
+        qb = qw[b]
+        for lane in range(8):
+            j = 32 * b + 4 * lane
+            x0 = qx[r, j]
+            x1 = qx[r, j + 1]
+            x2 = qx[r, j + 2]
+            x3 = qx[r, j + 3]
+            q0 = qb[4 * lane, o0:o1]
+            q1 = qb[4 * lane + 1, o0:o1]
+            q2 = qb[4 * lane + 2, o0:o1]
+            q3 = qb[4 * lane + 3, o0:o1]
+            al = acc[lane]
+            for o in range(w):
+                xy = (F32(I32(q0[o])) * x0 + F32(I32(q1[o])) * x1
+                      + F32(I32(q2[o])) * x2 + F32(I32(q3[o])) * x3)
+                al[o] = F32(F64(xy) * dd[o] + F64(al[o]))
+    _finish(acc, summ, y, r, o0, w)
+
+
+@njit(cache=True, nogil=True, fastmath=_CONTRACT)
+def _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, nib):
+    """All rows of `dot_nib` / `dot_byte` over the outputs o0..o1-1: tiles of _TILE outputs, rows in pairs."""
+    nb = qw.shape[0]
+    m = qx.shape[0]
+    acc = np.empty((2, 8, _TILE), F32)
+    summ = np.empty((2, _TILE), F32)
+    dd = np.empty(_TILE, F64)
+    xy = np.empty((2, 8, _TILE), F32)
+    for t0 in range(o0, o1, _TILE):
+        w = min(o1, t0 + _TILE) - t0
+        for r in range(0, m, 2):
+            g = min(2, m - r)
+            acc[:, :, :w] = F32(0.0)
+            summ[:, :w] = F32(0.0)
+            for b in range(nb):
+                if nib:
+                    _nib_lanes(qw[b], qx, r, g, b, t0, w, xy)
+                else:
+                    _byte_lanes(qw[b], qx, r, g, b, t0, w, xy)
+                for i in range(g):
+                    _block_scales(sx, dx, mw, dw, summ[i], dd, r + i, b, t0, w)
+                    _fma_lanes(xy[i], dd, acc[i], w)
+            for i in range(g):
+                _finish(acc[i], summ[i], y, r + i, t0, w)
+
+
+@njit(cache=True, nogil=True)
+def dot_nib(qw, dw, mw, qx, dx, sx, y, o0, o1):
+    """y[:, o0:o1] of ggml.dot_q8_1 for 4-bit weights (Q4_1): qw [nb, 16, n_out] uint8 (low nibble = element j
+    of the block, high nibble = element j + 16), dw, mw [nb, n_out] float32; qx [M, n_in], dx, sx [M, nb] from
+    `quantize_q8`. Lanes 0..3 of a block are the low nibbles of bytes 4l..4l+3, lanes 4..7 their high nibbles."""
+    if qx.shape[0] == 1:
+        _nib_row(qw, dw, mw, qx, dx, sx, y, 0, o0, o1)
+    else:
+        _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, True)
+
+
+@njit(cache=True, nogil=True)
+def dot_byte(qw, dw, mw, qx, dx, sx, y, o0, o1):
+    """`dot_nib` for weights with one quant per byte (Q5_1): qw [nb, 32, n_out] int8, lane l = rows 4l..4l+3."""
+    if qx.shape[0] == 1:
+        _byte_row(qw, dw, mw, qx, dx, sx, y, 0, o0, o1)
+    else:
+        _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, False)
+
+
+# --- norm, SwiGLU --------------------------------------------------------------------------------------------
+
+@njit(cache=True, nogil=True)
+def rms_norm(x, w, eps, out):
+    """ggml.rms_norm: out [T, D] = x * scale * w, scale = 1/sqrtf(float(sum of float32 squares in double,
+    sequential) / D) + eps) (eps float32)."""
+    t_rows, dim = x.shape
+    for t in range(t_rows):
+        ss = 0.0
+        for i in range(dim):
+            v = x[t, i]
+            ss += F64(v * v)
+        mean = F32(ss / dim)
+        scale = F32(1.0) / np.sqrt(mean + eps)
+        for i in range(dim):
+            out[t, i] = (x[t, i] * scale) * w[i]
+
+
+@njit(cache=True, nogil=True)
+def silu_mul(g, u, out):
+    """ggml.silu_mul: out = (g / (1 + expf(0 - g))) * u element-wise, [T, n]."""
+    t_rows, n = g.shape
+    for t in range(t_rows):
+        for i in range(n):
+            gi = g[t, i]
+            out[t, i] = (gi / (F32(1.0) + expf(F32(0.0) - gi))) * u[t, i]
+
+
+@njit(cache=True, nogil=True)
+def expf_array(x, out):
+    """ggml.expf element-wise (tests)."""
+    for i in range(x.size):
+        out[i] = expf(x[i])
+
+
+@njit(cache=True, nogil=True)
+def f16_round_array(x, out):
+    """`f16_round` element-wise (tests)."""
+    for i in range(x.size):
+        out[i] = f16_round(x[i])
+
+
+# --- attention (ggml.attend with an f16 KV store) -------------------------------------------------------------
+
+@njit(cache=True, nogil=True, inline="always")
+def _reduce16_col(a, j):
+    """ggml._reduce16 of a[0:16, j] (halves added pairwise, 8 -> 4 -> 2 -> 1)."""
+    b0 = a[8, j] + a[0, j]
+    b1 = a[9, j] + a[1, j]
+    b2 = a[10, j] + a[2, j]
+    b3 = a[11, j] + a[3, j]
+    b4 = a[12, j] + a[4, j]
+    b5 = a[13, j] + a[5, j]
+    b6 = a[14, j] + a[6, j]
+    b7 = a[15, j] + a[7, j]
+    c0 = b4 + b0
+    c1 = b5 + b1
+    c2 = b6 + b2
+    c3 = b7 + b3
+    return (c0 + c2) + (c1 + c3)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _fold64_col(a, j, x):
+    """x[l, j] = (a[l] + a[32 + l]) + (a[16 + l] + a[48 + l]) at column j: ggml_vec_dot_f16's 4 x 16 lanes."""
+    for lane in range(16):
+        x[lane, j] = (a[lane, j] + a[32 + lane, j]) + (a[16 + lane, j] + a[48 + lane, j])
+
+
+@njit(cache=True, nogil=True)
+def _scores(qi, kt, n_keys, one, s, lanes, fold):
+    """s[:n_keys] = K . qi in ggml.dot_f16_tiny (one False) or ggml.dot_f16_vec (one True) order; kt [hd, n_tot]
+    float32 (f16 values), qi [hd]. Vectorized across keys: lanes [16 or 64, _KEYS] hold the lane sums."""
+    hd = qi.shape[0]
+    if not one:
+        for j0 in range(0, n_keys, _KEYS):
+            jw = min(_KEYS, n_keys - j0)
+            for t in range(hd // 16):
+                for lane in range(16):
+                    d = 16 * t + lane
+                    qq = qi[d]
+                    kk = kt[d, j0:j0 + jw]
+                    ll = lanes[lane]
+                    if t == 0:
+                        for j in range(jw):
+                            ll[j] = qq * kk[j]
+                    else:
+                        for j in range(jw):
+                            ll[j] += qq * kk[j]
+            for j in range(jw):
+                s[j0 + j] = _reduce16_col(lanes, j)
+        return
+    n64 = hd - hd % 64
+    for j0 in range(0, n_keys, _KEYS):
+        jw = min(_KEYS, n_keys - j0)
+        for c in range(n64 // 64):
+            for i in range(64):
+                d = 64 * c + i
+                qq = qi[d]
+                kk = kt[d, j0:j0 + jw]
+                ll = lanes[i]
+                if c == 0:
+                    for j in range(jw):
+                        ll[j] = qq * kk[j]
+                else:
+                    for j in range(jw):
+                        ll[j] += qq * kk[j]
+        for j in range(jw):
+            if n64:
+                _fold64_col(lanes, j, fold)
+                sumf = F64(_reduce16_col(fold, j))
+            else:
+                sumf = 0.0
+            for d in range(n64, hd):
+                sumf += F64(qi[d] * kt[d, j0 + j])
+            s[j0 + j] = F32(sumf)
+
+
+@njit(cache=True, nogil=True)
+def _softmax_f16(s, npad):
+    """ggml.softmax_rows of s[:npad] in place, then the probabilities rounded to fp16 (ggml.round_f16)."""
+    mx = s[0]
+    for j in range(1, npad):
+        if s[j] > mx:
+            mx = s[j]
+    for j in range(npad):
+        s[j] = expf(s[j] - mx)
+    total = 0.0
+    for c in range(npad // 16):
+        b = 16 * c
+        a0 = s[b + 8] + s[b]
+        a1 = s[b + 9] + s[b + 1]
+        a2 = s[b + 10] + s[b + 2]
+        a3 = s[b + 11] + s[b + 3]
+        a4 = s[b + 12] + s[b + 4]
+        a5 = s[b + 13] + s[b + 5]
+        a6 = s[b + 14] + s[b + 6]
+        a7 = s[b + 15] + s[b + 7]
+        total += F64(((a4 + a0) + (a6 + a2)) + ((a5 + a1) + (a7 + a3)))
+    inv = F32(1.0 / total)
+    for j in range(npad):
+        s[j] = f16_round(s[j] * inv)
+
+
+@njit(cache=True, nogil=True)
+def _weighted(p, v, n_keys, npad, one, acc, fold, out):
+    """out [hd] = V . p over the npad keys (V rows past n_keys are 0) in ggml.dot_f16_tiny / dot_f16_vec order
+    along the keys; v [n_tot, hd] float32 (f16 values). Vectorized across head_dim: acc [16 or 64, hd]."""
+    hd = v.shape[1]
+    width = 64 if one else 16
+    for c in range(npad // width):
+        for i in range(width):
+            j = width * c + i
+            pj = p[j]
+            al = acc[i]
+            if j < n_keys:
+                vr = v[j]
+                if c == 0:
+                    for d in range(hd):
+                        al[d] = pj * vr[d]
+                else:
+                    for d in range(hd):
+                        al[d] += pj * vr[d]
+            else:
+                z = pj * F32(0.0)
+                if c == 0:
+                    for d in range(hd):
+                        al[d] = z
+                else:
+                    for d in range(hd):
+                        al[d] += z
+    if one:
+        for d in range(hd):
+            _fold64_col(acc, d, fold)
+            out[d] = _reduce16_col(fold, d)
+    else:
+        for d in range(hd):
+            out[d] = _reduce16_col(acc, d)
+
+
+@njit(cache=True, nogil=True)
+def attend_block(q, kt, v, n_old, a, b, one, scale, n_gqa, out):
+    """ggml.attend's `block(a, b)` for an f16 KV store: query rows a..b-1 of q [m, n_head, hd] (fp16 values)
+    against keys 0..n_old+b-1; kt [n_head_kv, hd, n_tot], v [n_head_kv, n_tot, hd] float32 (the cells' f16
+    values); out [m, n_head, hd]. Scores times `scale`, keys after a row's position masked (blocks of 2+
+    rows), padded with -inf to a multiple of 16 (64 when one), softmax, probabilities to fp16, V . p."""
+    n_head = q.shape[1]
+    hd = q.shape[2]
+    n_keys = n_old + b
+    width = 64 if one else 16
+    npad = (n_keys + width - 1) // width * width
+    s = np.empty(npad, F32)
+    lanes = np.empty((width, _KEYS), F32)
+    fold = np.empty((16, max(_KEYS, hd)), F32)
+    acc = np.empty((width, hd), F32)
+    for h in range(n_head):
+        kh = h // n_gqa
+        for i in range(a, b):
+            _scores(q[i, h], kt[kh], n_keys, one, s, lanes, fold)
+            for j in range(n_keys):
+                s[j] = s[j] * scale
+            if b - a > 1:
+                for j in range(n_old + i + 1, n_keys):
+                    s[j] = -_INF
+            for j in range(n_keys, npad):
+                s[j] = -_INF
+            _softmax_f16(s, npad)
+            _weighted(s, v[kh], n_keys, npad, one, acc, fold, out[i, h])

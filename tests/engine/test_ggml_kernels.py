@@ -1,0 +1,268 @@
+"""numerics="ggml" on its numba kernels (`engine.model.gkernels`) against the numpy reference (`engine.model.ggml`):
+bit for bit (np.array_equal on the float32 results), op by op on random inputs of awkward shapes and for whole
+forward passes (tiny random models, SmolLM2)."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
+
+from engine.model import BatchChunk, load
+from engine.model import ggml as G
+from engine.model import numerics as N
+
+K = G.kernels()
+pytestmark = pytest.mark.skipif(K is None, reason="numba cannot be loaded")
+
+RNG = np.random.default_rng(20261201)
+
+
+# --- scalar primitives -----------------------------------------------------------------------------------------
+
+def _f16_probe_values() -> np.ndarray:
+    """float32 values around every fp16 rounding case: each binade from 2^-27 (below half the smallest fp16
+    subnormal) to 2^17 (past the overflow to inf), with mantissas at, just below and just above the tie points
+    of both the normal (13 dropped bits) and the subnormal (more dropped bits) ranges, random ones, and the
+    float32 specials, both signs."""
+    exps = np.arange(127 - 27, 127 + 18, dtype=np.uint32)
+    ties = [0, 1, 0xFFF, 0x1000, 0x1001, 0x1FFF, 0x2000, 0x3000, 0x7FE000, 0x7FEFFF, 0x7FF000, 0x7FF001, 0x7FFFFF]
+    ties += [(1 << k) + d for k in range(13, 23) for d in (-1, 0, 1)]              # subnormal-range tie points
+    mants = np.concatenate([np.array(ties, np.uint32), RNG.integers(0, 1 << 23, 200, dtype=np.uint32)])
+    bits = ((exps[:, None] << 23) | mants[None, :]).reshape(-1)
+    special = np.array([0, 1, 0x7FFFFF, 0x7F800000, 0x477FE000, 0x477FEFFF, 0x477FF000, 0x33000000, 0x33000001,
+                        0x387FC000, 0x387FE000, 0x38800000], np.uint32)
+    bits = np.concatenate([bits, special])
+    bits = np.concatenate([bits, bits | np.uint32(0x80000000)])
+    return bits.view(np.float32)
+
+
+def test_f16_rounding_matches_numpy():
+    x = _f16_probe_values()
+    got = np.empty_like(x)
+    K.f16_round_array(x, got)
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16).astype(np.float32)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))       # signs of zero included
+    nan = np.array([np.nan], np.float32)
+    K.f16_round_array(nan, nan)
+    assert np.isnan(nan[0])
+
+
+def test_expf_matches_numpy():
+    x = np.concatenate([np.linspace(-110, 100, 40001, dtype=np.float32),             # subnormal results .. inf
+                        RNG.normal(0, 10, 20000).astype(np.float32),
+                        np.array([0.0, -0.0, -np.inf, np.inf, -1e-30, 88.72, 88.73, -103.97, -87.34], np.float32)])
+    got = np.empty_like(x)
+    K.expf_array(x, got)
+    assert np.array_equal(got.view(np.uint32), G.expf(x).view(np.uint32))
+    nan = np.array([np.nan], np.float32)
+    K.expf_array(nan, nan)
+    assert np.isnan(nan[0])
+
+
+# --- activation quantizers ---------------------------------------------------------------------------------------
+
+def _activations(m: int, n: int) -> np.ndarray:
+    """Rows of different scales, including an all-zero block and exact halves (ties of the rounding)."""
+    x = (RNG.normal(0, 1, (m, n)) * 10.0 ** RNG.uniform(-4, 2, (m, 1))).astype(np.float32)
+    x[0, :32] = 0.0
+    if m > 1 and n >= 64:
+        x[1, 32:40] = [127, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5]
+        x[1, 40:64] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("m,n", [(1, 32), (3, 96), (17, 576), (2, 64)])
+def test_q8_quantizer_matches_numpy(m, n):
+    x = _activations(m, n)
+    qx, d16, s = G.quantize_q8_compiled(x)
+    q, _, d16_ref = G._q8_blocks(x)
+    xq_ref, s_ref = G.quantize_q8_1(x)
+    assert np.array_equal(qx, q.reshape(m, n))
+    assert np.array_equal(d16, d16_ref) and np.array_equal(s, s_ref)
+    vals = np.empty_like(qx)
+    K.q8_values(qx, d16, vals)
+    assert np.array_equal(vals, xq_ref) and np.array_equal(vals, G.quantize_q8_0(x))
+
+
+def test_q8_quantizer_rejects_a_row_length_that_is_not_a_multiple_of_32():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        G.quantize_q8_compiled(np.ones((2, 40), np.float32))
+
+
+# --- the exact Q4_1 / Q5_1 product and GgmlMatmul -------------------------------------------------------------------
+
+def _qlinear(type_names: list[str], n_out: list[int], n_in: int) -> G.QLinear:
+    """Random weights quantized with gguf-py, fused along the outputs (exact pieces for Q4_1/Q5_1)."""
+    pieces = []
+    for name, n in zip(type_names, n_out):
+        qtype = GGMLQuantizationType[name]
+        w = RNG.normal(0, 0.05, (n, n_in)).astype(np.float32)
+        data = gguf_quants.quantize(w, qtype)
+        if qtype in G.EXACT_DOT_TYPES:
+            pieces.append((None, qtype, G.exact_part(data, qtype, w.shape)))
+        else:
+            pieces.append((gguf_quants.dequantize(data, qtype).astype(np.float32), qtype, None))
+    return G.qlinear(pieces)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q5_1"])
+@pytest.mark.parametrize("m", [1, 2, 5, 16, 17, 33])
+@pytest.mark.parametrize("n_in,n_out", [(32, 1), (96, 70), (160, 200)])
+def test_exact_dot_matches_numpy(type_name, m, n_in, n_out):
+    lin = _qlinear([type_name], [n_out], n_in)
+    [part] = lin.parts
+    x = _activations(m, n_in)
+    want = G.dot_q8_1(part, x)
+    got = G.GgmlMatmul(1, compiled=True)(lin, x)
+    assert got.dtype == np.float32 and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("m", [1, 3, 40])
+def test_ggml_matmul_matches_numpy_with_threads(n_threads, m):
+    """Mixed parts (exact Q4_1, Q8_0 and F16 through BLAS, exact Q5_1), products large enough to be split over
+    the threads: the compiled matmul gives the numpy one's bits."""
+    n_in = 576
+    lin = _qlinear(["Q4_1", "Q8_0", "F16", "Q5_1"], [1000, 64, 48, 264], n_in)
+    x = _activations(m, n_in)
+    ref, fast = G.GgmlMatmul(n_threads, compiled=False), G.GgmlMatmul(n_threads, compiled=True)
+    try:
+        want = ref(lin, x)
+        got = fast(lin, x)
+    finally:
+        ref.close()
+        fast.close()
+    assert got.shape == (m, lin.n_out) and np.array_equal(got, want)
+
+
+# --- norm, SwiGLU ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("t,d", [(1, 16), (5, 100), (33, 576)])
+def test_rms_norm_matches_numpy(t, d):
+    x = (RNG.normal(0, 1, (t, d)) * 10.0 ** RNG.uniform(-3, 3, (t, 1))).astype(np.float32)
+    w = RNG.normal(1, 0.3, d).astype(np.float32)
+    assert np.array_equal(G.rms_norm_compiled(x, w, 1e-5), G.rms_norm(x, w, 1e-5))
+
+
+@pytest.mark.parametrize("t,n", [(1, 24), (7, 1536)])
+def test_silu_mul_matches_numpy_on_strided_views(t, n):
+    gu = (RNG.normal(0, 4, (t, 2 * n))).astype(np.float32)
+    gu[0, :4] = [-100.0, 100.0, 0.0, -0.0]                      # exp overflow, underflow, signed zeros
+    a, b = np.empty((t, n), np.float32), np.empty((t, n), np.float32)
+    G.silu_mul_compiled(gu[:, :n], gu[:, n:], a)
+    G.silu_mul(gu[:, :n], gu[:, n:], b)
+    assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+# --- attention ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [16, 64, 144, 400])
+def test_softmax_matches_numpy(n):
+    """Rows of scores (with -inf padding) -> probabilities rounded to fp16, as `attend` uses them."""
+    s = (RNG.normal(0, 1, (300, n)) * RNG.choice([0.3, 3.0, 30.0], (300, 1))).astype(np.float32)
+    s[:, n - 5:] = -np.inf
+    want = G.round_f16(G.softmax_rows(s))
+    for row, w in zip(s, want):
+        got = row.copy()
+        K._softmax_f16(got, n)
+        assert np.array_equal(got, w)
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("m,n_old", [(1, 0), (1, 37), (1, 200), (2, 0), (7, 5), (8, 0), (9, 120), (20, 3)])
+@pytest.mark.parametrize("n_head,n_head_kv,head_dim", [(9, 3, 64), (2, 2, 16), (4, 1, 80)])
+def test_attention_matches_numpy(n_threads, m, n_old, n_head, n_head_kv, head_dim):
+    """Chunks of one token (ggml_vec_dot_f16 order) and of several (tinyBLAS order, causal mask, blocks of 8),
+    head_dims with and without a tail past the 64-lane steps, grouped-query heads, score scales from flat to
+    peaked (probabilities that round to 0 in fp16), 2+ blocks over the threads."""
+    cap = n_old + m + 5
+    k = (RNG.normal(0, 1, (n_head_kv, cap, head_dim))).astype(np.float16)
+    v = (RNG.normal(0, 1, (n_head_kv, cap, head_dim))).astype(np.float16)
+    q = (RNG.normal(0, 1, (m, n_head, head_dim)) * RNG.choice([0.1, 1.0, 6.0], (1, n_head, 1))).astype(np.float32)
+    mm = G.GgmlMatmul(n_threads)
+    try:
+        want = G.attend(q, k, v, n_old, mm)
+        got = G.attend_compiled(q, k, v, n_old, mm)
+    finally:
+        mm.close()
+    assert got.shape == (m, n_head * head_dim) and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_attention_with_an_f32_kv_store_uses_the_numpy_path():
+    q = RNG.normal(0, 1, (3, 2, 16)).astype(np.float32)
+    k = RNG.normal(0, 1, (2, 8, 16)).astype(np.float32)
+    v = RNG.normal(0, 1, (2, 8, 16)).astype(np.float32)
+    assert np.array_equal(G.attend_compiled(q, k, v, 2), G.attend(q, k, v, 2))
+
+
+# --- whole forward passes ------------------------------------------------------------------------------------------
+
+PROMPT = [5, 77, 12, 200, 3, 9, 150, 33, 281, 64, 7, 120, 1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def _run(model, prompt: list[int], steps: int) -> tuple[np.ndarray, bytes]:
+    """Logits of every prompt row (the prompt in two chunks), then of `steps` greedy decode steps, and the
+    KV state after them."""
+    kv = model.new_kv(1, len(prompt) + steps + 1)
+    cut = len(prompt) * 2 // 3
+    [a] = model.forward_batch(kv, [BatchChunk(0, prompt[:cut], 0, range(cut))])
+    [b] = model.forward_batch(kv, [BatchChunk(0, prompt[cut:], cut, range(len(prompt) - cut))])
+    outs = [a, b]
+    tok = int(b[-1].argmax())
+    for i in range(steps):
+        [r] = model.forward_batch(kv, [BatchChunk(0, [tok], len(prompt) + i, True)])
+        outs.append(r)
+        tok = int(r[-1].argmax())
+    return np.concatenate(outs), kv.state_save(0)
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("kw", [
+    dict(tensor_type="Q4_1"),
+    dict(tensor_type="Q5_1", arch="qwen2", tied=False),
+    dict(tensor_type="Q4_1", n_embd=128, n_head=2, n_head_kv=1, n_ff=320),     # head_dim 64, as SmolLM2
+    dict(tensor_type="Q8_0"),
+    dict(tensor_type="Q4_0", arch="qwen2"),
+    dict(tensor_type="F16"),
+], ids=["q4_1", "q5_1-qwen2-untied", "q4_1-hd64", "q8_0", "q4_0-qwen2", "f16"])
+def test_forward_matches_numpy_on_tiny_models(tiny_gguf, kw, n_threads):
+    path = tiny_gguf(**kw)
+    ref = load(path, n_threads=n_threads, numerics=N.GGML_REFERENCE)
+    fast = load(path, n_threads=n_threads, numerics="ggml")
+    assert fast.num.compiled and not ref.num.compiled and fast.numerics == ref.numerics == "ggml"
+    want_logits, want_kv = _run(ref, PROMPT, 4)
+    got_logits, got_kv = _run(fast, PROMPT, 4)
+    assert np.array_equal(got_logits, want_logits)
+    assert got_kv == want_kv
+
+
+def test_resolve_falls_back_to_the_numpy_reference_with_one_warning(monkeypatch):
+    monkeypatch.setattr(G, "_kernels", None)
+    monkeypatch.setattr(G, "_kernels_error", "ImportError: no numba here")
+    monkeypatch.setattr(G, "_warned", False)
+    with pytest.warns(RuntimeWarning, match="numpy reference.*no numba here"):
+        assert N.resolve("ggml") is N.GGML_REFERENCE
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert N.resolve("ggml") is N.GGML_REFERENCE                       # the warning comes once
+    assert N.resolve(N.GGML_REFERENCE) is N.GGML_REFERENCE
+
+
+# --- SmolLM2 ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.realmodel
+def test_smollm2_forward_matches_numpy(smollm2_path):
+    """SmolLM2 (Q4_1 layers, Q8_0 tied head): an 8-token prompt and two decode steps, same bits."""
+    ids = [504, 1463, 282, 260, 33059, 314, 253, 1463]
+    ref = load(smollm2_path, n_threads=1, numerics=N.GGML_REFERENCE)
+    want_logits, want_kv = _run(ref, ids, 2)
+    del ref
+    fast = load(smollm2_path, n_threads=1, numerics="ggml")
+    got_logits, got_kv = _run(fast, ids, 2)
+    assert np.array_equal(got_logits, want_logits)
+    assert got_kv == want_kv
