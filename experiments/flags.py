@@ -352,8 +352,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag(None, ("--out",), "calibration file to write (default: results/calibrate/<timestamp>/calibration.json)",
          _K, str, metavar="FILE.json"),
     Flag(None, ("--quick",), "a dozen small shapes instead of the full grid (tests)", _K, default=False),
-    Flag(None, ("--repeats",), "executions per shape, the median is fitted (default: 3, --quick 2)", _K, int,
-         metavar="N"),
+    Flag(None, ("--repeats",), "interleaved passes over the grid, the median per shape is fitted (default: 5, "
+         "--quick 2)", _K, int, metavar="N"),
+    Flag(None, ("--max-seconds",), "no pass starts that would end past this many seconds of the run (at least 3 "
+         "passes; default: 170)", _K, float, 170.0, "S"),
+    Flag(None, ("--load-threshold",), "warn and mark the file load_moved when the 1-minute load average moves by "
+         "more than this during the run (default: 1.0)", _K, float, 1.0, "L"),
     Flag(None, ("--weighting",), "least-squares weighting (default: relative = errors in %% of each step)", _K,
          str, "relative", choices=("relative", "absolute")),
     Flag(None, ("--temp",), "sampling temperature of the sampled rows, as `slotlab replay --temp` (default: 0)",

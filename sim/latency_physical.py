@@ -4,8 +4,10 @@
 the work as the engine lays it out (engine/model/llama.py, matmul.py, f32.py), which it reads from the
 step's `StepCost.calls` (each `llama_decode` call's chunks as `(seq, pos0, n_tokens)`):
 
-- every forward call streams every weight matrix once (one row or 2..64 rows: memory-bound), and a call of a
-  single token takes the one-row gemv layout, which costs more than the blocked layout of 2+ rows;
+- every forward call streams every weight matrix once (one row or 2..64 rows: memory-bound); a call of a
+  single token takes the one-row gemv layout, which costs more than the column-blocked layout of 2..64 rows,
+  and a call of more than 64 tokens the plain sgemm layout, whose packing of every weight matrix costs a
+  fixed amount more (engine/model/types.py `SMALL_M_MAX`);
 - each token adds its rows of the dense products (QKV, O, SwiGLU FFN), norms and RoPE;
 - each chunk adds its per-layer attention dispatch, its logits row and its sampling;
 - one-token chunks (decodes) of two or more sequences are attended together over the range of their
@@ -50,6 +52,7 @@ PHYSICAL_TERMS = (
     "step_s",                    # per execute() call
     "weights_s_per_byte",        # x weight_bytes per forward call: every call streams every weight matrix
     "one_token_call_s",          # per forward call of a single token (the one-row gemv layout)
+    "gemm_call_s",               # per forward call of more than small_m_max tokens (the plain sgemm layout)
     "token_s",                   # per token: its rows of the dense products, norms, RoPE
     "seq_s",                     # per chunk: attention dispatch over the layers, logits row, sampling
     "kv_read_s_per_cell",        # KV cells attention reads on one thread
@@ -61,8 +64,8 @@ PHYSICAL_TERMS = (
     "shift_s_per_cell",          # cached cells whose K is re-rotated (context shift, cache reuse)
 )
 MODEL_CHOICES = ("simple", "physical")
-LAYOUT_FIELDS = ("weight_bytes", "n_threads", "decode_batch_min", "decode_split_min", "attn_query_block",
-                 "attn_score_budget", "n_head")
+LAYOUT_FIELDS = ("weight_bytes", "n_threads", "small_m_max", "decode_batch_min", "decode_split_min",
+                 "attn_query_block", "attn_score_budget", "n_head")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +73,8 @@ class EngineLayout:
     """The engine constants that decide how a forward call's work is laid out.
 
     weight_bytes: bytes one forward call streams (every layer matrix, norms and the output head);
-    n_threads: compute threads (1: nothing is split); decode_batch_min: one-token chunks are attended
+    n_threads: compute threads (1: nothing is split); small_m_max: calls of 2..small_m_max tokens use the
+    column-blocked matmul layout, longer ones the plain one (sgemm); decode_batch_min: one-token chunks are attended
     together from this many on (0: never, e.g. ggml numerics); decode_split_min: that batch is split over the
     threads from this many sequence rows on; attn_query_block and attn_score_budget: a prompt chunk of m
     tokens over n keys is cut into query blocks of min(m, attn_query_block, attn_score_budget // (n_head·n));
@@ -79,6 +83,7 @@ class EngineLayout:
 
     weight_bytes: int
     n_threads: int = 1
+    small_m_max: int = 64
     decode_batch_min: int = 2
     decode_split_min: int = 8
     attn_query_block: int = 128
@@ -157,7 +162,7 @@ def physical_features(cost: StepCost, layout: EngineLayout) -> list[float]:
     calls = cost.calls if cost.calls is not None else estimate_calls(cost)
     threads = layout.n_threads > 1
     batch_min = layout.decode_batch_min
-    n_calls = one_token = tokens = seqs = 0
+    n_calls = one_token = gemm = tokens = seqs = 0
     read = read_split = pairs = pairs_split = 0
     for call in calls:
         n_calls += 1
@@ -194,9 +199,10 @@ def physical_features(cost: StepCost, layout: EngineLayout) -> list[float]:
                 read += ones_alone
         tokens += call_tokens
         one_token += call_tokens == 1
+        gemm += call_tokens > layout.small_m_max
     copy = cost.kv_copy_bytes
     save = copy if cost.kv_save_bytes is None else cost.kv_save_bytes   # uncounted: priced as saves
-    return [1.0, float(layout.weight_bytes * n_calls), float(one_token), float(tokens), float(seqs),
+    return [1.0, float(layout.weight_bytes * n_calls), float(one_token), float(gemm), float(tokens), float(seqs),
             float(read), float(read_split), float(pairs), float(pairs_split), float(save), float(copy - save),
             float(cost.kv_shift_tokens)]
 
@@ -271,8 +277,8 @@ class PhysicalLatency:
                 read = cells
         else:
             read = (sum(p + 1 for _, p in decode) + n_seqs * i).astype(np.float64)
-        x = [1.0, float(lay.weight_bytes), float(n_seqs == 1), float(n_seqs), float(n_seqs), read, read_split,
-             0.0, 0.0, 0.0, 0.0, 0.0]
+        x = [1.0, float(lay.weight_bytes), float(n_seqs == 1), float(n_seqs > lay.small_m_max), float(n_seqs),
+             float(n_seqs), read, read_split, 0.0, 0.0, 0.0, 0.0, 0.0]
         t = np.zeros(k)
         for c, xi in zip(self.coefficients, x):
             t += c * xi

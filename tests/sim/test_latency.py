@@ -205,7 +205,7 @@ DECODE_MODELS = {
     "parametric-kv-read": ParametricLatency(a_s=0.004, b_prefill_s=2e-5, c_decode_s=1e-4, d_attn_s=1e-8,
                                             h_kv_read_s=3.3e-9),
     "default": load_calibration(DEFAULT_CALIBRATION_PATH),
-    "physical": PhysicalLatency((1e-3, 5e-11, 8e-3, 1.8e-3, 1.2e-3, 1e-5, 6e-6, 1.5e-6, 5e-7, 1.5e-9, 2e-10, 5e-5),
+    "physical": PhysicalLatency((1e-3, 5e-11, 8e-3, 2.4e-2, 1.8e-3, 1.2e-3, 1e-5, 6e-6, 1.5e-6, 5e-7, 1.5e-9, 2e-10, 5e-5),
                                 EngineLayout(500_000_000, n_threads=2, n_head=9)),
     **{f"roofline-{m}@{hw}": RooflineLatency(MODEL_PRESETS[m], HW_PRESETS[hw])
        for m in MODEL_PRESETS for hw in ("cpu-2core", "a100-80gb", "l4")},

@@ -21,10 +21,10 @@ from traces import PoissonArrivals, UniformLength, open_loop
 
 MEASURED_ON = MeasuredOn(machine="test box", cpu="test cpu", threads=2, engine="numpy", model="tiny",
                          date="2025-01-01", notes="unit test")
-LAYOUT = EngineLayout(weight_bytes=500_000_000, n_threads=2, decode_batch_min=2, decode_split_min=8,
+LAYOUT = EngineLayout(weight_bytes=500_000_000, n_threads=2, small_m_max=64, decode_batch_min=2, decode_split_min=8,
                       attn_query_block=128, attn_score_budget=1 << 22, n_head=9)
 TRUTH = PhysicalLatency.from_terms({
-    "step_s": 1e-3, "weights_s_per_byte": 5e-11, "one_token_call_s": 8e-3, "token_s": 1.8e-3, "seq_s": 1.2e-3,
+    "step_s": 1e-3, "weights_s_per_byte": 5e-11, "one_token_call_s": 8e-3, "gemm_call_s": 2.4e-2, "token_s": 1.8e-3, "seq_s": 1.2e-3,
     "kv_read_s_per_cell": 1e-5, "kv_read_split_s_per_cell": 6e-6, "attn_pair_s": 1.5e-6,
     "attn_pair_split_s": 5e-7, "save_s_per_byte": 1.5e-9, "load_s_per_byte": 2e-10, "shift_s_per_cell": 5e-5},
     LAYOUT)
@@ -57,10 +57,11 @@ def test_chunk_blocks_count_the_engines_query_blocks(pos0, m):
 
 
 def test_layout_constants_are_the_engines():
-    from engine.model import f32, llama
+    from engine.model import f32, llama, types
     lay = EngineLayout(1)
-    assert (lay.decode_batch_min, lay.decode_split_min, lay.attn_query_block, lay.attn_score_budget) == (
-        llama._DECODE_BATCH_MIN, f32._DECODE_SPLIT_MIN, f32._ATTN_QUERY_BLOCK, f32._ATTN_SCORE_BUDGET)
+    assert (lay.small_m_max, lay.decode_batch_min, lay.decode_split_min, lay.attn_query_block,
+            lay.attn_score_budget) == (types.SMALL_M_MAX, llama._DECODE_BATCH_MIN, f32._DECODE_SPLIT_MIN,
+                                       f32._ATTN_QUERY_BLOCK, f32._ATTN_SCORE_BUDGET)
 
 
 def test_decode_batch_reads_every_row_up_to_the_longest_context():
@@ -89,6 +90,7 @@ def test_prompt_chunk_of_several_blocks_runs_them_on_the_threads():
     _, pairs, reads = chunk_blocks(512, 300, LAYOUT)
     assert term(big, "attn_pair_split_s") == pairs and term(big, "kv_read_split_s_per_cell") == reads
     assert term(big, "token_s") == 300 and term(big, "seq_s") == 1
+    assert term(big, "gemm_call_s") == 1 and term(one_call((0, 0, 64)), "gemm_call_s") == 0
 
 
 def test_weights_are_streamed_once_per_call_and_saves_priced_apart_from_loads():
