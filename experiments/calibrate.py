@@ -298,7 +298,7 @@ class Measured:
 
     @property
     def spread(self) -> float:
-        """Interquartile range of the samples over their median (0 with fewer than 4 samples' worth)."""
+        """Interquartile range of the samples (numpy's linear interpolation) over their median."""
         q1, q3 = np.percentile(self.samples_s, (25, 75))
         return float((q3 - q1) / self.median_s)
 
