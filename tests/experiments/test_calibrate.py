@@ -5,12 +5,13 @@ import argparse
 import itertools
 import json
 
+import numpy as np
 import pandas as pd
 import pytest
 
 from engine.core.types import ForwardCall, Task
 from engine.model import load
-from experiments.calibrate import (GridPoint, KINDS, Measured, Measurement, PassInfo, add_calibrate_parser, build_plan,
+from experiments.calibrate import (TEMPLATE_CHUNK, GridPoint, KINDS, _Bench, Measured, Measurement, PassInfo, add_calibrate_parser, build_plan,
                                    calibration_grid, engine_layout, load_figures, measure_grid, replay_sampling,
                                    run_calibrate, side_files)
 from sim.backend import SimBackend
@@ -139,6 +140,17 @@ def test_time_budget_keeps_at_least_three_passes(tiny):
     assert all(len(p.samples_s) == 3 and p.cost.calls is not None for p in m.points)
     full = measure_grid(model, grid, replay_sampling(model, 0.0, 0), repeats=4, load_reader=steady_load)
     assert len(full.passes) == 4 and not full.stopped_by_budget
+
+
+def test_template_holds_the_longest_context_in_consecutive_positions(tiny):
+    model = load(tiny, n_threads=1)
+    grid = [GridPoint("decode", decode=(TEMPLATE_CHUNK * 2 + 9,))]
+    bench = _Bench(model, grid, replay_sampling(model, 0.0, 0), np.random.default_rng(0))
+    kv = bench.backend.kv
+    n = grid[0].max_cells
+    assert kv.n_tokens(bench.scratch) == n and (kv.positions(bench.scratch) == np.arange(n)).all()
+    bench.prepare(grid[0])
+    assert kv.n_tokens(0) == n - 1
 
 
 def test_engine_layout_reads_the_models_constants(tiny):
