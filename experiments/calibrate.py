@@ -223,6 +223,7 @@ class _Bench:
         self.n_vocab = model.hparams.n_vocab
         self.tasks = [Task(id=seq, tokens=[0]) for seq in range(n_seq)]
         self._blobs: dict[int, bytes] = {}
+        self._valid: dict[int, int] = {}   # seq -> how many of its leading cells are the template's (untouched)
         kv = self.backend.kv
         if progress is not None:
             progress(f"filling the template KV: {self.max_ctx} cells")
@@ -252,12 +253,18 @@ class _Bench:
         return got
 
     def _hold(self, seq: int, n_cells: int, n_new: int) -> None:
-        """Sequence `seq` holds n_cells cells with room for n_new more (the capacity a running slot has)."""
+        """Sequence `seq` holds n_cells cells with room for n_new more (the capacity a running slot has).
+        When its leading cells are still the template's (an earlier point only appended after them), the
+        cells past n_cells are dropped instead of reloading the state (a reload of 16 x 2k cells copies 1.5 GB,
+        seconds of a calibration's wall time on a loaded machine, outside the timing but inside its budget)."""
         kv = self.backend.kv
-        if n_cells:
-            kv.state_load(seq, self.blob(n_cells))
-        else:
+        if n_cells == 0:
             kv.seq_rm(seq, -1, -1)
+        elif self._valid.get(seq, 0) >= n_cells and kv.n_tokens(seq) >= n_cells:
+            kv.seq_rm(seq, n_cells, -1)
+        else:
+            kv.state_load(seq, self.blob(n_cells))
+        self._valid[seq] = n_cells
         if n_new:
             kv.prepare_append([(seq, n_cells, n_new)])      # reserve only: nothing is appended
 
@@ -281,12 +288,33 @@ class _Bench:
         cost = self.sim_costs.layout_cost(plan)          # what either model is charged (with the layout)
         result = self.backend.execute(plan)
         self.backend.cache.pop(ENTRY_SAVE, None)
+        if point.shift:
+            self._valid[0] = 0                               # its cells moved and were re-rotated
+        if point.prompt and (point.save_tokens or point.load_tokens):
+            self._valid[len(point.decode)] = point.load_tokens   # replaced by a loaded entry, or cleared
         return cost, result.elapsed_s
 
 
 # --- measuring ---------------------------------------------------------------------------------------------
 
 LoadReader = Callable[[], Sequence[float]]
+CpuReader = Callable[[], "tuple[float, float] | None"]
+
+
+def proc_cpu_seconds() -> tuple[float, float] | None:
+    """(CPU seconds the whole machine has been busy since boot, CPU seconds of this process), or None where
+    /proc/stat is not readable. Busy = user + nice + system + irq + softirq + steal (a KVM guest's steal is
+    time the host gave to others); the process's own time (all its threads) is `os.times()`."""
+    try:
+        first = Path("/proc/stat").read_text(encoding="ascii").split("\n", 1)[0].split()
+    except OSError:
+        return None
+    if not first or first[0] != "cpu":
+        return None
+    v = [int(x) for x in first[1:9]] + [0] * 8
+    user, nice, system, _idle, _iowait, irq, softirq, steal = v[:8]
+    t = os.times()
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK"), t.user + t.system
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,11 +340,13 @@ class Measured:
 
 @dataclass(frozen=True, slots=True)
 class PassInfo:
-    """One pass over the whole grid (in its own shuffled order): wall time and the load around it."""
+    """One pass over the whole grid (in its own shuffled order): wall time, the load average around it, and
+    the CPU other processes used during it (cores; None without /proc/stat)."""
 
     wall_s: float
     load_start: tuple[float, ...]
     load_end: tuple[float, ...]
+    others_cpu: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,12 +369,13 @@ class Measurement:
 
 def measure_grid(model: Any, grid: Sequence[GridPoint], sampling: Any, *, repeats: int, seed: int = 0,
                  progress: Any = None, max_seconds: float | None = None, min_repeats: int = MIN_PASSES,
-                 load_reader: LoadReader = os.getloadavg,
+                 load_reader: LoadReader = os.getloadavg, cpu_reader: CpuReader = proc_cpu_seconds,
                  clock: Callable[[], float] = time.perf_counter) -> Measurement:
     """Measure every point once per pass, `repeats` passes, each in a fresh shuffled order (interleaved: load
     that moves during the run spreads over all shapes instead of biasing some), after one warm-up execution
     of the first point of each kind. With `max_seconds`, no pass starts that would end past it (by the mean
-    pass so far), once `min_repeats` passes are done. `load_reader` gives the load average (1, 5, 15 min)."""
+    pass so far), once `min_repeats` passes are done. `load_reader` gives the load average (1, 5, 15 min),
+    `cpu_reader` the machine's and this process's CPU seconds (`proc_cpu_seconds`)."""
     t0 = clock()
     load_before = tuple(load_reader())
     rng = np.random.default_rng(seed)
@@ -370,7 +401,7 @@ def measure_grid(model: Any, grid: Sequence[GridPoint], sampling: Any, *, repeat
             if clock() - t0 + mean_pass > max_seconds:
                 stopped = True
                 break
-        p_start, l_start = clock(), tuple(load_reader())
+        p_start, l_start, cpu_start = clock(), tuple(load_reader()), cpu_reader()
         for i in rng.permutation(len(grid)).tolist():
             cost, elapsed = bench.measure(grid[i])
             costs[i] = cost
@@ -378,26 +409,44 @@ def measure_grid(model: Any, grid: Sequence[GridPoint], sampling: Any, *, repeat
             loads[i].append(float(load_reader()[0]))
             if progress is not None:
                 progress.update(1)
-        passes.append(PassInfo(clock() - p_start, l_start, tuple(load_reader())))
+        wall = clock() - p_start
+        cpu_end = cpu_reader()
+        others = None
+        if cpu_start is not None and cpu_end is not None and wall > 0:
+            others = max(0.0, (cpu_end[0] - cpu_start[0]) - (cpu_end[1] - cpu_start[1])) / wall
+        passes.append(PassInfo(wall, l_start, tuple(load_reader()), others))
     points = [Measured(p, c, tuple(s), tuple(ld)) for p, c, s, ld in zip(grid, costs, samples, loads)]
     return Measurement(points, passes, load_before, tuple(load_reader()), clock() - t0, stopped)
 
 
 def load_figures(m: Measurement, threshold: float) -> dict[str, Any]:
-    """The machine's load during a calibration: the load average before and after, the 1-minute value's
-    range over every reading (before, after each execution, after), per pass, and whether it moved by more
-    than `threshold` (the range of the 1-minute load average)."""
+    """The machine's load during a calibration and whether it moved by more than `threshold`.
+
+    Recorded: the load average before and after, its 1-minute value's range over every reading (before,
+    after each execution, after), and per pass its wall time, load average, speed and the cores other
+    processes used. The criterion is the range over passes of the other processes' cores: the load average
+    counts this process's own threads too, and they raise it by up to n_threads over the first minutes of
+    any run (a 1-minute moving average), so its range would flag every calibration started on a quiet
+    machine. Without /proc/stat the load average's range is the criterion."""
     readings = [m.load_before[0], *(x for p in m.points for x in p.load1), m.load_after[0]]
     lo, hi = min(readings), max(readings)
     speed = m.pass_speed()
+    others = [p.others_cpu for p in m.passes]
+    if others and all(o is not None for o in others):
+        basis, moved_by = "others_cpu", max(others) - min(others)
+    else:
+        basis, moved_by = "load1", hi - lo
     return {
-        "reader": "os.getloadavg() (1, 5, 15 min), read before and after the run and after every execution",
+        "reader": "os.getloadavg() (1, 5, 15 min), read before and after the run and after every execution; "
+                  "others_cpu: cores used by other processes per pass (/proc/stat busy time minus this "
+                  "process's CPU time, over the pass's wall time)",
         "before": list(m.load_before), "after": list(m.load_after),
-        "load1_min": lo, "load1_max": hi, "load1_moved_by": hi - lo, "threshold": threshold,
+        "load1_min": lo, "load1_max": hi, "load1_moved_by": hi - lo,
         "passes": [{"wall_s": p.wall_s, "load1_start": p.load_start[0], "load1_end": p.load_end[0],
-                    "speed": sp} for p, sp in zip(m.passes, speed)],
+                    "others_cpu": p.others_cpu, "speed": sp} for p, sp in zip(m.passes, speed)],
         "pass_speed_spread": (max(speed) - min(speed)) if speed else 0.0,
-        "moved": hi - lo > threshold,
+        "criterion": basis, "moved_by": moved_by, "threshold": threshold,
+        "moved": moved_by > threshold,
     }
 
 
@@ -660,8 +709,10 @@ def replay_sampling(model: Any, temp: float, seed: int) -> Any:
                           logit_bias=tuple((t, -math.inf) for t in sorted(model.tokenizer.eog_ids)))
 
 
-def run_calibrate(args: argparse.Namespace, *, load_reader: LoadReader = os.getloadavg) -> int:
-    """`slotlab calibrate`; returns the exit code (2 = bad usage). `load_reader` reads the load average."""
+def run_calibrate(args: argparse.Namespace, *, load_reader: LoadReader = os.getloadavg,
+                  cpu_reader: CpuReader = proc_cpu_seconds) -> int:
+    """`slotlab calibrate`; returns the exit code (2 = bad usage). `load_reader` reads the load average,
+    `cpu_reader` the machine's and this process's CPU seconds (see `load_figures`)."""
     t_start = time.perf_counter()
     repeats = args.repeats if args.repeats is not None else (2 if args.quick else DEFAULT_PASSES)
     try:
@@ -683,7 +734,8 @@ def run_calibrate(args: argparse.Namespace, *, load_reader: LoadReader = os.getl
     with tqdm(total=n_warm + repeats * len(grid), unit="step", desc="calibrate", file=sys.stderr, leave=False,
               disable=args.quiet) as bar:
         m = measure_grid(model, grid, replay_sampling(model, args.temp, args.seed), repeats=repeats,
-                         seed=args.seed, progress=bar, max_seconds=budget, load_reader=load_reader)
+                         seed=args.seed, progress=bar, max_seconds=budget, load_reader=load_reader,
+                         cpu_reader=cpu_reader)
     layout = engine_layout(model)
     fits = fit_models(m.points, layout, args.weighting)
     load_info = load_figures(m, args.load_threshold)
@@ -718,13 +770,19 @@ def run_calibrate(args: argparse.Namespace, *, load_reader: LoadReader = os.getl
     print(format_errors(fits))
     wall = time.perf_counter() - t_start
     speeds = ", ".join(f"{s:.2f}" for s in m.pass_speed())
+    others = ", ".join("?" if p.others_cpu is None else f"{p.others_cpu:.2f}" for p in m.passes)
     print(f"{model.threads_desc}; {n_passes} passes{' (stopped by --max-seconds)' if m.stopped_by_budget else ''}, "
-          f"pass speed {speeds}; load average {m.load_before[0]:.2f} -> {m.load_after[0]:.2f} "
+          f"pass speed {speeds}; other processes' cores per pass {others}; "
+          f"load average {m.load_before[0]:.2f} -> {m.load_after[0]:.2f} "
           f"(1-min range {load_info['load1_min']:.2f}-{load_info['load1_max']:.2f}); {wall:.0f} s; "
           f"wrote {out}, {steps_csv.name}" + ("" if args.no_plots else f", {png.name}"))
     if load_info["moved"]:
-        print(f"slotlab calibrate: warning: the machine's load moved during the calibration (1-minute load average "
-              f"{load_info['load1_min']:.2f}-{load_info['load1_max']:.2f}, more than --load-threshold "
-              f"{args.load_threshold:g}); step times measured at different loads are mixed in this calibration "
-              f"(marked load_moved in {out.name}): recalibrate on a quieter machine for figures", file=sys.stderr)
+        what = ("other processes' CPU use moved between passes by "
+                f"{load_info['moved_by']:.2f} cores" if load_info["criterion"] == "others_cpu" else
+                f"the 1-minute load average moved by {load_info['moved_by']:.2f}")
+        print(f"slotlab calibrate: warning: the machine's load moved during the calibration ({what}, more than "
+              f"--load-threshold {args.load_threshold:g}; load average {load_info['load1_min']:.2f}-"
+              f"{load_info['load1_max']:.2f}); step times measured at different loads are mixed in this "
+              f"calibration (marked load_moved in {out.name}): recalibrate on a quieter machine for figures",
+              file=sys.stderr)
     return 0

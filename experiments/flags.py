@@ -357,8 +357,9 @@ FLAGS: tuple[Flag, ...] = (
          "--quick 2)", _K, int, metavar="N"),
     Flag(None, ("--max-seconds",), "no pass starts that would end past this many seconds of the run (at least 3 "
          "passes; default: 170)", _K, float, 170.0, "S"),
-    Flag(None, ("--load-threshold",), "warn and mark the file load_moved when the 1-minute load average moves by "
-         "more than this during the run (default: 1.0)", _K, float, 1.0, "L"),
+    Flag(None, ("--load-threshold",), "warn and mark the file load_moved when the CPU other processes use (cores, "
+         "per pass; the 1-minute load average without /proc/stat) moves by more than this during the run "
+         "(default: 0.5)", _K, float, 0.5, "L"),
     Flag(None, ("--weighting",), "least-squares weighting (default: relative = errors in %% of each step)", _K,
          str, "relative", choices=("relative", "absolute")),
     Flag(None, ("--temp",), "sampling temperature of the sampled rows, as `slotlab replay --temp` (default: 0)",

@@ -31,11 +31,24 @@ def steady_load():
     return (0.5, 0.4, 0.3)
 
 
+def cpu_of_others(cores_by_read):
+    """A CPU reader whose other processes used `cores_by_read(i)` CPU seconds between read i-1 and read i
+    (this process: 1 s per read)."""
+    reads = itertools.count()
+    total = [0.0]
+
+    def read():
+        i = next(reads)
+        total[0] += cores_by_read(i)
+        return (total[0] + i, float(i))
+    return read
+
+
 @pytest.fixture(scope="module")
 def calibrated(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("cal") / "calib.json"
     rc = run_calibrate(parse("-m", tiny, "--threads", "1", "--quick", "--quiet", "--out", str(out)),
-                       load_reader=steady_load)
+                       load_reader=steady_load, cpu_reader=cpu_of_others(lambda i: 0.0))
     return rc, out
 
 
@@ -91,6 +104,7 @@ def test_steady_load_is_recorded_and_not_marked(calibrated):
     assert data["load_moved"] is False
     load = data["load"]
     assert load["before"] == [0.5, 0.4, 0.3] and load["load1_moved_by"] == 0.0 and len(load["passes"]) == 2
+    assert load["criterion"] == "others_cpu" and [p["others_cpu"] for p in load["passes"]] == [0.0, 0.0]
 
 
 def test_steps_table_has_one_row_per_shape_with_both_models(calibrated):
@@ -108,27 +122,57 @@ def test_steps_table_has_one_row_per_shape_with_both_models(calibrated):
     assert png.stat().st_size > 0
 
 
-def test_moving_load_is_warned_about_and_marked_in_the_file(tiny, tmp_path, capsys):
-    rising = (x / 10 for x in itertools.count())         # +0.1 per reading: moves past 1.0 within the run
+def test_other_processes_starting_mid_run_are_warned_about_and_marked(tiny, tmp_path, capsys):
     out = tmp_path / "moved.json"
     args = parse("-m", tiny, "--threads", "1", "--quick", "--quiet", "--no-plots", "--out", str(out))
-    assert run_calibrate(args, load_reader=lambda: (next(rising), 0.0, 0.0)) == 0
+    # reads 0, 1 bracket pass 1 (others idle), reads 2, 3 pass 2: others use 1000 CPU seconds
+    assert run_calibrate(args, load_reader=steady_load, cpu_reader=cpu_of_others(lambda i: 1000.0 * (i == 3))) == 0
     assert "load moved" in capsys.readouterr().err
     data = json.loads(out.read_text())
-    assert data["load_moved"] is True and data["load"]["load1_moved_by"] > 1.0
+    assert data["load_moved"] is True and data["load"]["criterion"] == "others_cpu"
+    first, second = (p["others_cpu"] for p in data["load"]["passes"])
+    assert first == 0.0 and second > 0.5 and data["load"]["moved_by"] == second
     assert get_latency_model(f"parametric:{out}").load_moved is True
 
 
-def _measurement(load1s, before=0.0, after=0.0):
+def test_own_threads_raising_the_load_average_are_not_a_moving_load(tiny, tmp_path, capsys):
+    rising = (x / 10 for x in itertools.count())         # +0.1 per reading, others idle
+    out = tmp_path / "own.json"
+    args = parse("-m", tiny, "--threads", "1", "--quick", "--quiet", "--no-plots", "--out", str(out))
+    assert run_calibrate(args, load_reader=lambda: (next(rising), 0.0, 0.0),
+                         cpu_reader=cpu_of_others(lambda i: 0.0)) == 0
+    assert "load moved" not in capsys.readouterr().err
+    data = json.loads(out.read_text())
+    assert data["load_moved"] is False and data["load"]["load1_moved_by"] > 1.0
+
+
+def test_without_proc_stat_the_load_average_is_the_criterion(tiny, tmp_path, capsys):
+    rising = (x / 10 for x in itertools.count())
+    out = tmp_path / "noproc.json"
+    args = parse("-m", tiny, "--threads", "1", "--quick", "--quiet", "--no-plots", "--out", str(out))
+    assert run_calibrate(args, load_reader=lambda: (next(rising), 0.0, 0.0), cpu_reader=lambda: None) == 0
+    assert "load moved" in capsys.readouterr().err
+    data = json.loads(out.read_text())
+    assert data["load_moved"] is True and data["load"]["criterion"] == "load1"
+
+
+def _measurement(load1s, others=None, before=0.0, after=0.0):
     point = Measured(GridPoint("decode", decode=(1,)), None, (0.1,) * len(load1s), tuple(load1s))
-    return Measurement([point], [PassInfo(1.0, (before,), (after,))], (before, 0, 0), (after, 0, 0), 1.0, False)
+    passes = [PassInfo(1.0, (before,), (after,), o) for o in (others or [None] * len(load1s))]
+    return Measurement([point], passes, (before, 0, 0), (after, 0, 0), 1.0, False)
 
 
 @pytest.mark.parametrize("load1s, moved", [((1.0, 1.5, 2.0), False), ((1.0, 2.1), True), ((3.0,), True)])
-def test_load_moved_is_the_range_of_every_reading_against_the_threshold(load1s, moved):
+def test_without_cpu_figures_load_moved_is_the_range_of_every_load_reading(load1s, moved):
     info = load_figures(_measurement(load1s, before=1.0, after=1.0), threshold=1.0)
-    assert info["moved"] is moved
+    assert info["moved"] is moved and info["criterion"] == "load1"
     assert info["load1_moved_by"] == pytest.approx(max(load1s + (1.0,)) - min(load1s + (1.0,)))
+
+
+@pytest.mark.parametrize("others, moved", [((0.2, 0.6, 0.4), False), ((0.2, 0.71), True), ((1.5, 1.5, 1.5), False)])
+def test_load_moved_is_the_range_of_other_processes_cores_over_passes(others, moved):
+    info = load_figures(_measurement((5.0,) * len(others), others=list(others)), threshold=0.5)
+    assert info["moved"] is moved and info["moved_by"] == pytest.approx(max(others) - min(others))
 
 
 def test_time_budget_keeps_at_least_three_passes(tiny):
@@ -151,6 +195,18 @@ def test_template_holds_the_longest_context_in_consecutive_positions(tiny):
     assert kv.n_tokens(bench.scratch) == n and (kv.positions(bench.scratch) == np.arange(n)).all()
     bench.prepare(grid[0])
     assert kv.n_tokens(0) == n - 1
+
+
+def test_a_sequence_reused_after_appends_holds_the_templates_cells(tiny):
+    model = load(tiny, n_threads=1)
+    grid = [GridPoint("decode", decode=(100,)), GridPoint("decode", decode=(40,)),
+            GridPoint("shift", decode=(128,), shift=True)]
+    bench = _Bench(model, grid, replay_sampling(model, 0.0, 0), np.random.default_rng(0))
+    kv = bench.backend.kv
+    for first, then in ((grid[0], grid[1]), (grid[2], grid[1])):   # after appends; after a shift
+        bench.measure(first)
+        bench.prepare(then)
+        assert kv.state_save(0) == bench.blob(40)
 
 
 def test_engine_layout_reads_the_models_constants(tiny):
