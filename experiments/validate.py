@@ -473,6 +473,9 @@ def run_validate(args: argparse.Namespace) -> int:
     mismatch = calibration_mismatch(latency, model, args.threads)
     if mismatch:
         print(f"slotlab validate: warning: {mismatch}", file=sys.stderr)
+    if getattr(latency, "load_moved", None):
+        print(f"slotlab validate: warning: the machine's load moved while {values['latency']} was calibrated "
+              f"(load_moved in the file): its step times mix loads", file=sys.stderr)
     argv = _validate_argv(values, model, args.threads, args.temp)
     context = run_context(argv, desc)
     load_start = os.getloadavg()

@@ -20,8 +20,12 @@ class SimBackend:
     def __init__(self, latency: LatencyModel, kv_bytes_per_token: int) -> None:
         self.latency = latency
         self.kv_bytes_per_token = kv_bytes_per_token
+        # a model that prices the engine's layout (sim.latency_physical) gets StepCost.calls / kv_save_bytes
+        self.wants_layout = bool(getattr(latency, "wants_layout", False))
 
     def cost(self, plan: BatchPlan) -> StepCost:
+        if self.wants_layout:
+            return self.layout_cost(plan)
         n_prefill = n_decode = n_seqs = attn = kv_read = n_calls = 0
         copy_tokens = shift_tokens = 0
         for p in plan.program:
@@ -49,6 +53,39 @@ class SimBackend:
         return StepCost(n_prefill, n_decode, n_seqs, attn, n_calls,
                         copy_tokens * self.kv_bytes_per_token, shift_tokens, kv_read)
 
+    def layout_cost(self, plan: BatchPlan) -> StepCost:
+        """`cost(plan)` plus the layout: each call's chunks as (seq, pos0, n_tokens), and the saved bytes."""
+        n_prefill = n_decode = n_seqs = attn = kv_read = 0
+        save_tokens = load_tokens = shift_tokens = 0
+        calls = []
+        for p in plan.program:
+            if type(p) is ForwardCall:
+                call = []
+                n_seqs += len(p.chunks)
+                for seq, _task, toks, pos0, _sf, is_prompt in p.chunks:
+                    n = len(toks)
+                    call.append((seq, pos0, n))
+                    if is_prompt:
+                        n_prefill += n
+                        attn += n * pos0 + n * (n + 1) // 2
+                        kv_read += pos0 + n
+                    else:
+                        n_decode += 1
+                        attn += pos0 + 1
+                        kv_read += pos0 + 1
+                calls.append(tuple(call))
+            else:
+                k = p.kind
+                if k == "cache_save":
+                    save_tokens += p.n_tokens
+                elif k == "cache_load":
+                    load_tokens += p.n_tokens
+                elif k == "seq_add":
+                    shift_tokens += max(0, p.p1 - p.p0)
+        bpt = self.kv_bytes_per_token
+        return StepCost(n_prefill, n_decode, n_seqs, attn, len(calls), (save_tokens + load_tokens) * bpt,
+                        shift_tokens, kv_read, tuple(calls), save_tokens * bpt)
+
     def execute(self, plan: BatchPlan) -> StepResult:
         tasks = plan.tasks
         if not tasks and not any(type(p) is ForwardCall for p in plan.program):
@@ -61,14 +98,26 @@ class SimBackend:
             sampled[sid] = reply[n] if n < len(reply) else reply[n % len(reply)]
         return StepResult(elapsed, sampled)
 
-    def prefill_stretch_costs(self, decode_pos: list[int], prompt_pos0: int, take: int, k: int) -> list[StepCost]:
+    def prefill_stretch_costs(self, decode_pos: list[int], prompt_pos0: int, take: int, k: int,
+                              decode_seqs: list[int] | None = None, prompt_seq: int = 0) -> list[StepCost]:
         """The StepCost `cost()` gives each of k steps that decode one token for every slot whose context
         length is in `decode_pos` (growing by one per step) and add `take` prompt tokens of one slot from
-        position `prompt_pos0` on (one call, no KV operations)."""
+        position `prompt_pos0` on (one call, no KV operations). With `wants_layout`, the layout needs the
+        slots' sequence ids: `decode_seqs` (same order as decode_pos) and `prompt_seq`."""
         n_dec = len(decode_pos)
         dec0 = sum(decode_pos) + n_dec          # a decode token at pos0 attends (and reads) pos0 + 1 cells
         tri = take * (take + 1) // 2
         out = []
+        if self.wants_layout:
+            if decode_seqs is None or len(decode_seqs) != n_dec:
+                raise ValueError("prefill_stretch_costs: the layout needs one sequence id per decoding slot")
+            for j in range(k):
+                pos0 = prompt_pos0 + j * take
+                dec = dec0 + j * n_dec
+                call = tuple((s, p + j, 1) for s, p in zip(decode_seqs, decode_pos)) + ((prompt_seq, pos0, take),)
+                out.append(StepCost(take, n_dec, n_dec + 1, dec + take * pos0 + tri, 1, 0, 0, dec + pos0 + take,
+                                    (call,), 0))
+            return out
         for j in range(k):
             pos0 = prompt_pos0 + j * take
             dec = dec0 + j * n_dec

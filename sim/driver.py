@@ -303,7 +303,10 @@ class Simulation:
             attn0 = n
             for s in gen:
                 attn0 += len(s.tokens)
-            times = self.latency.decode_only_times_s(n, attn0, k)
+            if self.backend.wants_layout:      # the model prices the engine's layout: sequence ids, contexts
+                times = self.latency.decode_only_times_s(n, attn0, k, [(s.id, len(s.tokens)) for s in gen])
+            else:
+                times = self.latency.decode_only_times_s(n, attn0, k)
         else:
             k, gen, p, take = core.prefill_horizon()
             if k < 1:
@@ -311,7 +314,8 @@ class Simulation:
             prompt = (p, take)
             step_time = self.latency.step_time_s
             times = [step_time(c) for c in
-                     self.backend.prefill_stretch_costs([len(s.tokens) for s in gen], len(p.tokens), take, k)]
+                     self.backend.prefill_stretch_costs([len(s.tokens) for s in gen], len(p.tokens), take, k,
+                                                        [s.id for s in gen], p.id)]
         t_client = self.env.peek()                   # next client (closed-loop) event; math.inf if none
         if t_client <= now:
             return now

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -29,6 +29,13 @@ class StepCost:
     (a chunk's queries share one pass over its KV). `step_cost_from_chunks` fills it exactly; when it is
     None, `kv_read_tokens_or_estimate()` derives it from the other fields (exact for decode-only steps
     and for a single prefill chunk; see docs/latency_models.md).
+
+    `calls` and `kv_save_bytes` are optional too; only the physical model (`sim.latency_physical`) reads
+    them, and the simulated backend fills them only for a model that asks (`wants_layout`). `calls` holds
+    each `llama_decode` call's chunks as `(seq, pos0, n_tokens)` in batch order: how the engine lays the
+    work out (which one-token chunks it attends together, how a prompt chunk's queries are blocked) follows
+    from it. `kv_save_bytes` is the part of `kv_copy_bytes` copied out to the host-RAM cache (`cache_save`;
+    the rest is `cache_load`), which costs the engine several times more per byte than a restore.
     """
 
     n_prefill_tokens: int  # prompt tokens evaluated this step
@@ -39,6 +46,8 @@ class StepCost:
     kv_copy_bytes: int = 0  # bytes moved between slot KV and the host-RAM prompt cache / seq_cp
     kv_shift_tokens: int = 0  # cached tokens whose K was re-rotated (context shift / cache reuse)
     kv_read_tokens: int | None = None  # Σ over sequences of KV cells read per layer; None → estimate
+    calls: tuple[tuple[tuple[int, int, int], ...], ...] | None = None  # per call: (seq, pos0, n_tokens)
+    kv_save_bytes: int | None = None  # the cache_save part of kv_copy_bytes; None → not counted
 
     @property
     def n_tokens(self) -> int:
@@ -326,9 +335,10 @@ def save_calibration(
 
 @dataclass(frozen=True, slots=True)
 class FitResult:
-    """A fitted ParametricLatency and how well it reproduces the rows it was fitted on."""
+    """A fitted model (ParametricLatency, or PhysicalLatency of sim.latency_physical) and how well it
+    reproduces the rows it was fitted on."""
 
-    model: ParametricLatency
+    model: LatencyModel
     r2: float  # coefficient of determination on elapsed_s (unweighted)
     mape: float  # mean |pred − elapsed| / elapsed, a fraction
     max_ape: float  # worst |pred − elapsed| / elapsed, a fraction
@@ -339,6 +349,75 @@ class FitResult:
 
     def stats(self) -> dict[str, object]:
         return {name.name: getattr(self, name.name) for name in fields(self) if name.name != "model"}
+
+
+def _nnls_lawson_hanson(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """min ||a·x − b|| subject to x >= 0: the Lawson–Hanson active-set algorithm (Solving Least Squares
+    Problems, 1974, ch. 23), for when scipy is not importable. Exact: it stops at a point that satisfies the
+    Karush–Kuhn–Tucker conditions (within a tolerance scaled like scipy's)."""
+    m, n = a.shape
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    tol = 10 * max(m, n) * np.finfo(np.float64).eps * max(np.abs(a).sum(axis=0).max(), 1.0)
+    w = a.T @ (b - a @ x)                                            # [n] the negative gradient
+    for _ in range(3 * n + 10):
+        if passive.all() or not (w[~passive] > tol).any():
+            break
+        j = int(np.argmax(np.where(passive, -np.inf, w)))
+        passive[j] = True
+        while True:
+            z = np.zeros(n)
+            z[passive], *_ = np.linalg.lstsq(a[:, passive], b, rcond=None)
+            if (z[passive] > 0).all():
+                break
+            neg = passive & (z <= 0)
+            alpha = float(np.min(x[neg] / (x[neg] - z[neg])))        # step back to the first bound hit
+            x = x + alpha * (z - x)
+            passive &= x > tol
+            x[~passive] = 0.0
+        x = z
+        w = a.T @ (b - a @ x)
+    return x
+
+
+def _solve_nnls(a: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, str]:
+    try:
+        from scipy.optimize import nnls  # optional dependency; the fallback solves the same problem
+    except ImportError:
+        return _nnls_lawson_hanson(a, y), "Lawson-Hanson NNLS (numpy)"
+    x, _ = nnls(a, y)
+    return x, "scipy.optimize.nnls"
+
+
+WEIGHTINGS = ("relative", "absolute")
+
+
+def fit_nonnegative(x: np.ndarray, t: np.ndarray, *, weighting: str = "relative",
+                    where: str = "fit") -> tuple[np.ndarray, str]:
+    """Non-negative coefficients c minimising Σ(w·(x·c − t))², w = 1/t ("relative") or 1 ("absolute").
+
+    x [n_rows, n_terms] regressors, t [n_rows] measured seconds (finite, > 0). Columns are scaled to unit
+    max for conditioning (regressors span ~10 orders of magnitude: 1 vs bytes). Returns (c, solver name)."""
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"{where}: weighting must be 'relative' or 'absolute', got {weighting!r}")
+    if x.shape[0] == 0:
+        raise ValueError(f"{where}: no rows")
+    if not np.all(np.isfinite(t)) or np.any(t <= 0):
+        raise ValueError(f"{where}: every elapsed_s must be a finite number > 0")
+    w = 1.0 / t if weighting == "relative" else np.ones_like(t)      # [n_rows]
+    scale = np.abs(x).max(axis=0)                                    # [n_terms]
+    scale[scale == 0] = 1.0
+    coef_scaled, method = _solve_nnls((x / scale) * w[:, None], t * w)
+    return np.maximum(coef_scaled / scale, 0.0), method             # nnls can return -0.0
+
+
+def fit_stats(pred: np.ndarray, t: np.ndarray) -> dict[str, float]:
+    """R² (unweighted), mean and worst |pred − t|/t (fractions) and RMSE (seconds) of predictions."""
+    ss_res = float(np.sum((pred - t) ** 2))
+    ss_tot = float(np.sum((t - t.mean()) ** 2))
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
+    ape = np.abs(pred - t) / t
+    return {"r2": r2, "mape": float(ape.mean()), "max_ape": float(ape.max()), "rmse_s": math.sqrt(ss_res / len(t))}
 
 
 def cost_features(cost: StepCost) -> list[float]:
@@ -355,70 +434,51 @@ def cost_features(cost: StepCost) -> list[float]:
     ]
 
 
-def _nnls_by_elimination(a: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with x >= 0: refit without the most negative coefficient until none is negative.
-
-    Not the exact Lawson–Hanson optimum in every case, but exact whenever the unconstrained optimum of the
-    surviving columns is non-negative, which is the case for calibration data with a physical model.
-    """
-    free = list(range(a.shape[1]))
-    x = np.zeros(a.shape[1])
-    while free:
-        sol, *_ = np.linalg.lstsq(a[:, free], y, rcond=None)
-        if (sol >= 0).all():
-            x[free] = sol
-            break
-        free.pop(int(np.argmin(sol)))
-    return x
-
-
-def _solve_nnls(a: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, str]:
-    try:
-        from scipy.optimize import nnls  # optional dependency; the fallback is the same problem
-    except ImportError:
-        return _nnls_by_elimination(a, y), "numpy.linalg.lstsq + clip (negatives fixed at 0, rest refit)"
-    x, _ = nnls(a, y)
-    return x, "scipy.optimize.nnls"
-
-
 def fit_parametric(rows: Iterable[tuple[StepCost, float]], *, weighting: str = "relative") -> FitResult:
     """Fit non-negative ParametricLatency coefficients to measured `(StepCost, elapsed_s)` rows.
 
     weighting="relative" minimises Σ((pred−t)/t)² so that short decode steps (most steps, and what TPOT is
     made of) count as much as long prefills; "absolute" minimises Σ(pred−t)².
-    Uses scipy.optimize.nnls when scipy is importable, else numpy lstsq with clipping (see FitResult.method).
+    Uses scipy.optimize.nnls when scipy is importable, else a numpy Lawson–Hanson (see FitResult.method).
     """
-    if weighting not in ("relative", "absolute"):
-        raise ValueError(f"fit_parametric: weighting must be 'relative' or 'absolute', got {weighting!r}")
     rows = list(rows)
-    if not rows:
-        raise ValueError("fit_parametric: no rows")
-    x = np.array([cost_features(cost) for cost, _ in rows], dtype=np.float64)  # [n_rows, 7]
+    x = np.array([cost_features(cost) for cost, _ in rows], dtype=np.float64).reshape(len(rows), -1)
     t = np.array([elapsed for _, elapsed in rows], dtype=np.float64)  # [n_rows]
-    if not np.all(np.isfinite(t)) or np.any(t <= 0):
-        raise ValueError("fit_parametric: every elapsed_s must be a finite number > 0")
-    w = 1.0 / t if weighting == "relative" else np.ones_like(t)  # [n_rows]
-    # Regressors span ~10 orders of magnitude (1 vs bytes): scale columns to unit max for conditioning.
-    scale = np.abs(x).max(axis=0)  # [7]
-    scale[scale == 0] = 1.0
-    coef_scaled, method = _solve_nnls((x / scale) * w[:, None], t * w)
-    coef = np.maximum(coef_scaled / scale, 0.0)  # [7]; nnls can return -0.0
+    coef, method = fit_nonnegative(x, t, weighting=weighting, where="fit_parametric")
     model = ParametricLatency(**dict(zip(COEFFICIENT_NAMES, coef.tolist())))
-    pred = x @ coef  # [n_rows]
-    ss_res = float(np.sum((pred - t) ** 2))
-    ss_tot = float(np.sum((t - t.mean()) ** 2))
-    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
-    ape = np.abs(pred - t) / t  # [n_rows]
-    return FitResult(
-        model=model,
-        r2=r2,
-        mape=float(ape.mean()),
-        max_ape=float(ape.max()),
-        rmse_s=math.sqrt(ss_res / len(t)),
-        n_rows=len(t),
-        method=method,
-        weighting=weighting,
-    )
+    return FitResult(model=model, **fit_stats(x @ coef, t), n_rows=len(t), method=method, weighting=weighting)
+
+
+# --- cross-validation -----------------------------------------------------------------------------
+
+
+def held_out_predictions(x: np.ndarray, t: np.ndarray, groups: Sequence[object], *,
+                         weighting: str = "relative") -> np.ndarray:
+    """Each row's prediction by a fit that did not see its group: for every group g, fit on the rows of the
+    other groups and predict g's rows (one group per row = leave-one-out)."""
+    groups = list(groups)
+    if len(groups) != len(t):
+        raise ValueError(f"held_out_predictions: {len(groups)} groups for {len(t)} rows")
+    pred = np.empty(len(t))
+    for g in dict.fromkeys(groups):
+        held = np.array([h == g for h in groups])
+        if held.all():
+            raise ValueError("held_out_predictions: a single group leaves nothing to fit on")
+        coef, _ = fit_nonnegative(x[~held], t[~held], weighting=weighting, where="cross-validation")
+        pred[held] = x[held] @ coef
+    return pred
+
+
+def error_summary(pred: np.ndarray, t: np.ndarray, kinds: Sequence[str]) -> dict[str, dict[str, float]]:
+    """|pred − t|/t over all rows ("all") and per kind: mean (mape), median, max (fractions) and count."""
+    ape = np.abs(np.asarray(pred) - t) / t
+    kinds = np.asarray(list(kinds))
+    out = {}
+    for name in ["all", *dict.fromkeys(kinds.tolist())]:
+        sel = ape if name == "all" else ape[kinds == name]
+        out[name] = {"mape": float(sel.mean()), "median_ape": float(np.median(sel)), "max_ape": float(sel.max()),
+                     "n": int(sel.size)}
+    return out
 
 
 # --- registry -------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Latency models by name: `get_latency_model("constant:0.01")`, `"default"`, `"parametric:PATH.json"`,
+"""Latency models by name: `get_latency_model("constant:0.01")`, `"default"`, `"parametric:PATH.json"` (the
+model the calibration file names), `"simple:PATH.json"` / `"physical:PATH.json"` (one of its two models),
 `"roofline:MODEL@HW"`. The one registry every command reads (`--latency SPEC`).
 
 It sits above the models it names (`sim.latency` defines the constant and parametric models and their
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from sim.latency import DEFAULT_CALIBRATION_PATH, ConstantLatency, LatencyModel, load_calibration
+from sim.latency_physical import load_latency_file
 from sim.roofline import roofline_from_spec
 
 
@@ -34,7 +36,19 @@ def _default_from_arg(arg: str) -> LatencyModel:
 def _parametric_from_arg(arg: str) -> LatencyModel:
     if not arg:
         raise ValueError("latency model 'parametric': expected parametric:PATH.json")
-    return load_calibration(arg)
+    return load_latency_file(arg)
+
+
+def _simple_from_arg(arg: str) -> LatencyModel:
+    if not arg:
+        raise ValueError("latency model 'simple': expected simple:PATH.json (a calibration file)")
+    return load_latency_file(arg, "simple")
+
+
+def _physical_from_arg(arg: str) -> LatencyModel:
+    if not arg:
+        raise ValueError("latency model 'physical': expected physical:PATH.json (a calibration file)")
+    return load_latency_file(arg, "physical")
 
 
 def _roofline_from_arg(arg: str) -> LatencyModel:
@@ -44,13 +58,17 @@ def _roofline_from_arg(arg: str) -> LatencyModel:
 LATENCY_MODELS: dict[str, Callable[[str], LatencyModel]] = {
     "constant": _constant_from_arg,  # constant:STEP_S[:PER_TOKEN_S]
     "default": _default_from_arg,  # default (the shipped sim/data/default_calibration.json)
-    "parametric": _parametric_from_arg,  # parametric:PATH.json
+    "parametric": _parametric_from_arg,  # parametric:PATH.json (the file's `model`: simple or physical)
+    "simple": _simple_from_arg,  # simple:PATH.json (ParametricLatency of a calibration file)
+    "physical": _physical_from_arg,  # physical:PATH.json (PhysicalLatency of a calibration file)
     "roofline": _roofline_from_arg,  # roofline:MODEL_PRESET_OR_GGUF[:WEIGHTS_DTYPE[:KV_DTYPE]]@HW_PRESET
 }
 LATENCY_MODEL_SYNTAX = (
     "constant:STEP_S[:PER_TOKEN_S]",
     "default",
     "parametric:PATH.json",
+    "simple:PATH.json",
+    "physical:PATH.json",
     "roofline:MODEL_PRESET_OR_GGUF[:WEIGHTS_DTYPE[:KV_DTYPE]]@HW_PRESET",
 )
 

@@ -1,18 +1,23 @@
-"""`slotlab calibrate` on a tiny random-weight GGUF (--quick): the calibration file, its side files, and the
-plans it measures counted in the simulator's units."""
+"""`slotlab calibrate` on a tiny random-weight GGUF (--quick): the calibration file, its side files, the
+plans it measures counted in the simulator's units, interleaved passes, cross-validation and the load."""
 
 import argparse
+import itertools
 import json
 
+import numpy as np
 import pandas as pd
 import pytest
 
 from engine.core.types import ForwardCall, Task
-from experiments.calibrate import (GridPoint, KINDS, add_calibrate_parser, build_plan, calibration_grid,
+from engine.model import load
+from experiments.calibrate import (TEMPLATE_CHUNK, GridPoint, KINDS, _Bench, Measured, Measurement, PassInfo, add_calibrate_parser, build_plan,
+                                   calibration_grid, engine_layout, load_figures, measure_grid, replay_sampling,
                                    run_calibrate, side_files)
 from sim.backend import SimBackend
 from sim.latency import (COEFFICIENT_NAMES, ConstantLatency, ParametricLatency, decode_only_cost,
                          load_calibration, step_cost_from_chunks)
+from sim.latency_physical import PhysicalLatency, load_latency_file
 from sim.latency_spec import get_latency_model
 
 
@@ -22,10 +27,28 @@ def parse(*argv):
     return parser.parse_args(["calibrate", *argv])
 
 
+def steady_load():
+    return (0.5, 0.4, 0.3)
+
+
+def cpu_of_others(cores_by_read):
+    """A CPU reader whose other processes used `cores_by_read(i)` CPU seconds between read i-1 and read i
+    (this process: 1 s per read)."""
+    reads = itertools.count()
+    total = [0.0]
+
+    def read():
+        i = next(reads)
+        total[0] += cores_by_read(i)
+        return (total[0] + i, float(i))
+    return read
+
+
 @pytest.fixture(scope="module")
 def calibrated(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("cal") / "calib.json"
-    rc = run_calibrate(parse("-m", tiny, "--threads", "1", "--quick", "--quiet", "--out", str(out)))
+    rc = run_calibrate(parse("-m", tiny, "--threads", "1", "--quick", "--quiet", "--out", str(out)),
+                       load_reader=steady_load, cpu_reader=cpu_of_others(lambda i: 0.0))
     return rc, out
 
 
@@ -53,24 +76,145 @@ def test_calibration_file_records_fit_stats_and_where_it_was_measured(calibrated
     assert "load average" in on["notes"]
 
 
-def test_latency_spec_parametric_loads_the_calibration(calibrated):
+def test_latency_spec_parametric_loads_the_physical_model_and_simple_stays_selectable(calibrated):
     model = get_latency_model(f"parametric:{calibrated[1]}")
-    assert isinstance(model, ParametricLatency)
-    assert model.coefficients() == load_calibration(calibrated[1]).coefficients()
-    assert set(model.coefficients()) == set(COEFFICIENT_NAMES)
+    assert isinstance(model, PhysicalLatency)
+    assert all(v >= 0 for v in model.coefficients) and model.measured_on.model == "tiny.gguf"
+    simple = get_latency_model(f"simple:{calibrated[1]}")
+    assert isinstance(simple, ParametricLatency)
+    assert simple.coefficients() == load_calibration(calibrated[1]).coefficients()
+    assert set(simple.coefficients()) == set(COEFFICIENT_NAMES)
 
 
-def test_steps_table_has_one_row_per_shape_with_prediction(calibrated):
+def test_calibration_file_reports_held_out_errors_per_kind_for_both_models(calibrated):
+    data = json.loads(calibrated[1].read_text())
+    errors = data["cross_validation"]["errors"]
+    for model in ("simple", "physical"):
+        for validation in ("in_sample", "loso", "group"):
+            per_kind = errors[model][validation]
+            assert set(per_kind) == {"all", *KINDS}
+            assert all(0 <= e["median_ape"] <= e["max_ape"] and e["mape"] <= e["max_ape"] for e in per_kind.values())
+        assert errors[model]["in_sample"]["all"]["mape"] == pytest.approx(data[
+            "fit" if model == "simple" else "fit_physical"]["mape"])
+    assert data["measurement"]["passes"] == 2 and len(data["samples"]) == len(calibration_grid(quick=True))
+
+
+def test_steady_load_is_recorded_and_not_marked(calibrated):
+    data = json.loads(calibrated[1].read_text())
+    assert data["load_moved"] is False
+    load = data["load"]
+    assert load["before"] == [0.5, 0.4, 0.3] and load["load1_moved_by"] == 0.0 and len(load["passes"]) == 2
+    assert load["criterion"] == "others_cpu" and [p["others_cpu"] for p in load["passes"]] == [0.0, 0.0]
+
+
+def test_steps_table_has_one_row_per_shape_with_both_models(calibrated):
     steps_csv, png = side_files(calibrated[1])
     steps = pd.read_csv(steps_csv)
     assert len(steps) == len(calibration_grid(quick=True))
     assert set(steps["kind"]) == set(KINDS)
     assert (steps["measured_s"] > 0).all() and (steps["min_s"] <= steps["measured_s"]).all()
-    model = load_calibration(calibrated[1])
-    row = steps.iloc[0]
-    assert row["predicted_s"] == pytest.approx(model.step_time_s(decode_only_cost(
-        int(row["n_decode_tokens"]), int(row["attn_ctx_tokens"]))))
+    row = steps.iloc[0]                                  # decode of one sequence: its layout is exact
+    cost = decode_only_cost(int(row["n_decode_tokens"]), int(row["attn_ctx_tokens"]))
+    assert row["predicted_s"] == pytest.approx(load_latency_file(calibrated[1]).step_time_s(cost))
+    assert row["predicted_simple_s"] == pytest.approx(load_calibration(calibrated[1]).step_time_s(cost))
+    for col in ("loso_s", "group_s", "loso_simple_s", "group_simple_s", "spread"):
+        assert steps[col].notna().all()
     assert png.stat().st_size > 0
+
+
+def test_other_processes_starting_mid_run_are_warned_about_and_marked(tiny, tmp_path, capsys):
+    out = tmp_path / "moved.json"
+    args = parse("-m", tiny, "--threads", "1", "--quick", "--quiet", "--no-plots", "--out", str(out))
+    # reads 0, 1 bracket pass 1 (others idle), reads 2, 3 pass 2: others use 1000 CPU seconds
+    assert run_calibrate(args, load_reader=steady_load, cpu_reader=cpu_of_others(lambda i: 1000.0 * (i == 3))) == 0
+    assert "load moved" in capsys.readouterr().err
+    data = json.loads(out.read_text())
+    assert data["load_moved"] is True and data["load"]["criterion"] == "others_cpu"
+    first, second = (p["others_cpu"] for p in data["load"]["passes"])
+    assert first == 0.0 and second > 0.5 and data["load"]["moved_by"] == second
+    assert get_latency_model(f"parametric:{out}").load_moved is True
+
+
+def test_own_threads_raising_the_load_average_are_not_a_moving_load(tiny, tmp_path, capsys):
+    rising = (x / 10 for x in itertools.count())         # +0.1 per reading, others idle
+    out = tmp_path / "own.json"
+    args = parse("-m", tiny, "--threads", "1", "--quick", "--quiet", "--no-plots", "--out", str(out))
+    assert run_calibrate(args, load_reader=lambda: (next(rising), 0.0, 0.0),
+                         cpu_reader=cpu_of_others(lambda i: 0.0)) == 0
+    assert "load moved" not in capsys.readouterr().err
+    data = json.loads(out.read_text())
+    assert data["load_moved"] is False and data["load"]["load1_moved_by"] > 1.0
+
+
+def test_without_proc_stat_the_load_average_is_the_criterion(tiny, tmp_path, capsys):
+    rising = (x / 10 for x in itertools.count())
+    out = tmp_path / "noproc.json"
+    args = parse("-m", tiny, "--threads", "1", "--quick", "--quiet", "--no-plots", "--out", str(out))
+    assert run_calibrate(args, load_reader=lambda: (next(rising), 0.0, 0.0), cpu_reader=lambda: None) == 0
+    assert "load moved" in capsys.readouterr().err
+    data = json.loads(out.read_text())
+    assert data["load_moved"] is True and data["load"]["criterion"] == "load1"
+
+
+def _measurement(load1s, others=None, before=0.0, after=0.0):
+    point = Measured(GridPoint("decode", decode=(1,)), None, (0.1,) * len(load1s), tuple(load1s))
+    passes = [PassInfo(1.0, (before,), (after,), o) for o in (others or [None] * len(load1s))]
+    return Measurement([point], passes, (before, 0, 0), (after, 0, 0), 1.0, False)
+
+
+@pytest.mark.parametrize("load1s, moved", [((1.0, 1.5, 2.0), False), ((1.0, 2.1), True), ((3.0,), True)])
+def test_without_cpu_figures_load_moved_is_the_range_of_every_load_reading(load1s, moved):
+    info = load_figures(_measurement(load1s, before=1.0, after=1.0), threshold=1.0)
+    assert info["moved"] is moved and info["criterion"] == "load1"
+    assert info["load1_moved_by"] == pytest.approx(max(load1s + (1.0,)) - min(load1s + (1.0,)))
+
+
+@pytest.mark.parametrize("others, moved", [((0.2, 0.6, 0.4), False), ((0.2, 0.71), True), ((1.5, 1.5, 1.5), False)])
+def test_load_moved_is_the_range_of_other_processes_cores_over_passes(others, moved):
+    info = load_figures(_measurement((5.0,) * len(others), others=list(others)), threshold=0.5)
+    assert info["moved"] is moved and info["moved_by"] == pytest.approx(max(others) - min(others))
+
+
+def test_time_budget_keeps_at_least_three_passes(tiny):
+    model = load(tiny, n_threads=1)
+    grid = calibration_grid(quick=True)[:3]
+    m = measure_grid(model, grid, replay_sampling(model, 0.0, 0), repeats=6, max_seconds=1e-9,
+                     load_reader=steady_load)
+    assert len(m.passes) == 3 and m.stopped_by_budget
+    assert all(len(p.samples_s) == 3 and p.cost.calls is not None for p in m.points)
+    full = measure_grid(model, grid, replay_sampling(model, 0.0, 0), repeats=4, load_reader=steady_load)
+    assert len(full.passes) == 4 and not full.stopped_by_budget
+
+
+def test_template_holds_the_longest_context_in_consecutive_positions(tiny):
+    model = load(tiny, n_threads=1)
+    grid = [GridPoint("decode", decode=(TEMPLATE_CHUNK * 2 + 9,))]
+    bench = _Bench(model, grid, replay_sampling(model, 0.0, 0), np.random.default_rng(0))
+    kv = bench.backend.kv
+    n = grid[0].max_cells
+    assert kv.n_tokens(bench.scratch) == n and (kv.positions(bench.scratch) == np.arange(n)).all()
+    bench.prepare(grid[0])
+    assert kv.n_tokens(0) == n - 1
+
+
+def test_a_sequence_reused_after_appends_holds_the_templates_cells(tiny):
+    model = load(tiny, n_threads=1)
+    grid = [GridPoint("decode", decode=(100,)), GridPoint("decode", decode=(40,)),
+            GridPoint("shift", decode=(128,), shift=True)]
+    bench = _Bench(model, grid, replay_sampling(model, 0.0, 0), np.random.default_rng(0))
+    kv = bench.backend.kv
+    for first, then in ((grid[0], grid[1]), (grid[2], grid[1])):   # after appends; after a shift
+        bench.measure(first)
+        bench.prepare(then)
+        assert kv.state_save(0) == bench.blob(40)
+
+
+def test_engine_layout_reads_the_models_constants(tiny):
+    model = load(tiny, n_threads=2)
+    layout = engine_layout(model)
+    assert layout.weight_bytes == model.weights.n_stream_bytes
+    assert layout.n_threads == 2 and layout.n_head == model.hparams.n_head
+    assert layout.decode_batch_min >= 1                  # f32 numerics attends one-token chunks together
 
 
 def test_missing_model_is_a_usage_error(tmp_path, capsys):
@@ -118,6 +262,14 @@ def test_split_plan_cuts_like_the_core_and_only_the_last_part_samples():
     assert first.chunks[-1].sample_for == () and second.chunks[0].pos0 == 4
     assert second.chunks[0].sample_for == (1,)
     assert SimBackend(ConstantLatency(0.0), 1000).cost(plan).n_forward_calls == 2
+
+
+def test_cross_validation_groups_hold_out_a_batch_size_or_a_chunk_length():
+    grid = calibration_grid()
+    groups = {p.group for p in grid}
+    assert {"decode n=1", "decode n=16", "prefill L=512", "mixed n=8"} <= groups
+    assert len({p.group for p in grid if p.kind == "prefill" and p.prompt[0][1] == 512}) == 1
+    assert all(p.group == p.label for p in grid if p.kind in ("copy", "shift", "split"))
 
 
 def test_full_grid_covers_the_shapes_the_core_produces():

@@ -14,13 +14,14 @@ from sim.latency import (
     MeasuredOn,
     ParametricLatency,
     StepCost,
-    _nnls_by_elimination,
+    _nnls_lawson_hanson,
     decode_only_cost,
     fit_parametric,
     load_calibration,
     save_calibration,
     step_cost_from_chunks,
 )
+from sim.latency_physical import EngineLayout, PhysicalLatency
 from sim.latency_spec import get_latency_model
 from sim.roofline import HW_PRESETS, MODEL_PRESETS, RooflineLatency, model_preset
 
@@ -192,7 +193,7 @@ def test_fit_keeps_coefficients_non_negative_on_noisy_data():
 def test_numpy_fallback_solver_fixes_negative_coefficients_at_zero():
     a = np.array([[1.0, 0.0], [1.0, 1.0], [1.0, 2.0]])
     y = np.array([3.0, 2.0, 1.0])  # unconstrained slope −1 → constrained: slope 0, intercept mean(y)
-    assert _nnls_by_elimination(a, y) == pytest.approx([2.0, 0.0])
+    assert _nnls_lawson_hanson(a, y) == pytest.approx([2.0, 0.0])
 
 
 # --- decode fast-forward, for every model ---------------------------------------------------------
@@ -204,6 +205,8 @@ DECODE_MODELS = {
     "parametric-kv-read": ParametricLatency(a_s=0.004, b_prefill_s=2e-5, c_decode_s=1e-4, d_attn_s=1e-8,
                                             h_kv_read_s=3.3e-9),
     "default": load_calibration(DEFAULT_CALIBRATION_PATH),
+    "physical": PhysicalLatency((1e-3, 5e-11, 8e-3, 2.4e-2, 1.8e-3, 1.2e-3, 1e-5, 6e-6, 1.5e-6, 5e-7, 1.5e-9, 2e-10, 5e-5),
+                                EngineLayout(500_000_000, n_threads=2, n_head=9)),
     **{f"roofline-{m}@{hw}": RooflineLatency(MODEL_PRESETS[m], HW_PRESETS[hw])
        for m in MODEL_PRESETS for hw in ("cpu-2core", "a100-80gb", "l4")},
     "roofline-smollm2-f32@cpu-2core": RooflineLatency(model_preset("smollm2-135m", weights_dtype="f32",

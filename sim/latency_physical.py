@@ -1,0 +1,402 @@
+"""The physical latency model: one term per way the numpy engine spends time in a `backend.execute()` call.
+
+`ParametricLatency` (sim/latency.py, "simple") prices aggregate token and attention counts. This model prices
+the work as the engine lays it out (engine/model/llama.py, matmul.py, f32.py), which it reads from the
+step's `StepCost.calls` (each `llama_decode` call's chunks as `(seq, pos0, n_tokens)`):
+
+- every forward call streams every weight matrix once (one row or 2..64 rows: memory-bound); a call of a
+  single token takes the one-row gemv layout, which costs more than the column-blocked layout of 2..64 rows,
+  and a call of more than 64 tokens the plain sgemm layout, whose packing of every weight matrix costs a
+  fixed amount more (engine/model/types.py `SMALL_M_MAX`);
+- each token adds its rows of the dense products (QKV, O, SwiGLU FFN), norms and RoPE;
+- each chunk adds its per-layer attention dispatch, its logits row and its sampling;
+- one-token chunks (decodes) of two or more sequences are attended together over the range of their
+  sequence ids up to the longest context (`f32.DecodeBatch`): the batch reads rows × keys KV cells, so a
+  short decode next to a long one reads as much as the long one; from 8 rows on that work is split over the
+  threads. A single one-token chunk reads its own c+1 cells;
+- a prompt chunk's queries are blocked by 128 (fewer when the keys are many): each block computes its
+  query-key pairs and reads its keys once; a chunk of more than one block runs its blocks on the threads;
+- host prompt-cache copies: `cache_save` (building a bytes blob) costs several times more per byte than
+  `cache_load` (a copy into the KV pool);
+- a K re-rotation per shifted cell; a fixed cost per execute().
+
+The engine constants the layout needs (threads, the decode-batch and split thresholds, the query block, the
+weight bytes of one call) are an `EngineLayout`, recorded by `slotlab calibrate` in the calibration file.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sim.latency import (
+    CALIBRATION_KIND,
+    FitResult,
+    MeasuredOn,
+    ParametricLatency,
+    StepCost,
+    _check_non_negative,
+    _require_number,
+    check_decode_only_args,
+    fit_nonnegative,
+    fit_stats,
+    load_calibration,
+)
+
+PHYSICAL_TERMS = (
+    "step_s",                    # per execute() call
+    "weights_s_per_byte",        # x weight_bytes per forward call: every call streams every weight matrix
+    "one_token_call_s",          # per forward call of a single token (the one-row gemv layout)
+    "gemm_call_s",               # per forward call of more than small_m_max tokens (the plain sgemm layout)
+    "token_s",                   # per token: its rows of the dense products, norms, RoPE
+    "seq_s",                     # per chunk: attention dispatch over the layers, logits row, sampling
+    "kv_read_s_per_cell",        # KV cells attention reads on one thread
+    "kv_read_split_s_per_cell",  # KV cells read by work split over the threads
+    "attn_pair_s",               # query-key pairs of prompt chunks of one query block (one thread)
+    "attn_pair_split_s",         # query-key pairs of prompt chunks whose blocks run on the threads
+    "save_s_per_byte",           # bytes copied to the host-RAM prompt cache (cache_save)
+    "load_s_per_byte",           # bytes restored from it (cache_load)
+    "shift_s_per_cell",          # cached cells whose K is re-rotated (context shift, cache reuse)
+)
+MODEL_CHOICES = ("simple", "physical")
+LAYOUT_FIELDS = ("weight_bytes", "n_threads", "small_m_max", "decode_batch_min", "decode_split_min",
+                 "attn_query_block", "attn_score_budget", "n_head")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLayout:
+    """The engine constants that decide how a forward call's work is laid out.
+
+    weight_bytes: bytes one forward call streams (every layer matrix, norms and the output head);
+    n_threads: compute threads (1: nothing is split); small_m_max: calls of 2..small_m_max tokens use the
+    column-blocked matmul layout, longer ones the plain one (sgemm); decode_batch_min: one-token chunks are attended
+    together from this many on (0: never, e.g. ggml numerics); decode_split_min: that batch is split over the
+    threads from this many sequence rows on; attn_query_block and attn_score_budget: a prompt chunk of m
+    tokens over n keys is cut into query blocks of min(m, attn_query_block, attn_score_budget // (n_head·n));
+    n_head: query heads.
+    """
+
+    weight_bytes: int
+    n_threads: int = 1
+    small_m_max: int = 64
+    decode_batch_min: int = 2
+    decode_split_min: int = 8
+    attn_query_block: int = 128
+    attn_score_budget: int = 1 << 22
+    n_head: int = 1
+
+    def __post_init__(self) -> None:
+        for name in LAYOUT_FIELDS:
+            value = getattr(self, name)
+            low = 0 if name in ("weight_bytes", "decode_batch_min") else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"EngineLayout: {name} must be an integer >= {low}, got {value!r}")
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: object, where: str) -> EngineLayout:
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: field 'physical.layout' must be a JSON object")
+        unknown = sorted(set(data) - set(LAYOUT_FIELDS))
+        if unknown:
+            raise ValueError(f"{where}: unknown field 'physical.layout.{unknown[0]}' (expected {LAYOUT_FIELDS})")
+        if "weight_bytes" not in data:
+            raise ValueError(f"{where}: missing field 'physical.layout.weight_bytes'")
+        try:
+            return cls(**data)
+        except ValueError as exc:
+            raise ValueError(f"{where}: field 'physical.layout': {exc}") from exc
+
+
+# --- the step's layout ------------------------------------------------------------------------------
+
+
+def chunk_blocks(pos0: int, n_tokens: int, layout: EngineLayout) -> tuple[int, int, int]:
+    """(query blocks, query-key pairs, KV cells read) of a prompt chunk of n_tokens >= 2 at pos0, as
+    `f32.attend` computes it: blocks of B queries, block b attending the pos0 + (its last query + 1) keys."""
+    n_keys = pos0 + n_tokens
+    block = max(1, min(n_tokens, layout.attn_query_block, layout.attn_score_budget // (layout.n_head * n_keys)))
+    n_full, rest = divmod(n_tokens, block)
+    pairs = block * pos0 * n_full + block * block * n_full * (n_full + 1) // 2
+    reads = pos0 * n_full + block * n_full * (n_full + 1) // 2
+    if rest:
+        pairs += rest * n_keys
+        reads += n_keys
+    return n_full + (1 if rest else 0), pairs, reads
+
+
+def estimate_calls(cost: StepCost) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """A layout for a StepCost that carries none: one call; decode tokens on sequences 0..n_decode-1 at
+    equal contexts, the prompt tokens in equal chunks after them. Exact for a decode-only step of equal
+    contexts (rounded to the nearest whole context) and for a single prompt chunk."""
+    n_dec, n_pre = cost.n_decode_tokens, cost.n_prefill_tokens
+    n_prompt = max(cost.n_seqs - n_dec, 1 if n_pre else 0)
+    if n_pre == 0:
+        if n_dec == 0:
+            return ()
+        past = (2 * cost.attn_ctx_tokens + n_dec) // (2 * n_dec) - 1     # nearest whole cells, minus itself
+        return (tuple((s, max(past, 0), 1) for s in range(n_dec)),)
+    length = max(1, round(n_pre / n_prompt))
+    tri = length * (length + 1) // 2
+    # the decodes attend what the chunks do not: with kv_read counted, solve both; else chunks at pos0 0
+    pos0 = 0
+    if cost.kv_read_tokens is not None and length > 1:
+        # attn = D + n_prompt·(L·p + tri), kv_read = D + n_prompt·(p + L)  =>  p from their difference
+        p = ((cost.attn_ctx_tokens - cost.kv_read_tokens) / n_prompt - tri + length) / (length - 1)
+        pos0 = max(0, round(p))
+    dec_attn = cost.attn_ctx_tokens - n_prompt * (length * pos0 + tri)
+    past = max((2 * dec_attn + n_dec) // (2 * n_dec) - 1, 0) if n_dec else 0
+    chunks = [(s, past, 1) for s in range(n_dec)] + [(n_dec + i, pos0, length) for i in range(n_prompt)]
+    return (tuple(chunks),)
+
+
+def physical_features(cost: StepCost, layout: EngineLayout) -> list[float]:
+    """The regressors of PhysicalLatency for one step, in PHYSICAL_TERMS order."""
+    calls = cost.calls if cost.calls is not None else estimate_calls(cost)
+    threads = layout.n_threads > 1
+    batch_min = layout.decode_batch_min
+    n_calls = one_token = gemm = tokens = seqs = 0
+    read = read_split = pairs = pairs_split = 0
+    for call in calls:
+        n_calls += 1
+        n_ones = call_tokens = 0
+        lo = hi = keys = 0
+        ones_alone = 0
+        for seq, pos0, n in call:
+            call_tokens += n
+            seqs += 1
+            if n == 1:
+                if n_ones == 0:
+                    lo = hi = seq
+                    keys = pos0 + 1
+                else:
+                    lo, hi, keys = min(lo, seq), max(hi, seq), max(keys, pos0 + 1)
+                n_ones += 1
+                ones_alone += pos0 + 1
+            else:
+                n_blocks, p, r = chunk_blocks(pos0, n, layout)
+                if threads and n_blocks > 1:
+                    pairs_split += p
+                    read_split += r
+                else:
+                    pairs += p
+                    read += r
+        if n_ones:
+            if batch_min and n_ones >= batch_min:
+                rows = hi - lo + 1
+                if threads and rows >= layout.decode_split_min:
+                    read_split += rows * keys
+                else:
+                    read += rows * keys
+            else:
+                read += ones_alone
+        tokens += call_tokens
+        one_token += call_tokens == 1
+        gemm += call_tokens > layout.small_m_max
+    copy = cost.kv_copy_bytes
+    save = copy if cost.kv_save_bytes is None else cost.kv_save_bytes   # uncounted: priced as saves
+    return [1.0, float(layout.weight_bytes * n_calls), float(one_token), float(gemm), float(tokens), float(seqs),
+            float(read), float(read_split), float(pairs), float(pairs_split), float(save), float(copy - save),
+            float(cost.kv_shift_tokens)]
+
+
+# --- the model ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PhysicalLatency:
+    """t = Σ coefficient · term over PHYSICAL_TERMS (seconds per unit, all >= 0), terms counted from the
+    step's layout by `physical_features`. `measured_on`, `source` and `load_moved` document the calibration
+    and do not take part in equality."""
+
+    coefficients: tuple[float, ...]
+    layout: EngineLayout
+    measured_on: MeasuredOn | None = field(default=None, compare=False)
+    source: str | None = field(default=None, compare=False)
+    load_moved: bool | None = field(default=None, compare=False)
+
+    wants_layout = True          # the simulated backend fills StepCost.calls / kv_save_bytes for this model
+
+    def __post_init__(self) -> None:
+        if len(self.coefficients) != len(PHYSICAL_TERMS):
+            raise ValueError(f"PhysicalLatency: {len(PHYSICAL_TERMS)} coefficients expected "
+                             f"({', '.join(PHYSICAL_TERMS)}), got {len(self.coefficients)}")
+        for name, value in zip(PHYSICAL_TERMS, self.coefficients):
+            _check_non_negative("PhysicalLatency", name, value)
+
+    @classmethod
+    def from_terms(cls, terms: Mapping[str, float], layout: EngineLayout, **kw: Any) -> PhysicalLatency:
+        unknown = sorted(set(terms) - set(PHYSICAL_TERMS))
+        if unknown:
+            raise ValueError(f"PhysicalLatency: unknown term {unknown[0]!r} (expected {PHYSICAL_TERMS})")
+        return cls(tuple(float(terms.get(name, 0.0)) for name in PHYSICAL_TERMS), layout, **kw)
+
+    def terms(self) -> dict[str, float]:
+        return dict(zip(PHYSICAL_TERMS, self.coefficients))
+
+    def step_time_s(self, cost: StepCost) -> float:
+        t = 0.0
+        for c, x in zip(self.coefficients, physical_features(cost, self.layout)):
+            t += c * x                      # left to right, as decode_only_times_s adds its arrays
+        return t
+
+    def breakdown(self, cost: StepCost) -> dict[str, float]:
+        """Seconds per term of one step."""
+        return {name: c * x for name, c, x in
+                zip(PHYSICAL_TERMS, self.coefficients, physical_features(cost, self.layout))}
+
+    def decode_only_times_s(self, n_seqs: int, attn_ctx0: int, k: int,
+                            decode: Sequence[tuple[int, int]] | None = None) -> list[float]:
+        """Times of k decode-only steps; `decode` = (seq, n_past) of each decoding sequence at the first step
+        (each n_past grows by one per step). Without it: sequences 0..n-1 at equal contexts, as
+        `estimate_calls` lays out `decode_only_cost(n, attn_ctx0 + i·n)`."""
+        check_decode_only_args(n_seqs, attn_ctx0, k)
+        if decode is None:
+            past = max((2 * attn_ctx0 + n_seqs) // (2 * n_seqs) - 1, 0)
+            decode = [(s, past) for s in range(n_seqs)]
+        elif len(decode) != n_seqs:
+            raise ValueError(f"decode_only_times_s: {len(decode)} (seq, n_past) pairs for n_seqs {n_seqs}")
+        lay = self.layout
+        i = np.arange(k, dtype=np.int64)                                     # [k]
+        zero = np.zeros(k)
+        read, read_split = zero, zero
+        if lay.decode_batch_min and n_seqs >= lay.decode_batch_min:
+            seqs = [s for s, _ in decode]
+            rows = max(seqs) - min(seqs) + 1
+            cells = (rows * (max(p for _, p in decode) + 1 + i)).astype(np.float64)   # [k]
+            if lay.n_threads > 1 and rows >= lay.decode_split_min:
+                read_split = cells
+            else:
+                read = cells
+        else:
+            read = (sum(p + 1 for _, p in decode) + n_seqs * i).astype(np.float64)
+        x = [1.0, float(lay.weight_bytes), float(n_seqs == 1), float(n_seqs > lay.small_m_max), float(n_seqs),
+             float(n_seqs), read, read_split, 0.0, 0.0, 0.0, 0.0, 0.0]
+        t = np.zeros(k)
+        for c, xi in zip(self.coefficients, x):
+            t += c * xi
+        return t.tolist()
+
+    def describe(self) -> dict:
+        return {
+            "kind": "physical",
+            "terms": self.terms(),
+            "layout": self.layout.to_dict(),
+            "measured_on": None if self.measured_on is None else asdict(self.measured_on),
+            "source": self.source,
+            "load_moved": self.load_moved,
+        }
+
+
+# --- fitting --------------------------------------------------------------------------------------
+
+
+def physical_design(costs: Iterable[StepCost], layout: EngineLayout) -> np.ndarray:
+    """[n_rows, len(PHYSICAL_TERMS)] regressors of the costs."""
+    rows = [physical_features(c, layout) for c in costs]
+    return np.array(rows, dtype=np.float64).reshape(len(rows), len(PHYSICAL_TERMS))
+
+
+def fit_physical(rows: Iterable[tuple[StepCost, float]], layout: EngineLayout, *,
+                 weighting: str = "relative") -> FitResult:
+    """Fit non-negative PhysicalLatency coefficients to measured `(StepCost, elapsed_s)` rows (same
+    weighting and solver as `fit_parametric`)."""
+    rows = list(rows)
+    x = physical_design([c for c, _ in rows], layout)
+    t = np.array([elapsed for _, elapsed in rows], dtype=np.float64)
+    coef, method = fit_nonnegative(x, t, weighting=weighting, where="fit_physical")
+    model = PhysicalLatency(tuple(coef.tolist()), layout)
+    return FitResult(model=model, **fit_stats(x @ coef, t), n_rows=len(t), method=method, weighting=weighting)
+
+
+# --- calibration files with both models ----------------------------------------------------------------
+
+
+def save_calibration_file(path: str | Path, simple: FitResult, measured_on: MeasuredOn | Mapping[str, object], *,
+                          physical: FitResult | None = None, model: str = "physical",
+                          extra: Mapping[str, object] | None = None) -> None:
+    """Write a calibration file holding the simple model (the `coefficients` every reader knows) and, when
+    given, the physical one (`physical`); `model` names the one `parametric:FILE` loads. `extra` adds
+    top-level fields (cross-validation, load figures)."""
+    if model not in MODEL_CHOICES:
+        raise ValueError(f"save_calibration_file: model must be one of {MODEL_CHOICES}, got {model!r}")
+    if model == "physical" and physical is None:
+        raise ValueError("save_calibration_file: model 'physical' needs a physical fit")
+    if not isinstance(measured_on, MeasuredOn):
+        measured_on = MeasuredOn.from_dict(dict(measured_on), "save_calibration_file")
+    data: dict[str, object] = {"kind": CALIBRATION_KIND, "model": model,
+                               "coefficients": simple.model.coefficients()}
+    if physical is not None:
+        data["physical"] = {"terms": physical.model.terms(), "layout": physical.model.layout.to_dict()}
+    data["measured_on"] = asdict(measured_on)
+    data["fit"] = simple.stats()
+    if physical is not None:
+        data["fit_physical"] = physical.stats()
+    data.update(extra or {})
+    Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def _read_json(path: str | Path) -> dict:
+    where = str(path)
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"{where}: cannot read calibration file: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: top level must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def load_physical(path: str | Path) -> PhysicalLatency:
+    """The physical model of a calibration file; ValueError naming file and field when it has none or it
+    is malformed."""
+    where = str(path)
+    simple = load_calibration(path)                   # validates the common part (kind, measured_on)
+    data = _read_json(path)
+    block = data.get("physical")
+    if block is None:
+        raise ValueError(f"{where}: no field 'physical' (a calibration without the physical model: "
+                         f"recalibrate with `slotlab calibrate`, or use simple:{where})")
+    if not isinstance(block, dict):
+        raise ValueError(f"{where}: field 'physical' must be a JSON object")
+    for name in ("terms", "layout"):
+        if name not in block:
+            raise ValueError(f"{where}: missing field 'physical.{name}'")
+    terms = block["terms"]
+    if not isinstance(terms, dict):
+        raise ValueError(f"{where}: field 'physical.terms' must be a JSON object")
+    for name in PHYSICAL_TERMS:
+        if name not in terms:
+            raise ValueError(f"{where}: missing field 'physical.terms.{name}'")
+    unknown = sorted(set(terms) - set(PHYSICAL_TERMS))
+    if unknown:
+        raise ValueError(f"{where}: unknown field 'physical.terms.{unknown[0]}' (expected {PHYSICAL_TERMS})")
+    values = tuple(_require_number(where, f"physical.terms.{name}", terms[name]) for name in PHYSICAL_TERMS)
+    layout = EngineLayout.from_dict(block["layout"], where)
+    moved = data.get("load_moved")
+    return PhysicalLatency(values, layout, measured_on=simple.measured_on, source=where,
+                           load_moved=moved if isinstance(moved, bool) else None)
+
+
+def load_latency_file(path: str | Path, model: str | None = None) -> ParametricLatency | PhysicalLatency:
+    """The model of a calibration file: `model` ("simple" or "physical"), else the file's `model` field
+    (files without one hold only the simple model)."""
+    where = str(path)
+    if model is None:
+        chosen = _read_json(path).get("model", "simple")
+        if chosen not in MODEL_CHOICES:
+            raise ValueError(f"{where}: field 'model' must be one of {MODEL_CHOICES}, got {chosen!r}")
+    else:
+        chosen = model
+        if chosen not in MODEL_CHOICES:
+            raise ValueError(f"latency model {model!r}: expected one of {MODEL_CHOICES}")
+    return load_physical(path) if chosen == "physical" else load_calibration(path)
