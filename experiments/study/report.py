@@ -222,6 +222,10 @@ def _real_cell(c: Mapping[str, Any], real: Mapping[str, Any]) -> str:
               "finding (untested). ")
     s += ("The measured runs agree in direction with the simulator's prediction for this slice." if c["agrees_with_sim"]
           else "The measured runs differ in direction from the simulator's prediction for this slice.")
+    gap = {e: hr[e, "real"] - hr[e, "sim"] for e in (base, other)}
+    if any(gap.values()):
+        s += (f" Measured − predicted token hit rate: `{base}` {_pts(gap[base])}, `{other}` {_pts(gap[other])} "
+              "points.")
     longer = c.get("sim_longer")
     if st["direction"] != "same" and c["sim_direction"] != st["direction"]:
         if longer:

@@ -185,6 +185,7 @@ def test_report_says_the_direction_holds_when_the_measured_runs_agree():
     assert "The direction of the study's finding holds on the measured runs." in text
     assert "agree in direction with the simulator's prediction" in text
     assert "so the cache sizes are the study's" in text
+    assert "Measured − predicted token hit rate: `fifo` -2.0, `lru` -3.0 points." in text
 
 
 def test_report_says_the_direction_does_not_hold_when_the_measured_runs_disagree():
@@ -200,6 +201,7 @@ def test_report_says_untested_when_no_real_run_evicted():
     text = " ".join(real_section(_real("worse", -2.7, 0.5, 0.5, 0.5, 0.5, evictions=0)))
     assert "1 could not be tested (no entry evicted in the first 20 requests)" in text
     assert "cannot test the study's finding (untested)" in text
+    assert "Measured − predicted" not in text                 # the same hit rates as predicted
 
 
 def test_report_states_scaled_cache_sizes_and_failures():
