@@ -33,7 +33,7 @@ from experiments.study.stats import paired
 from experiments.sweep import CellStore, cell_key
 from traces import ChatSession, ChatWorkload, Trace
 
-REAL_VERSION = 1
+REAL_VERSION = 2
 OTHER = "lru"                      # the policy compared with the baseline
 DEFAULT_THREADS = 2
 DEFAULT_MAX_OUTPUT = 16
@@ -249,7 +249,9 @@ def _run_one(kind: str, cell_cfg: dict[str, Any], workload: Any, opts: RealOptio
         result = Simulation(cfg, get_latency_model(cell_cfg["latency"]), seed=seed, **sim_kw).run(workload)
         threads_desc = ""
     metrics = metrics_of(result, time.perf_counter() - t0)
+    load = result.run.get("load") or {}
     return {"metrics": {k: metrics[k] for k in RUN_METRICS}, "requests": _request_rows(result),
+            "load": {k: load.get(k) for k in ("arrival_rps", "service_rps", "backlog_at_last_arrival", "saturated")},
             "cache_ram_mib": cache_mib, "kv_bytes_per_token": cfg.kv_bytes_per_token,
             "study_kv_bytes_per_token": study_cfg.kv_bytes_per_token, "threads_desc": threads_desc}
 

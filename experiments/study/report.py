@@ -222,6 +222,19 @@ def _real_cell(c: Mapping[str, Any], real: Mapping[str, Any]) -> str:
               "finding (untested). ")
     s += ("The measured runs agree in direction with the simulator's prediction for this slice." if c["agrees_with_sim"]
           else "The measured runs differ in direction from the simulator's prediction for this slice.")
+    ev = [runs[e]["real"]["metrics"]["evictions"] for e in (base, other)]
+    if not any(ev) and c["real_diff"] != 0:
+        s += (" With no eviction both policies made the same cache decisions, so this difference comes from the "
+              "measured step times (which requests were in flight together).")
+    sat = [e for e in (base, other) if (runs[e]["real"].get("load") or {}).get("saturated")]
+    if sat:
+        ld = runs[sat[0]]["real"]["load"]
+        sim_mu = (runs[sat[0]]["sim"].get("load") or {}).get("service_rps")
+        s += (f" The engine was saturated in the real {' and '.join(f'`{e}`' for e in sat)} run"
+              f"{'s' if len(sat) > 1 else ''}: requests arrived at {ld['arrival_rps']:.3g} req/s and it served "
+              f"{ld['service_rps']:.3g} req/s while requests waited"
+              + (f" (the simulator: {sim_mu:.3g} req/s)" if sim_mu else "")
+              + ", so queueing, not the eviction policy alone, decided which requests shared the cache.")
     gap = {e: hr[e, "real"] - hr[e, "sim"] for e in (base, other)}
     if any(gap.values()):
         s += (f" Measured − predicted token hit rate: `{base}` {_pts(gap[base])}, `{other}` {_pts(gap[other])} "

@@ -151,9 +151,10 @@ def test_direction_and_verdict():
 # --- the report follows real.json -----------------------------------------------------------------------
 
 
-def _run(hr, evictions=4, ttft=(0.5, 0.9)):
+def _run(hr, evictions=4, ttft=(0.5, 0.9), saturated=False):
     return {"metrics": {"token_hit_rate": hr, "evictions": evictions, "ttft_p50_s": ttft[0], "ttft_p90_s": ttft[1]},
-            "cache_ram_mib": 512}
+            "cache_ram_mib": 512, "load": {"arrival_rps": 0.2, "service_rps": 0.05 if saturated else 0.4,
+                                           "saturated": saturated}}
 
 
 def _real(study_dir, study_mean, fifo, lru, sim_fifo, sim_lru, evictions=4):
@@ -202,6 +203,17 @@ def test_report_says_untested_when_no_real_run_evicted():
     assert "1 could not be tested (no entry evicted in the first 20 requests)" in text
     assert "cannot test the study's finding (untested)" in text
     assert "Measured − predicted" not in text                 # the same hit rates as predicted
+    assert "same cache decisions" not in text and "saturated" not in text
+    text = " ".join(real_section(_real("worse", -2.7, 0.48, 0.5, 0.5, 0.5, evictions=0)))
+    assert "With no eviction both policies made the same cache decisions, so this difference comes from" in text
+
+
+def test_report_says_when_the_engine_was_saturated():
+    r = _real("worse", -2.7, 0.50, 0.46, 0.52, 0.49)
+    r["cells"][0]["runs"]["lru"]["real"] = _run(0.46, saturated=True)
+    text = " ".join(real_section(r))
+    assert ("The engine was saturated in the real `lru` run: requests arrived at 0.2 req/s and it served "
+            "0.05 req/s while requests waited (the simulator: 0.4 req/s)") in text
 
 
 def test_report_states_scaled_cache_sizes_and_failures():
@@ -241,6 +253,7 @@ def test_study_real_runs_two_cells_on_the_engine_and_a_rerun_reuses_them(spec_fi
         hr = mine["token_hit_rate"]
         assert c["real_diff"] == pytest.approx(100 * (hr["lru", "numpy"] - hr["fifo", "numpy"]))
         assert c["real_evictions"] == mine.xs("numpy", level="backend")["evictions"].sum() > 0
+        assert set(real["cells"][0]["runs"]["fifo"]["real"]["load"]) >= {"arrival_rps", "service_rps", "saturated"}
         assert c["verdict"] == verdict(c["study"]["direction"], measured_direction(c["real_diff"]),
                                        c["real_evictions"])
         # one slot: the engine's measured step times cannot change a decision, so the counts are predicted
