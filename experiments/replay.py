@@ -11,19 +11,34 @@ import argparse
 import dataclasses
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tqdm import tqdm
 
 from engine.backend import NumpyBackend
+from engine.core import ServerConfig
 from engine.model import load
 from engine.model.sampling import SamplingParams
 from engine.model.tokenizer import ATTR_BYTE, ATTR_NORMAL
-from experiments.flags import REPLAY, UsageError, add_command, option_values, simulate_argv
+from experiments.flags import (
+    REPLAY,
+    UsageError,
+    add_command,
+    option_values,
+    simulate_argv,
+)
 from experiments.results import write_run
-from experiments.runs import (follow, format_summary, one_line_summary, out_dir, resolve_model, run_context,
-                              server_config, usage_errors)
+from experiments.runs import (
+    follow,
+    format_summary,
+    one_line_summary,
+    out_dir,
+    resolve_model,
+    run_context,
+    server_config,
+    usage_errors,
+)
 from experiments.workloads import build_workload
 from sim.driver import Simulation
 
@@ -35,31 +50,48 @@ REPLAY_EPILOG = """examples:
 """
 
 
+def engine_setup(model: Any, cfg: ServerConfig, *, keep_n_ctx_train: bool = False
+                 ) -> tuple[ServerConfig, dict[str, Any]]:
+    """`cfg` with the model's own facts (KV bytes per token, EOG ids, BOS; its n_ctx_train unless
+    `keep_n_ctx_train`) and the `Simulation` keyword arguments that make the driver's stand-in prompts fit
+    the model (its vocabulary, never its special ids) and every request generate exactly its trace length
+    (ignore_eos). A simulation with these and a latency model sees the prompts the engine sees."""
+    tok = model.tokenizer
+    facts = model.config_facts()
+    if keep_n_ctx_train:
+        facts.pop("n_ctx_train")
+    # prompts are stand-in token ids: never control / user-defined / unused ids (they would act as markers)
+    reserved = frozenset(i for i, a in enumerate(tok.attrs) if not a & (ATTR_NORMAL | ATTR_BYTE))
+    return dataclasses.replace(cfg, **facts), {"vocab_size": tok.n_vocab, "reserved_tokens": reserved,
+                                               "task_defaults": {"ignore_eos": True}}
+
+
+def engine_simulation(model: Any, cfg: ServerConfig, seed: int, temp: float, *, keep_n_ctx_train: bool = False,
+                      progress: Callable[[int, int], None] | None = None) -> tuple[Simulation, ServerConfig]:
+    """The SimPy driver with `model` as its backend (`engine_setup`'s config and prompts), EOG banned in the
+    sampler so every request generates exactly its trace length (as ignore_eos upstream). Shared by
+    `slotlab replay` and the study's real-engine check; returns (simulation, the config it runs)."""
+    cfg, sim_kw = engine_setup(model, cfg, keep_n_ctx_train=keep_n_ctx_train)
+    sampling = SamplingParams(temperature=temp, seed=seed & 0xFFFFFFFF, ignore_eos=True,
+                              logit_bias=tuple((t, -math.inf) for t in sorted(model.tokenizer.eog_ids)))
+    resolved = cfg.resolve()
+    backend = NumpyBackend(model, resolved.n_slots, resolved.n_ctx_slot, default_sampling=sampling)
+    return Simulation(cfg, None, seed=seed, backend=backend, progress=progress, **sim_kw), cfg
+
+
 def run_replay(values: dict[str, Any], workload, model_path: str, threads: int, temp: float,
                out_dir: str, context: dict[str, Any], csv: bool, plots: bool, progress=None) -> dict[str, Any]:
     """Load the model, replay `workload` on it, write the results directory; returns the summary row."""
     model = load(model_path, n_threads=threads)
-    tok = model.tokenizer
-    # every request generates exactly its trace length: EOG banned in the sampler (as ignore_eos upstream)
-    sampling = SamplingParams(temperature=temp, seed=values["seed"] & 0xFFFFFFFF, ignore_eos=True,
-                              logit_bias=tuple((t, -math.inf) for t in sorted(tok.eog_ids)))
-    facts = model.config_facts()
-    if values["ctx_size"] != 0:
-        facts.pop("n_ctx_train")
-    cfg = dataclasses.replace(server_config({**values, "kv_bytes_per_token": None}), **facts)
-    resolved = cfg.resolve()
-    backend = NumpyBackend(model, resolved.n_slots, resolved.n_ctx_slot, default_sampling=sampling)
-    # prompts are stand-in token ids: never control / user-defined / unused ids (they would act as markers)
-    reserved = frozenset(i for i, a in enumerate(tok.attrs) if not a & (ATTR_NORMAL | ATTR_BYTE))
-    sim = Simulation(cfg, None, seed=values["seed"], backend=backend, progress=progress,
-                     vocab_size=tok.n_vocab, reserved_tokens=reserved, task_defaults={"ignore_eos": True})
+    sim, cfg = engine_simulation(model, server_config({**values, "kv_bytes_per_token": None}), values["seed"], temp,
+                                 keep_n_ctx_train=values["ctx_size"] != 0, progress=progress)
     result = sim.run(workload)
-    threads = {"threads": backend.n_threads, "threads_desc": model.threads_desc}
+    threads = {"threads": sim.backend.n_threads, "threads_desc": model.threads_desc}
     result.run.update(threads, model=model_path)
     config = {"slotlab_results": 1, **context, "backend": "numpy", "model": model_path, **threads,
               "temperature": temp, "rerun": "slotlab replay " + " ".join(simulate_argv(values)[2:]),
               "options": values, "server_config": cfg, "seed": values["seed"], "fast_forward": False}
-    summary = write_run(out_dir, result, config, csv=csv, plots=plots, n_slots=resolved.n_slots)
+    summary = write_run(out_dir, result, config, csv=csv, plots=plots, n_slots=cfg.resolve().n_slots)
     return {**summary, "threads_desc": threads["threads_desc"]}
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -180,6 +181,120 @@ def _table(cells: pd.DataFrame, wl: str, hit: str, baseline: str, oracle: str) -
     return lines
 
 
+def _dir_phrase(direction: str, other: str, baseline: str, study: bool = False) -> str:
+    return {"better": f"`{other}` better than `{baseline}`", "worse": f"`{other}` worse than `{baseline}`",
+            "same": "no significant difference" if study else "no difference",
+            }.get(direction, "no measurement")
+
+
+def _secs(x: Any) -> str:
+    return f"{x:.2f}" if isinstance(x, (int, float)) and math.isfinite(x) else "n/a"
+
+
+def _real_cell(c: Mapping[str, Any], real: Mapping[str, Any]) -> str:
+    """One checked configuration, from its real.json entry."""
+    base, other = real["baseline"], real["other"]
+    st = c["study"]
+    role = "Largest difference" if c["role"] == "largest" else "No-difference cell"
+    where = f"{c['workload']}, `{c['cache_hit']}` hits, {_mib(c['cache_ram'])}, {_load(c['load'])}"
+    if st["identical"]:
+        found = f"the study finds `{other}` identical to `{base}` in every seed"
+    else:
+        found = (f"the study finds {_dir_phrase(st['direction'], other, base, study=True)}: {_pts(st['mean'])} "
+                 f"points {_ci(st['lo'], st['hi'])} over {st['n']} seeds")
+    runs = c["runs"]
+    hr = {(e, k): 100 * runs[e][k]["metrics"]["token_hit_rate"] for e in (base, other) for k in ("real", "sim")}
+    s = (f"**{role}** ({where}): {found} (seed {c['seed']}: {_pts(st['seed_diff'])}). On the first "
+         f"{c['n_requests']} requests of seed {c['seed']} the real engine measured `{base}` {hr[base, 'real']:.1f}% "
+         f"and `{other}` {hr[other, 'real']:.1f}% token hit rate ({_pts(c['real_diff'])} points: "
+         f"{_dir_phrase(c['real_direction'], other, base)}); the simulator predicted {hr[base, 'sim']:.1f}% and "
+         f"{hr[other, 'sim']:.1f}% for the same slice ({_pts(c['sim_diff'])} points: "
+         f"{_dir_phrase(c['sim_direction'], other, base)}). ")
+    v = c["verdict"]
+    if v == "holds":
+        s += "The direction of the study's finding holds on the measured runs. "
+    elif v == "does not hold":
+        s += (f"The direction of the study's finding does not hold on the measured runs: the study finds "
+              f"{_dir_phrase(st['direction'], other, base, study=True)}, the measured runs show "
+              f"{_dir_phrase(c['real_direction'], other, base)}. ")
+    else:
+        s += ("Neither real run evicted an entry in these requests, so the slice cannot test the study's "
+              "finding (untested). ")
+    s += ("The measured runs agree in direction with the simulator's prediction for this slice." if c["agrees_with_sim"]
+          else "The measured runs differ in direction from the simulator's prediction for this slice.")
+    ev = [runs[e]["real"]["metrics"]["evictions"] for e in (base, other)]
+    if not any(ev) and c["real_diff"] != 0:
+        s += (" With no eviction both policies made the same cache decisions, so this difference comes from the "
+              "measured step times (which requests were in flight together).")
+    sat = [e for e in (base, other) if (runs[e]["real"].get("load") or {}).get("saturated")]
+    if sat:
+        ld = runs[sat[0]]["real"]["load"]
+        sim_mu = (runs[sat[0]]["sim"].get("load") or {}).get("service_rps")
+        s += (f" The engine was saturated in the real {' and '.join(f'`{e}`' for e in sat)} run"
+              f"{'s' if len(sat) > 1 else ''}: requests arrived at {ld['arrival_rps']:.3g} req/s and it served "
+              f"{ld['service_rps']:.3g} req/s while requests waited"
+              + (f" (the simulator: {sim_mu:.3g} req/s)" if sim_mu else "")
+              + ", so queueing, not the eviction policy alone, decided which requests shared the cache.")
+    gap = {e: hr[e, "real"] - hr[e, "sim"] for e in (base, other)}
+    if any(gap.values()):
+        s += (f" Measured − predicted token hit rate: `{base}` {_pts(gap[base])}, `{other}` {_pts(gap[other])} "
+              "points.")
+    longer = c.get("sim_longer")
+    if st["direction"] != "same" and c["sim_direction"] != st["direction"]:
+        if longer:
+            s += (f" The simulator shows the study's direction on this seed from the first {longer['n']} requests "
+                  f"on ({_pts(longer['diff'])} points), of slices doubling from {c['n_requests']}: a larger N "
+                  f"would test it.")
+        else:
+            s += (f" The simulator does not show the study's direction on this seed on any slice doubling from "
+                  f"{c['n_requests']} up to the workload's {c.get('workload_requests', '?')} requests.")
+    t = {(e, k): (runs[e][k]["metrics"]["ttft_p50_s"], runs[e][k]["metrics"]["ttft_p90_s"])
+         for e in (base, other) for k in ("real", "sim")}
+    s += (f" TTFT P50 / P90: measured `{base}` {_secs(t[base, 'real'][0])} / {_secs(t[base, 'real'][1])} s, "
+          f"`{other}` {_secs(t[other, 'real'][0])} / {_secs(t[other, 'real'][1])} s; simulated `{base}` "
+          f"{_secs(t[base, 'sim'][0])} / {_secs(t[base, 'sim'][1])} s, `{other}` {_secs(t[other, 'sim'][0])} / "
+          f"{_secs(t[other, 'sim'][1])} s.")
+    return s
+
+
+def real_section(real: Mapping[str, Any] | None) -> list[str]:
+    """The report's "Real engine" lines, from real.json's content (None: the check was not run)."""
+    if not real:
+        return ["Not run (`--study-real N` runs two cells' first N requests on the numpy engine)."]
+    if real.get("error"):
+        return [f"The real-engine check failed: {real['error']} (the simulated results above are complete; "
+                "`real.json` has the traceback)."]
+    cells = real["cells"]
+    if not cells:
+        return ["No cell pairs `lru` with the baseline, so nothing was run on the real engine."]
+    base, other = real["baseline"], real["other"]
+    kv = real.get("kv_bytes_per_token", {})
+    counts = {v: sum(c["verdict"] == v for c in cells) for v in ("holds", "does not hold", "untested")}
+    cap = (f"replies capped at {real['max_output']} generated tokens" if real["max_output"]
+           else "replies at their workload lengths")
+    if kv.get("study") == kv.get("model"):
+        sizes = (f"the model's KV takes {kv.get('model', 0):,} bytes per token, as in the simulated cells, so the "
+                 "cache sizes are the study's")
+    else:
+        sizes = (f"the study's sizes are for {kv.get('study', 0):,} KV bytes per token and the model's take "
+                 f"{kv.get('model', 0):,}, so each size was scaled to hold the same number of tokens ("
+                 + ", ".join(f"{_mib(c['cache_ram'])} → {_mib(c['cache_ram_real'])}" for c in cells)
+                 + ", whole MiB)")
+    lines = [f"Of {len(cells)} checked cells, the direction of the study's finding holds on the measured runs in "
+             f"{counts['holds']}, does not hold in {counts['does not hold']}"
+             + (f", and {counts['untested']} could not be tested (no entry evicted in the first "
+                f"{real['n_requests']} requests)" if counts["untested"] else "") + ".", "",
+             f"The first {real['n_requests']} requests of one seed of {len(cells)} configurations ({cap}) ran on "
+             f"the numpy engine (`{Path(real['model']).name}`, {real.get('threads_desc', '')}) once with "
+             f"`{base}` and once with `{other}`, with the study's server settings, and the simulator predicted "
+             f"the same slice with the same settings; {sizes}. The direction of a measured pair is the sign of "
+             f"`{other}` − `{base}` in token hit rate (the same token counts = no difference); the study's is the "
+             f"sign of its mean where significant. Real-engine time {real.get('wall_s', math.nan):.0f} s "
+             f"({real.get('reused_real_runs', 0)} of {2 * len(cells)} real runs reused from an earlier run).", ""]
+    lines += [f"- {_real_cell(c, real)}" for c in cells]
+    return lines
+
+
 def write_report(cells: pd.DataFrame, meta: Mapping[str, Any]) -> str:
     """The whole report.md text. `meta`: name, baseline, oracle, workloads (name -> description),
     n_configs, seeds, wall_s, counts, plots (file names), real (optional real-engine check rows), skipped."""
@@ -204,14 +319,7 @@ def write_report(cells: pd.DataFrame, meta: Mapping[str, Any]) -> str:
     for (wl, hit), sents in found.items():
         lines.append(f"- **{wl}, `{hit}` hits**: " + " ".join(sents))
     lines.append("")
-    real = meta.get("real")
-    lines += ["## Real engine", ""]
-    if real:
-        for r in real:
-            lines.append(f"- {r}")
-    else:
-        lines.append("Not run (`--study-real N` replays two cells on the numpy engine).")
-    lines.append("")
+    lines += ["## Real engine", ""] + real_section(meta.get("real")) + [""]
     for wl in dict.fromkeys(ok["workload"]):
         lines += [f"## Workload `{wl}`", "", meta["workloads"].get(wl, ""), ""]
         for hit in dict.fromkeys(ok[ok["workload"] == wl]["cache_hit"]):

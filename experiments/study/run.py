@@ -132,6 +132,13 @@ def cells_frame(records: Sequence[dict[str, Any]]) -> pd.DataFrame:
     return df
 
 
+def real_files(out_dir: Path, real: dict[str, Any] | None) -> list[str]:
+
+    from experiments.study.real import REAL_JSON, REQUESTS_PARQUET, RUNS_PARQUET
+
+    return [f for f in (REAL_JSON, RUNS_PARQUET, REQUESTS_PARQUET) if real is not None and (out_dir / f).is_file()]
+
+
 def add_gaps(df: pd.DataFrame, oracle: str) -> pd.DataFrame:
 
     df["gap_to_oracle_pts"] = oracle_gap(df, oracle) if oracle else math.nan
@@ -140,9 +147,11 @@ def add_gaps(df: pd.DataFrame, oracle: str) -> pd.DataFrame:
 
 def run_study(spec: StudySpec, out_dir: Path, store_dir: Path, *, jobs: int, dask: Any = None,
               progress: bool = True, plan: Plan | None = None, argv: Sequence[str] = (),
-              runner_desc: str = "", real: Callable[[pd.DataFrame, Path], list[str]] | None = None,
+              runner_desc: str = "", real: Callable[[pd.DataFrame, Path, Plan], dict[str, Any]] | None = None,
               log: Callable[[str], None] | None = None, plots: bool = True) -> dict[str, Any]:
-    """Run (or resume) the study and write its results into `out_dir`; returns the study.json content."""
+    """Run (or resume) the study and write its results into `out_dir`; returns the study.json content.
+    `real(cells, out_dir, plan)`: the real-engine check (experiments/study/real.py), run after the cells;
+    its result is real.json's content, which the report's "Real engine" section is written from."""
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
     plan = plan or plan_study(spec)
@@ -157,7 +166,7 @@ def run_study(spec: StudySpec, out_dir: Path, store_dir: Path, *, jobs: int, das
     )
 
     plots = plot_study(df, out_dir, spec.oracle) if plots and (df["status"] == "ok").any() else []
-    real_rows = real(df, out_dir) if real is not None else None
+    real_rows = real(df, out_dir, plan) if real is not None else None
     meta = {"name": spec.name, "description": spec.description, "baseline": spec.baseline, "oracle": spec.oracle,
             "workloads": plan.descriptions, "skipped_workloads": plan.skipped, "n_configs": len(plan.cells) // max(
                 1, len(spec.seeds)), "seeds": list(spec.seeds), "wall_s": wall, "counts": counts, "plots": plots,
@@ -173,7 +182,7 @@ def run_study(spec: StudySpec, out_dir: Path, store_dir: Path, *, jobs: int, das
     study_json = {"slotlab_study": 1, "spec": spec.as_dict(), "versions": vers, "code": code_fingerprint(),
                   "command": shlex.join(["slotlab", *argv]), "rerun": shlex.join(["slotlab", *argv]),
                   "cell_store": str(store_dir), "counts": counts, "wall_s": wall, "runner": runner_desc,
-                  "skipped_workloads": plan.skipped, "files": [CELLS_PARQUET, "report.md", *plots],
+                  "skipped_workloads": plan.skipped, "files": [CELLS_PARQUET, "report.md", *plots, *real_files(out_dir, real_rows)],
                   "real": real_rows}
     write_json(out_dir / "study.json", study_json)
     return study_json

@@ -216,3 +216,16 @@ def test_paired_ci_is_the_t_interval():
     m, lo, hi = mean_ci([1.0, 2.0, 3.0, 4.0, 5.0])
     half = 2.776 * math.sqrt(2.5) / math.sqrt(5)
     assert m == 3.0 and lo == pytest.approx(3 - half) and hi == pytest.approx(3 + half)
+
+
+def test_a_quick_study_on_dask_writes_the_cells_parquet_of_the_process_pool(tiny, tmp_path):
+    """The whole command, `--quick`, once on a 2-process pool and once on `--dask local` (a LocalCluster
+    of 2 worker processes): the same rows, every column but the wall time."""
+    pool, dask = tmp_path / "pool", tmp_path / "dask"
+    assert main(["study", str(tiny), "--quick", "--out", str(pool), "-j", "2", "--quiet", "--no-plots"]) == 0
+    assert main(["study", str(tiny), "--quick", "--out", str(dask), "--dask", "local", "-j", "2", "--quiet",
+                 "--no-plots"]) == 0
+    a, b = (_rows(d).drop(columns=["wall_s"]).sort_values("key").reset_index(drop=True) for d in (pool, dask))
+    assert len(a) == quick_version(load_spec(str(tiny))).n_cells and (a["status"] == "ok").all()
+    pd.testing.assert_frame_equal(a, b)
+    assert json.loads((dask / "study.json").read_text())["runner"] == "Dask local"
