@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import json
 import re
 import sys
@@ -31,10 +32,10 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
-import httpcore
+import aiohttp
 import uvicorn
+import yarl
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -49,7 +50,9 @@ HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"p
                         b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"proxy-connection"})
 DROP_REQUEST = HOP_BY_HOP | {b"host", b"content-length"}
 DROP_RESPONSE = HOP_BY_HOP | {b"content-length"}
-AUTH_HEADERS = (b"authorization", b"x-api-key")
+AUTH_HEADERS = ("authorization", "x-api-key")
+# the headers aiohttp would add of its own; the client's (if any) are forwarded instead
+NO_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]
 # the request fields that shape a generation (llama-server's params_from_json_cmpl), recorded as sent
 SAMPLING_KEYS = frozenset({
@@ -64,23 +67,20 @@ SAMPLING_KEYS = frozenset({
 # only occurs as a key (the value of "tokens" is a list of integers)
 TOKENS_FIELD = re.compile(rb'((?<!\\)"tokens"\s*:\s*\[)[-0-9,\s]*(\])')
 INFLIGHT_WAIT_S = 10.0
-CONNECT_TIMEOUT = {"connect": 10.0, "read": None, "write": None, "pool": None}
-
-
-def content_length(method: str, raw: bytes) -> list[tuple[bytes, bytes]]:
-    """The Content-Length header of a forwarded request (none for a bodiless GET/HEAD/DELETE/OPTIONS)."""
-    return [(b"content-length", str(len(raw)).encode())] if raw or method in ("POST", "PUT", "PATCH") else []
+CONNECT_TIMEOUT_S = 10.0
+KEEPALIVE_S = 4.0
+UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 
 class Upstream:
-    """The upstream's answer: status, raw headers (as sent), the httpcore response for the body."""
+    """The upstream's answer: status, raw headers (as sent), the aiohttp response for the body."""
 
     __slots__ = ("raw", "status_code", "headers")
 
-    def __init__(self, raw: httpcore.Response) -> None:
+    def __init__(self, raw: aiohttp.ClientResponse) -> None:
         self.raw = raw
         self.status_code = raw.status
-        self.headers = raw.headers
+        self.headers = raw.raw_headers
 
     def header(self, name: bytes, default: str = "") -> str:
         return next((v.decode("latin-1") for k, v in self.headers if k.lower() == name), default)
@@ -108,9 +108,14 @@ def split_prompts(prompt: Any) -> list[Any]:
     return [prompt]
 
 
+def all_ints(xs: list) -> bool:
+    """Every item is an int (not a bool): one C-level pass (map, set) instead of a Python-level loop."""
+    return set(map(type, xs)) <= {int}
+
+
 def prompt_ids(prompt: Any) -> list[int] | None:
     """The ids of a prompt given as token ids, else None (it needs the upstream's tokenizer)."""
-    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+    if isinstance(prompt, list) and all_ints(prompt):
         return list(prompt)
     return None
 
@@ -142,28 +147,30 @@ def blank_tokens(raw: bytes) -> bytes:
 
 
 class SSETap:
-    """Collects the JSON events of a server-sent-event stream as it passes through (chunks may cut events)."""
+    """Keeps the chunks of a server-sent-event stream as they pass through (a list append per chunk), and parses
+    them once, after the stream ended (`events`): the JSON value of every `data:` line of every complete
+    event (one that a blank line ended; chunks may cut events anywhere; LF or CRLF line ends)."""
 
-    __slots__ = ("buf", "events")
+    __slots__ = ("chunks",)
 
     def __init__(self) -> None:
-        self.buf = b""
-        self.events: list[Any] = []
+        self.chunks: list[bytes] = []
 
     def feed(self, chunk: bytes) -> None:
-        self.buf += chunk
-        if b"\n\n" not in self.buf:
-            return
-        *done, self.buf = self.buf.replace(b"\r\n", b"\n").split(b"\n\n")
-        for ev in done:
-            for line in ev.split(b"\n"):
-                if line.startswith(b"data:"):
-                    data = line[5:].strip()
-                    if data and data != b"[DONE]":
-                        try:
-                            self.events.append(json.loads(data))
-                        except ValueError:
-                            pass
+        self.chunks.append(chunk)
+
+    def events(self) -> list[Any]:
+        buf = b"".join(self.chunks).replace(b"\r\n", b"\n")
+        out: list[Any] = []
+        for line in buf[:max(0, buf.rfind(b"\n\n"))].split(b"\n"):
+            if line.startswith(b"data:"):
+                data = line[5:].strip()
+                if data and data != b"[DONE]":
+                    try:
+                        out.append(json.loads(data))
+                    except ValueError:
+                        pass
+        return out
 
 
 class Pending:
@@ -195,8 +202,7 @@ class Recorder:
         self._warned: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
         self._file = None
-        self.client: httpcore.AsyncConnectionPool | None = None
-        self._host = urlsplit(self.upstream).netloc.encode("latin-1")
+        self.client: aiohttp.ClientSession | None = None
         self.app = Starlette(routes=[Route("/{path:path}", self.handle, methods=METHODS)], lifespan=self._lifespan)
 
     # --- lifecycle ------------------------------------------------------------------------------------------
@@ -208,9 +214,15 @@ class Recorder:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app) -> AsyncIterator[None]:
-        # httpcore, the transport under httpx, without httpx's request/response models: about half the CPU
-        # per forwarded request (what the added latency is made of)
-        self.client = httpcore.AsyncConnectionPool(max_connections=None, max_keepalive_connections=256)
+        # aiohttp's client: a C HTTP parser and a keep-alive pool that does not poll every pooled socket per
+        # request; about a third of httpcore's CPU per exchange (benchmarks/bench_record_proxy.py). The pool
+        # has no size limit (as many upstream connections as requests in flight), gives idle connections back
+        # before cpp-httplib's 5 s keep-alive would close them under a request, sends only the client's
+        # headers (no User-Agent, Accept, ... of its own), keeps no cookies and follows no redirect.
+        self.client = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S), auto_decompress=False,
+            skip_auto_headers=NO_AUTO_HEADERS, cookie_jar=aiohttp.DummyCookieJar(), trust_env=False,
+            timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S))
         if self._file is None:
             self.open()
         try:
@@ -218,7 +230,7 @@ class Recorder:
         finally:
             if self._tasks:
                 await asyncio.wait(set(self._tasks), timeout=INFLIGHT_WAIT_S)
-            await self.client.aclose()
+            await self.client.close()
             self.close()
 
     def close(self) -> None:
@@ -242,8 +254,9 @@ class Recorder:
     async def handle(self, request: Request) -> Response:
         arrival = self.now()
         raw = await request.body()
-        method, path = request.method, request.url.path
-        headers = [(k, v) for k, v in request.headers.raw if k.lower() not in DROP_REQUEST]
+        method, path = request.method, request.scope["path"]
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw
+                   if k.lower() not in DROP_REQUEST]
         pending = None
         kind = endpoint_kind(method, path)
         if kind is not None:
@@ -258,27 +271,25 @@ class Recorder:
                         and not body.get("response_fields")):
                     raw = inject_return_tokens(raw, body)
                     pending.injected = True
-                    headers = [(k, v) for k, v in headers if k.lower() != b"accept-encoding"]
-        url = self.upstream + path + (("?" + request.url.query) if request.url.query else "")
+                    headers = [(k, v) for k, v in headers if k.lower() != "accept-encoding"]
+        # the path and query as the client sent them (still percent-encoded)
+        target = request.scope.get("raw_path") or path.encode()
+        query = request.scope["query_string"]
+        url = yarl.URL(self.upstream + target.decode("latin-1") + ("?" + query.decode("latin-1") if query else ""),
+                       encoded=True)
         try:
-            up = Upstream(await self.client.handle_async_request(httpcore.Request(
-                method, url, headers=[(b"host", self._host), *headers, *content_length(method, raw)], content=raw,
-                extensions={"timeout": CONNECT_TIMEOUT})))
-        except (httpcore.ConnectError, httpcore.ConnectTimeout, httpcore.NetworkError, httpcore.ProtocolError,
-                httpcore.TimeoutException, OSError) as e:
-            self.stats["upstream_errors"] += 1
-            return Response(json.dumps({"error": {
-                "code": 502, "type": "unavailable_error",
-                "message": f"slotlab record: the upstream {self.upstream} did not answer {method} {path} "
-                           f"({type(e).__name__}: {e or 'no details'})"}}).encode(),
-                status_code=502, media_type="application/json; charset=utf-8")
+            up = Upstream(await self.client.request(method, url, data=raw or None, headers=headers,
+                                                    allow_redirects=False))
+        except UPSTREAM_ERRORS as e:
+            return self._bad_gateway(method, path, e)
         out_headers = [(k, v) for k, v in up.headers if k.lower() not in DROP_RESPONSE]
         if up.header(b"content-type").startswith("text/event-stream"):
             return self._stream(up, out_headers, pending)
         try:
-            original = b"".join([chunk async for chunk in up.raw.aiter_stream()])   # as sent (encoding kept)
-        finally:
-            await up.raw.aclose()
+            original = await up.raw.read()                  # as sent (auto_decompress off: any encoding kept)
+        except UPSTREAM_ERRORS as e:
+            up.raw.close()
+            return self._bad_gateway(method, path, e)
         content = original
         if pending is not None and pending.injected and up.status_code == 200:
             content = blank_tokens(original)
@@ -288,13 +299,21 @@ class Recorder:
             self._finish_later(pending, up, None, original, self.now())
         return resp
 
+    def _bad_gateway(self, method: str, path: str, e: BaseException) -> Response:
+        self.stats["upstream_errors"] += 1
+        return Response(json.dumps({"error": {
+            "code": 502, "type": "unavailable_error",
+            "message": f"slotlab record: the upstream {self.upstream} did not answer {method} {path} "
+                       f"({type(e).__name__}: {e or 'no details'})"}}).encode(),
+            status_code=502, media_type="application/json; charset=utf-8")
+
     def _stream(self, up: "Upstream", out_headers: list, pending: Pending | None) -> Response:
         tap = SSETap() if pending is not None else None
 
         async def body() -> AsyncIterator[bytes]:
             complete = False
             try:
-                async for chunk in up.raw.aiter_stream():
+                async for chunk in up.raw.content.iter_any():
                     if pending is not None and pending.first_byte_s is None:
                         pending.first_byte_s = self.now()
                     if tap is not None:
@@ -302,10 +321,13 @@ class Recorder:
                     yield chunk
                 complete = True
             finally:
-                await up.raw.aclose()
+                if complete:
+                    up.raw.release()             # the connection goes back to the pool
+                else:
+                    up.raw.close()               # cut mid-body: the connection is not reused
                 if pending is not None:
                     if complete:
-                        self._finish_later(pending, up, tap.events, None, self.now())
+                        self._finish_later(pending, up, tap, None, self.now())
                     else:
                         self.stats["not_recorded_interrupted"] += 1
 
@@ -314,21 +336,23 @@ class Recorder:
         return resp
 
     # --- recording (after the client has its answer) ----------------------------------------------------------
-    def _finish_later(self, pending: Pending, up: "Upstream", events: list | None, content: bytes | None,
+    def _finish_later(self, pending: Pending, up: "Upstream", tap: SSETap | None, content: bytes | None,
                       end_s: float) -> None:
+        """Record the request in a task of its own: its parsing, /tokenize calls and line run after the client
+        has its answer (the line is written and flushed when they are done)."""
         if up.status_code != 200:
             self.stats[f"not_recorded_status_{up.status_code}"] += 1
             return
-        if up.header(b"content-encoding", "identity") != "identity" and events is None:
+        if up.header(b"content-encoding", "identity") != "identity" and tap is None:
             self.stats["not_recorded_encoded"] += 1
             return
-        task = asyncio.get_running_loop().create_task(self._finish(pending, events, content, end_s))
+        task = asyncio.get_running_loop().create_task(self._finish(pending, tap, content, end_s))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _finish(self, p: Pending, events: list | None, content: bytes | None, end_s: float) -> None:
+    async def _finish(self, p: Pending, tap: SSETap | None, content: bytes | None, end_s: float) -> None:
         try:
-            results = self._results(p, events, content)
+            results = self._results(p, tap.events() if tap is not None else None, content)
             if not results:
                 self.stats["not_recorded_no_result"] += 1
                 return
@@ -464,19 +488,19 @@ class Recorder:
         # as the completion handlers tokenize a prompt: special tokens added (BOS) and parsed
         r = await self._upstream_json("/tokenize", {"content": content, "add_special": True, "parse_special": True}, p)
         toks = r.get("tokens") if isinstance(r, dict) else None
-        if not isinstance(toks, list) or not all(type(t) is int for t in toks):
+        if not isinstance(toks, list) or not all_ints(toks):
             raise ValueError(f"/tokenize answered {str(r)[:80]!r}")
         return toks
 
     async def _upstream_json(self, route: str, body: Any, p: Pending) -> Any:
         prefix = p.path[:len(p.path) - len(_ENDPOINT_SUFFIX[p.kind](p.path))]
         data = json.dumps(body).encode()
-        r = await self.client.request("POST", self.upstream + prefix + route, content=data,
-                                      headers=[(b"host", self._host), (b"content-type", b"application/json"),
-                                               (b"content-length", str(len(data)).encode()), *p.auth])
-        if r.status != 200:
-            raise ValueError(f"{route} answered {r.status}")
-        return json.loads(r.content)
+        async with self.client.post(self.upstream + prefix + route, data=data, allow_redirects=False,
+                                    headers=[("Content-Type", "application/json"), *p.auth]) as r:
+            content = await r.read()
+            if r.status != 200:
+                raise ValueError(f"{route} answered {r.status}")
+        return json.loads(content)
 
 
 def _suffix(path: str, options: tuple[str, ...]) -> str:
@@ -490,13 +514,21 @@ _ENDPOINT_SUFFIX = {
 }
 
 
+def server_options() -> dict[str, str]:
+    """uvicorn's fast protocol and loop (httptools, uvloop: dependencies of the project) where importable, else
+    its pure-Python h11 and asyncio: about half the CPU of an incoming exchange."""
+    return {"http": "httptools" if importlib.util.find_spec("httptools") else "h11",
+            "loop": "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"}
+
+
 class BackgroundRecorder(ThreadedUvicorn):
     """The recorder in a background thread (tests, benchmarks): `start()` returns once the socket listens."""
 
     def __init__(self, upstream: str, out: str | Path, host: str = "127.0.0.1", port: int = 0,
                  log_level: str = "warning") -> None:
         self.recorder = Recorder(upstream, out, log=lambda msg: None)
-        super().__init__(self.recorder.app, host, port, log_level, name="slotlab-record", shutdown_s=5.0)
+        super().__init__(self.recorder.app, host, port, log_level, name="slotlab-record", shutdown_s=5.0,
+                         **server_options())
 
 
 # --- command line ----------------------------------------------------------------------------------------
@@ -530,7 +562,8 @@ def run_record(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"slotlab record: error: cannot write {args.out}: {e}", file=sys.stderr)
         return 2
-    server = uvicorn.Server(uvicorn_config(rec.app, args.host, args.port, "warning", timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn_config(rec.app, args.host, args.port, "warning", timeout_graceful_shutdown=5,
+                                                **server_options()))
     print(f"slotlab record: http://{args.host}:{args.port} -> {rec.upstream}, writing {args.out}", file=sys.stderr)
     try:
         server.run()

@@ -8,7 +8,8 @@ import time
 import httpx
 import pytest
 
-from experiments.record import BackgroundRecorder, blank_tokens, inject_return_tokens, split_prompts
+from engine.http.app import ThreadedUvicorn, uvicorn_config
+from experiments.record import BackgroundRecorder, SSETap, blank_tokens, inject_return_tokens, split_prompts
 from traces import read_trace
 
 
@@ -158,3 +159,75 @@ def test_prompt_lists_are_split_as_upstream_reads_them():
     assert split_prompts([1, "a"]) == [[1, "a"]]
     assert split_prompts(["a", "b"]) == ["a", "b"]
     assert split_prompts([[1], [2, 3]]) == [[1], [2, 3]]
+
+
+async def echo_app(scope, receive, send):
+    """An upstream that answers every request with what it received: method, raw path, query, headers, body."""
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    body, more = b"", True
+    while more:
+        msg = await receive()
+        body, more = body + msg.get("body", b""), msg.get("more_body", False)
+    out = json.dumps({"method": scope["method"], "raw_path": scope["raw_path"].decode(),
+                      "query": scope["query_string"].decode(), "body": body.decode(),
+                      "headers": [[k.decode(), v.decode()] for k, v in scope["headers"]]}).encode()
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json"), (b"x-upstream", b"a"), (b"x-upstream", b"b")]})
+    await send({"type": "http.response.body", "body": out})
+
+
+@pytest.fixture()
+def echo(tmp_path):
+    """An echo upstream that closes idle connections after 1 s, and a recorder in front of it."""
+    up = ThreadedUvicorn(echo_app, timeout_keep_alive=1).start()
+    rec = BackgroundRecorder(up.base_url, tmp_path / "echo.jsonl").start()
+    yield up, rec
+    rec.stop()
+    up.stop()
+
+
+def test_the_upstream_gets_the_request_as_the_client_sent_it(echo):
+    up, rec = echo
+    raw = b'{"anything": [1, 2]}'
+    headers = {"X-Custom": "v1", "Authorization": "Bearer k", "Content-Type": "text/plain"}
+    with httpx.Client(timeout=30) as c:
+        via = c.put(rec.base_url + "/some%20where/x%2Fy?a=1&b=%C3%A9", content=raw, headers=headers)
+        direct = c.put(up.base_url + "/some%20where/x%2Fy?a=1&b=%C3%A9", content=raw, headers=headers)
+    assert via.status_code == 200 and via.headers.get_list("x-upstream") == ["a", "b"]
+    a, b = via.json(), direct.json()
+    assert a["method"] == "PUT" and a["raw_path"] == "/some%20where/x%2Fy" and a["query"] == "a=1&b=%C3%A9"
+    assert a["body"] == raw.decode()
+    host = up.base_url.split("://")[1]
+    # the same headers in the same order but the hop-by-hop `Connection`; Host names the upstream (as for a
+    # direct client); nothing added (no User-Agent or Accept of the proxy's own)
+    assert a["headers"] == [[k, host if k == "host" else v] for k, v in b["headers"] if k != "connection"]
+
+
+def test_a_connection_the_upstream_closed_while_idle_is_not_reused(echo):
+    up, rec = echo
+    with httpx.Client(base_url=rec.base_url, timeout=30) as c:
+        assert c.post("/completion", content=b"{}").status_code == 200
+        time.sleep(1.5)                           # the upstream closes the idle keep-alive connection
+        assert c.post("/completion", content=b"{}").status_code == 200
+
+
+def test_the_stream_tap_parses_complete_events_however_the_chunks_cut_them():
+    stream = (b'data: {"a": 1}\n\n: comment\ndata: {"b": 2}\r\n\r\ndata: [DONE]\n\n'
+              b'data: not json\n\ndata: {"c": 3}\n\ndata: {"d": 4}')      # the last event is not complete
+    whole = SSETap()
+    whole.feed(stream)
+    assert whole.events() == [{"a": 1}, {"b": 2}, {"c": 3}]
+    for cut in range(1, len(stream)):
+        tap = SSETap()
+        tap.feed(stream[:cut])
+        tap.feed(stream[cut:])
+        assert tap.events() == whole.events(), cut
+
+
+def test_serve_keeps_h11_and_asyncio_whatever_is_installed():
+    config = uvicorn_config(echo_app, "127.0.0.1", 0, "warning")
+    assert (config.http, config.loop) == ("h11", "asyncio")
