@@ -303,6 +303,9 @@ def main() -> int:
                     help="stand-in upstream's time per request (default: 0, it answers at once)")
     ap.add_argument("--baseline", metavar="DIR", type=Path,
                     help="also measure the recorder of this source tree, in the same rounds")
+    ap.add_argument("--baseline-pythonpath", metavar="PATHS", default="",
+                    help="PYTHONPATH entries after the baseline tree (default: none; this tree's processes keep "
+                         "the caller's PYTHONPATH)")
     ap.add_argument("--upstream", help="measure against this running server instead of the stand-in")
     ap.add_argument("--serve-upstream", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -316,8 +319,8 @@ def main() -> int:
     procs: list[subprocess.Popen] = []
 
     def start(cmd: list[str], tree: Path, port: int) -> subprocess.Popen:
-        # this tree's processes keep the caller's PYTHONPATH after the tree; a baseline tree runs on its own
-        extra = [os.environ.get("PYTHONPATH", "")] if tree == ROOT else []
+        # this tree's processes keep the caller's PYTHONPATH after the tree; a baseline tree has its own
+        extra = [os.environ.get("PYTHONPATH", "") if tree == ROOT else args.baseline_pythonpath]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), *extra]))}
         p = subprocess.Popen(cmd, env=env, cwd=tmp)
         procs.append(p)

@@ -29,17 +29,12 @@ import re
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import uvicorn
 import yarl
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
 
 from engine.http.app import ThreadedUvicorn, uvicorn_config
 from experiments.flags import RECORD, add_flags
@@ -53,7 +48,6 @@ DROP_RESPONSE = HOP_BY_HOP | {b"content-length"}
 AUTH_HEADERS = ("authorization", "x-api-key")
 # the headers aiohttp would add of its own; the client's (if any) are forwarded instead
 NO_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
-METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]
 # the request fields that shape a generation (llama-server's params_from_json_cmpl), recorded as sent
 SAMPLING_KEYS = frozenset({
     "n_predict", "max_tokens", "max_completion_tokens", "temperature", "dynatemp_range", "dynatemp_exponent",
@@ -190,7 +184,7 @@ class Pending:
 
 
 class Recorder:
-    """The proxy (an ASGI app via `app`) and the trace writer. All its work runs on the event loop."""
+    """The proxy (an ASGI app) and the trace writer. All its work runs on the event loop."""
 
     def __init__(self, upstream: str, out: str | Path, *, log=None) -> None:
         self.upstream = upstream.rstrip("/")
@@ -203,7 +197,7 @@ class Recorder:
         self._tasks: set[asyncio.Task] = set()
         self._file = None
         self.client: aiohttp.ClientSession | None = None
-        self.app = Starlette(routes=[Route("/{path:path}", self.handle, methods=METHODS)], lifespan=self._lifespan)
+        self.app = self
 
     # --- lifecycle ------------------------------------------------------------------------------------------
     def open(self) -> None:
@@ -212,26 +206,31 @@ class Recorder:
         self._write({"slotlab_native": 1, "origin_format": "recorded", "origin_source": self.upstream,
                      "line_order": "end", "recorder": "slotlab record", "started_unix": self.started_unix})
 
-    @contextlib.asynccontextmanager
-    async def _lifespan(self, app) -> AsyncIterator[None]:
-        # aiohttp's client: a C HTTP parser and a keep-alive pool that does not poll every pooled socket per
-        # request; about a third of httpcore's CPU per exchange (benchmarks/bench_record_proxy.py). The pool
-        # has no size limit (as many upstream connections as requests in flight), gives idle connections back
-        # before cpp-httplib's 5 s keep-alive would close them under a request, sends only the client's
-        # headers (no User-Agent, Accept, ... of its own), keeps no cookies and follows no redirect.
-        self.client = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S), auto_decompress=False,
-            skip_auto_headers=NO_AUTO_HEADERS, cookie_jar=aiohttp.DummyCookieJar(), trust_env=False,
-            timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S))
-        if self._file is None:
-            self.open()
+    async def _lifespan(self, receive, send) -> None:
+        await receive()                                            # lifespan.startup
         try:
-            yield
-        finally:
-            if self._tasks:
-                await asyncio.wait(set(self._tasks), timeout=INFLIGHT_WAIT_S)
-            await self.client.close()
-            self.close()
+            # aiohttp's client: a C HTTP parser and a keep-alive pool that does not poll every pooled socket
+            # per request; about a third of httpcore's CPU per exchange (benchmarks/bench_record_proxy.py).
+            # The pool has no size limit (as many upstream connections as requests in flight), gives idle
+            # connections back before cpp-httplib's 5 s keep-alive would close them under a request, sends
+            # only the client's headers (no User-Agent, Accept, ... of its own), keeps no cookies and follows
+            # no redirect.
+            self.client = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S), auto_decompress=False,
+                skip_auto_headers=NO_AUTO_HEADERS, cookie_jar=aiohttp.DummyCookieJar(), trust_env=False,
+                timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S))
+            if self._file is None:
+                self.open()
+        except Exception as e:  # noqa: BLE001 - uvicorn reports it and exits
+            await send({"type": "lifespan.startup.failed", "message": f"{type(e).__name__}: {e}"})
+            return
+        await send({"type": "lifespan.startup.complete"})
+        await receive()                                            # lifespan.shutdown
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=INFLIGHT_WAIT_S)
+        await self.client.close()
+        self.close()
+        await send({"type": "lifespan.shutdown.complete"})
 
     def close(self) -> None:
         if self._file is not None:
@@ -251,11 +250,25 @@ class Recorder:
         return time.monotonic() - self.t0
 
     # --- the proxy ------------------------------------------------------------------------------------------
-    async def handle(self, request: Request) -> Response:
+    async def __call__(self, scope, receive, send) -> None:
+        """The ASGI app (`app` is the recorder itself). A plain one, no framework: a proxy has one route, and
+        every layer would cost CPU on every request and every streamed chunk."""
+        if scope["type"] != "http":
+            if scope["type"] == "lifespan":
+                await self._lifespan(receive, send)
+            return
         arrival = self.now()
-        raw = await request.body()
-        method, path = request.method, request.scope["path"]
-        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw
+        parts = []
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return                                             # the client left before its body ended
+            parts.append(msg.get("body", b""))
+            if not msg.get("more_body", False):
+                break
+        raw = b"".join(parts)
+        method, path = scope["method"], scope["path"]
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
                    if k.lower() not in DROP_REQUEST]
         pending = None
         kind = endpoint_kind(method, path)
@@ -273,67 +286,86 @@ class Recorder:
                     pending.injected = True
                     headers = [(k, v) for k, v in headers if k.lower() != "accept-encoding"]
         # the path and query as the client sent them (still percent-encoded)
-        target = request.scope.get("raw_path") or path.encode()
-        query = request.scope["query_string"]
+        target = scope.get("raw_path") or path.encode()
+        query = scope["query_string"]
         url = yarl.URL(self.upstream + target.decode("latin-1") + ("?" + query.decode("latin-1") if query else ""),
                        encoded=True)
         try:
             up = Upstream(await self.client.request(method, url, data=raw or None, headers=headers,
                                                     allow_redirects=False))
         except UPSTREAM_ERRORS as e:
-            return self._bad_gateway(method, path, e)
+            return await self._bad_gateway(send, method, path, e)
         out_headers = [(k, v) for k, v in up.headers if k.lower() not in DROP_RESPONSE]
         if up.header(b"content-type").startswith("text/event-stream"):
-            return self._stream(up, out_headers, pending)
+            return await self._stream(up, out_headers, pending, receive, send)
         try:
             original = await up.raw.read()                  # as sent (auto_decompress off: any encoding kept)
         except UPSTREAM_ERRORS as e:
             up.raw.close()
-            return self._bad_gateway(method, path, e)
+            return await self._bad_gateway(send, method, path, e)
         content = original
         if pending is not None and pending.injected and up.status_code == 200:
             content = blank_tokens(original)
-        resp = Response(content, status_code=up.status_code)
-        resp.raw_headers = out_headers + [(b"content-length", str(len(content)).encode())]
+        await send({"type": "http.response.start", "status": up.status_code,
+                    "headers": out_headers + [(b"content-length", str(len(content)).encode())]})
+        await send({"type": "http.response.body", "body": content})
         if pending is not None:
             self._finish_later(pending, up, None, original, self.now())
-        return resp
 
-    def _bad_gateway(self, method: str, path: str, e: BaseException) -> Response:
+    async def _bad_gateway(self, send, method: str, path: str, e: BaseException) -> None:
         self.stats["upstream_errors"] += 1
-        return Response(json.dumps({"error": {
+        body = json.dumps({"error": {
             "code": 502, "type": "unavailable_error",
             "message": f"slotlab record: the upstream {self.upstream} did not answer {method} {path} "
-                       f"({type(e).__name__}: {e or 'no details'})"}}).encode(),
-            status_code=502, media_type="application/json; charset=utf-8")
+                       f"({type(e).__name__}: {e or 'no details'})"}}).encode()
+        await send({"type": "http.response.start", "status": 502,
+                    "headers": [(b"content-type", b"application/json; charset=utf-8"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
 
-    def _stream(self, up: "Upstream", out_headers: list, pending: Pending | None) -> Response:
+    async def _stream(self, up: "Upstream", out_headers: list, pending: Pending | None, receive, send) -> None:
+        """Relay an event stream chunk by chunk; a client that hangs up ends it at once (the upstream
+        connection is closed, as upstream's handler stops a task whose client is gone)."""
+        await send({"type": "http.response.start", "status": up.status_code, "headers": out_headers})
+        relay = asyncio.ensure_future(self._relay(up, pending, send))
+        gone = asyncio.ensure_future(receive())                  # http.disconnect: the client hung up
+        try:
+            await asyncio.wait((relay, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not relay.done():
+                relay.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await relay
+        if not relay.cancelled():
+            relay.result()                                       # an upstream error mid-stream: raised
+
+    async def _relay(self, up: "Upstream", pending: Pending | None, send) -> None:
         tap = SSETap() if pending is not None else None
-
-        async def body() -> AsyncIterator[bytes]:
-            complete = False
-            try:
-                async for chunk in up.raw.content.iter_any():
-                    if pending is not None and pending.first_byte_s is None:
+        complete = False
+        try:
+            # the upstream's HTTP chunks one by one, each as soon as it is in (several that came in one read
+            # are not merged: each streamed event reaches the client as the upstream framed it)
+            async for chunk, _ in up.raw.content.iter_chunks():
+                if not chunk:
+                    continue
+                if tap is not None:
+                    if pending.first_byte_s is None:
                         pending.first_byte_s = self.now()
-                    if tap is not None:
-                        tap.feed(chunk)
-                    yield chunk
-                complete = True
-            finally:
+                    tap.feed(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            complete = True
+        finally:
+            if complete:
+                up.raw.release()                 # the connection goes back to the pool
+            else:
+                up.raw.close()                   # cut mid-body: the connection is not reused
+            if pending is not None:
                 if complete:
-                    up.raw.release()             # the connection goes back to the pool
+                    self._finish_later(pending, up, tap, None, self.now())
                 else:
-                    up.raw.close()               # cut mid-body: the connection is not reused
-                if pending is not None:
-                    if complete:
-                        self._finish_later(pending, up, tap, None, self.now())
-                    else:
-                        self.stats["not_recorded_interrupted"] += 1
-
-        resp = StreamingResponse(body(), status_code=up.status_code)
-        resp.raw_headers = out_headers
-        return resp
+                    self.stats["not_recorded_interrupted"] += 1
+        await send({"type": "http.response.body", "body": b""})
 
     # --- recording (after the client has its answer) ----------------------------------------------------------
     def _finish_later(self, pending: Pending, up: "Upstream", tap: SSETap | None, content: bytes | None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import httpx
@@ -161,6 +162,10 @@ def test_prompt_lists_are_split_as_upstream_reads_them():
     assert split_prompts([[1], [2, 3]]) == [[1], [2, 3]]
 
 
+EVENTS = [b'data: {"n": %d}\n\n' % i for i in range(8)]
+HUNG_UP = threading.Event()
+
+
 async def echo_app(scope, receive, send):
     """An upstream that answers every request with what it received: method, raw path, query, headers, body."""
     if scope["type"] == "lifespan":
@@ -172,6 +177,18 @@ async def echo_app(scope, receive, send):
     while more:
         msg = await receive()
         body, more = body + msg.get("body", b""), msg.get("more_body", False)
+    if scope["path"] == "/completion" and b'"stream"' in body:     # one event, then wait for the client to go
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": EVENTS[0], "more_body": True})
+        if (await receive())["type"] == "http.disconnect":
+            HUNG_UP.set()
+        return
+    if scope["path"] == "/events":                  # EVENTS, one HTTP chunk each, sent back to back
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for ev in EVENTS:
+            await send({"type": "http.response.body", "body": ev, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+        return
     out = json.dumps({"method": scope["method"], "raw_path": scope["raw_path"].decode(),
                       "query": scope["query_string"].decode(), "body": body.decode(),
                       "headers": [[k.decode(), v.decode()] for k, v in scope["headers"]]}).encode()
@@ -205,6 +222,25 @@ def test_the_upstream_gets_the_request_as_the_client_sent_it(echo):
     # the same headers in the same order but the hop-by-hop `Connection`; Host names the upstream (as for a
     # direct client); nothing added (no User-Agent or Accept of the proxy's own)
     assert a["headers"] == [[k, host if k == "host" else v] for k, v in b["headers"] if k != "connection"]
+
+
+def test_a_stream_keeps_the_upstream_chunks_even_when_they_come_in_together(echo):
+    up, rec = echo
+    with httpx.Client(timeout=30) as c, c.stream("GET", rec.base_url + "/events") as s:
+        got = list(s.iter_raw())
+    ends = {sum(map(len, got[:i + 1])) for i in range(len(got))}
+    assert b"".join(got) == b"".join(EVENTS)
+    assert {sum(map(len, EVENTS[:i + 1])) for i in range(len(EVENTS))} <= ends   # each event ends a chunk
+
+
+def test_a_client_that_hangs_up_mid_stream_ends_the_upstream_request(echo, tmp_path):
+    up, rec = echo
+    HUNG_UP.clear()
+    with httpx.Client(timeout=30) as c, c.stream("POST", rec.base_url + "/completion", json={"stream": True}) as s:
+        assert next(s.iter_raw()) == EVENTS[0]
+    assert HUNG_UP.wait(10)                       # the proxy closed its upstream connection
+    assert rec.recorder.stats["not_recorded_interrupted"] == 1
+    assert len(lines(tmp_path / "echo.jsonl")) == 1                # the header only
 
 
 def test_a_connection_the_upstream_closed_while_idle_is_not_reused(echo):
