@@ -8,9 +8,12 @@ import time
 
 import httpx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from engine.http.app import ThreadedUvicorn, uvicorn_config
-from experiments.record import BackgroundRecorder, SSETap, blank_tokens, inject_return_tokens, split_prompts
+from experiments.record import (TOKENS_FIELD, BackgroundRecorder, SSETap, blank_tokens, inject_return_tokens,
+                                split_prompts)
 from traces import read_trace
 
 
@@ -152,6 +155,16 @@ def test_blank_tokens_touches_only_the_tokens_key():
            b'{"tokens":[7]}]')
     assert blank_tokens(raw) == (b'[{"index":0,"content":"say \\"tokens\\":[1,2]","tokens":[],"x":{"tokens":[]}},'
                                  b'{"tokens":[]}]')
+
+
+FRAGMENTS = [b'"tokens"', b'"tokens":[', b'"tokens": [1, -2]', b'"tokens":[3]', b'\\"tokens":[4]', b'\\"tokens\\"',
+             b"\\", b":", b" ", b"\n", b"[", b"]", b"[]", b"1", b"-2", b",", b'"', b"{", b"}", b"x", b"tokens"]
+
+
+@given(st.lists(st.sampled_from(FRAGMENTS), max_size=40))
+def test_blank_tokens_does_what_its_pattern_says(parts):
+    raw = b"".join(parts)
+    assert blank_tokens(raw) == TOKENS_FIELD.sub(rb"\1\2", raw)
 
 
 def test_prompt_lists_are_split_as_upstream_reads_them():
