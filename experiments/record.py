@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import importlib.util
 import json
 import re
@@ -32,9 +33,16 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import uvicorn
-import yarl
+
+try:                          # dependencies of the project; an environment installed before them still runs
+    import aiohttp            # every other command, and `record` says what to install
+    import yarl
+except ImportError as _e:     # pragma: no cover - depends on the environment
+    aiohttp = yarl = None
+    MISSING = f"{_e.name} is not installed (pip install -e . installs the project's dependencies)"
+else:
+    MISSING = None
 
 from engine.http.app import ThreadedUvicorn, uvicorn_config
 from experiments.flags import RECORD, add_flags
@@ -66,7 +74,7 @@ TOKENS_REST = re.compile(rb'\s*:\s*\[([-0-9,\s]*)\]')
 INFLIGHT_WAIT_S = 10.0
 CONNECT_TIMEOUT_S = 10.0
 KEEPALIVE_S = 4.0
-UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+UPSTREAM_ERRORS = (aiohttp.ClientError if aiohttp else OSError, asyncio.TimeoutError, OSError)
 
 
 class Upstream:
@@ -205,6 +213,8 @@ class Recorder:
     """The proxy (an ASGI app) and the trace writer. All its work runs on the event loop."""
 
     def __init__(self, upstream: str, out: str | Path, *, log=None) -> None:
+        if MISSING:
+            raise RuntimeError(f"slotlab record: {MISSING}")
         self.upstream = upstream.rstrip("/")
         self.out_path = Path(out)
         self.t0 = time.monotonic()
@@ -603,6 +613,9 @@ def add_record_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run_record(args: argparse.Namespace) -> int:
+    if MISSING:
+        print(f"slotlab record: error: {MISSING}", file=sys.stderr)
+        return 2
     if not args.upstream.startswith(("http://", "https://")):
         print(f"slotlab record: error: --upstream must be an http(s) URL, got {args.upstream!r}", file=sys.stderr)
         return 2
@@ -615,6 +628,7 @@ def run_record(args: argparse.Namespace) -> int:
     server = uvicorn.Server(uvicorn_config(rec.app, args.host, args.port, "warning", timeout_graceful_shutdown=5,
                                                 **server_options()))
     print(f"slotlab record: http://{args.host}:{args.port} -> {rec.upstream}, writing {args.out}", file=sys.stderr)
+    gc.freeze()         # the objects of the imported modules: out of every later full collection's walk
     try:
         server.run()
     finally:
