@@ -187,22 +187,24 @@ def request_of(kind: str, n_predict: int) -> tuple[str, dict]:
 
 
 async def one_round(base_url: str, clients: int, per_client: int, kinds: tuple[str, ...],
-                    n_predict: int) -> list[float]:
+                    n_predict: int) -> list[tuple[str, float]]:
+    """Each request's kind and latency (seconds from sending it to its answer's last byte)."""
     import aiohttp
 
-    lat: list[float] = []
+    lat: list[tuple[str, float]] = []
     reqs = [request_of(k, n_predict) for k in kinds]
 
     async def client(s: aiohttp.ClientSession, c: int) -> None:
         for i in range(per_client):
-            path, body = reqs[(c + i) % len(reqs)]
+            k = (c + i) % len(reqs)
+            path, body = reqs[k]
             t0 = time.perf_counter()
             async with s.post(base_url + path, json=body) as r:
                 if r.status != 200:
                     raise RuntimeError(f"{base_url}{path} answered {r.status}: {(await r.read())[:200]!r}")
                 async for _chunk in r.content.iter_any():
                     pass
-            lat.append(time.perf_counter() - t0)
+            lat.append((kinds[k], time.perf_counter() - t0))
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients),
                                      timeout=aiohttp.ClientTimeout(total=300)) as s:
@@ -278,7 +280,7 @@ class Path_:
 
     def __init__(self, name: str, url: str, proc: subprocess.Popen | None = None, trace: Path | None = None):
         self.name, self.url, self.proc, self.trace = name, url, proc, trace
-        self.lat: list[float] = []
+        self.lat: list[tuple[str, float]] = []
         self.cpu = [0.0, 0.0]           # user, system seconds over the path's rounds
         self.up_cpu = [0.0, 0.0]
         self.missing = 0
@@ -369,7 +371,8 @@ def main() -> int:
             p.terminate()
             p.wait(10)
 
-    def q(v: list[float]) -> tuple[float, float, float]:
+    def q(v: list[tuple[str, float]], kind: str | None = None) -> tuple[float, float, float]:
+        v = [t for k, t in v if kind is None or k == kind]
         dec = statistics.quantiles(v, n=10)
         return statistics.median(v) * 1e3, dec[8] * 1e3, statistics.fmean(v) * 1e3
 
@@ -392,6 +395,10 @@ def main() -> int:
         upc = f"{per_req(p.up_cpu):>23}" if up_proc else f"{'':23}"
         print(f"{p.name:10}{x[0]:9.2f}{x[1]:9.2f}{x[2]:9.2f}{x[0] - d[0]:+9.2f}{x[1] - d[1]:+9.2f}{x[2] - d[2]:+9.2f}"
               f"{cpu}{upc}")
+    if len(kinds) > 1:
+        print("by kind, P50 / P90 ms: " + "; ".join(
+            f"{k}: " + ", ".join(f"{p.name} {q(p.lat, k)[0]:.1f} / {q(p.lat, k)[1]:.1f}" for p in paths)
+            for k in kinds))
     for p in paths[1:]:
         print(f"{p.name}: {n_lines(p.trace)} trace lines" + (f", {p.missing} missing" if p.missing else ""))
     if len(paths) == 3:

@@ -2,8 +2,11 @@
 native trace (docs/traces.md §3, "Recorded traffic"), for `slotlab simulate --trace` and `slotlab validate
 --recorded`.
 
-Every request is forwarded as it came (method, path, query, headers except hop-by-hop ones, body) and every
-response is sent back as it came; streamed responses go through chunk by chunk. The one change: a native
+Every request is forwarded as it came (method, path and query as sent, headers except hop-by-hop ones, body)
+and every response is sent back as it came; streamed responses go through HTTP chunk by HTTP chunk, each as
+soon as it is in. The proxy is a plain ASGI app on uvicorn (httptools, uvloop) with one aiohttp keep-alive
+pool to the upstream: the CPU it spends per request is what it adds to each request's latency on a busy
+machine (benchmarks/bench_record_proxy.py measures both). The one change: a native
 non-stream `/completion` that does not ask for `return_tokens` is sent with `"return_tokens": true` (and
 without `Accept-Encoding`), and the token ids are blanked out of the answer again (`"tokens":[]`, exactly
 what the client would have received), so the generated ids are recorded without the client seeing a difference.
