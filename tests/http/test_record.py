@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -140,6 +143,36 @@ def test_a_line_is_on_disk_as_soon_as_its_request_ended(recorder, tmp_path):
         c.post("/completion", json={"prompt": [1, 2, 3], "n_predict": 2})
         got = wait_lines(tmp_path / "trace.jsonl", 2)             # read while the recorder still runs
     assert len(got) == 2 and got[1]["prompt_tokens"] == [1, 2, 3]
+
+
+def test_a_killed_recorder_process_keeps_every_line_of_the_requests_that_ended(upstream, tmp_path):
+    port = free_port()
+    out = tmp_path / "killed.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "experiments.cli", "record", "--upstream", upstream.base_url,
+                             "--out", str(out), "--port", str(port)], stderr=subprocess.DEVNULL)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as c:
+            t_end = time.monotonic() + 120
+            while True:                                  # until it listens
+                try:
+                    c.get("/health")
+                    break
+                except httpx.TransportError:
+                    assert proc.poll() is None and time.monotonic() < t_end
+                    time.sleep(0.1)
+            for i in range(3):
+                assert c.post("/completion", json={"prompt": [1, 2, 3 + i], "n_predict": 2}).status_code == 200
+        got = wait_lines(out, 4)
+    finally:
+        proc.kill()                                       # SIGKILL: no shutdown, no final flush
+        proc.wait(10)
+    assert lines(out) == got and [x["prompt_tokens"] for x in got[1:]] == [[1, 2, 3], [1, 2, 4], [1, 2, 5]]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_request_body_edits_keep_the_client_bytes():
