@@ -2,8 +2,11 @@
 native trace (docs/traces.md §3, "Recorded traffic"), for `slotlab simulate --trace` and `slotlab validate
 --recorded`.
 
-Every request is forwarded as it came (method, path, query, headers except hop-by-hop ones, body) and every
-response is sent back as it came; streamed responses go through chunk by chunk. The one change: a native
+Every request is forwarded as it came (method, path and query as sent, headers except hop-by-hop ones, body)
+and every response is sent back as it came; streamed responses go through HTTP chunk by HTTP chunk, each as
+soon as it is in. The proxy is a plain ASGI app on uvicorn (httptools, uvloop) with one aiohttp keep-alive
+pool to the upstream: the CPU it spends per request is what it adds to each request's latency on a busy
+machine (benchmarks/bench_record_proxy.py measures both). The one change: a native
 non-stream `/completion` that does not ask for `return_tokens` is sent with `"return_tokens": true` (and
 without `Accept-Encoding`), and the token ids are blanked out of the answer again (`"tokens":[]`, exactly
 what the client would have received), so the generated ids are recorded without the client seeing a difference.
@@ -23,22 +26,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
+import importlib.util
 import json
 import re
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
-import httpcore
 import uvicorn
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
+
+try:                          # dependencies of the project; an environment installed before them still runs
+    import aiohttp            # every other command, and `record` says what to install
+    import yarl
+except ImportError as _e:     # pragma: no cover - depends on the environment
+    aiohttp = yarl = None
+    MISSING = f"{_e.name} is not installed (pip install -e . installs the project's dependencies)"
+else:
+    MISSING = None
 
 from engine.http.app import ThreadedUvicorn, uvicorn_config
 from experiments.flags import RECORD, add_flags
@@ -49,8 +56,9 @@ HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"p
                         b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"proxy-connection"})
 DROP_REQUEST = HOP_BY_HOP | {b"host", b"content-length"}
 DROP_RESPONSE = HOP_BY_HOP | {b"content-length"}
-AUTH_HEADERS = (b"authorization", b"x-api-key")
-METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]
+AUTH_HEADERS = ("authorization", "x-api-key")
+# the headers aiohttp would add of its own; the client's (if any) are forwarded instead
+NO_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 # the request fields that shape a generation (llama-server's params_from_json_cmpl), recorded as sent
 SAMPLING_KEYS = frozenset({
     "n_predict", "max_tokens", "max_completion_tokens", "temperature", "dynatemp_range", "dynatemp_exponent",
@@ -61,26 +69,26 @@ SAMPLING_KEYS = frozenset({
     "grammar", "json_schema", "response_format", "stream", "return_tokens", "cache_prompt", "id_slot", "n_keep",
     "n_discard", "n_cache_reuse", "n_cmpl", "n"})
 # "tokens":[...] at a key position: a quote inside a JSON string is escaped, so an unescaped '"tokens":['
-# only occurs as a key (the value of "tokens" is a list of integers)
+# only occurs as a key (the value of "tokens" is a list of integers). What `blank_tokens` empties, as one
+# pattern; it searches for the literal key first (bytes.find), about 15x faster than this pattern's `sub`.
 TOKENS_FIELD = re.compile(rb'((?<!\\)"tokens"\s*:\s*\[)[-0-9,\s]*(\])')
+TOKENS_KEY = b'"tokens"'
+TOKENS_REST = re.compile(rb'\s*:\s*\[([-0-9,\s]*)\]')
 INFLIGHT_WAIT_S = 10.0
-CONNECT_TIMEOUT = {"connect": 10.0, "read": None, "write": None, "pool": None}
-
-
-def content_length(method: str, raw: bytes) -> list[tuple[bytes, bytes]]:
-    """The Content-Length header of a forwarded request (none for a bodiless GET/HEAD/DELETE/OPTIONS)."""
-    return [(b"content-length", str(len(raw)).encode())] if raw or method in ("POST", "PUT", "PATCH") else []
+CONNECT_TIMEOUT_S = 10.0
+KEEPALIVE_S = 4.0
+UPSTREAM_ERRORS = (aiohttp.ClientError if aiohttp else OSError, asyncio.TimeoutError, OSError)
 
 
 class Upstream:
-    """The upstream's answer: status, raw headers (as sent), the httpcore response for the body."""
+    """The upstream's answer: status, raw headers (as sent), the aiohttp response for the body."""
 
     __slots__ = ("raw", "status_code", "headers")
 
-    def __init__(self, raw: httpcore.Response) -> None:
+    def __init__(self, raw: aiohttp.ClientResponse) -> None:
         self.raw = raw
         self.status_code = raw.status
-        self.headers = raw.headers
+        self.headers = raw.raw_headers
 
     def header(self, name: bytes, default: str = "") -> str:
         return next((v.decode("latin-1") for k, v in self.headers if k.lower() == name), default)
@@ -108,9 +116,14 @@ def split_prompts(prompt: Any) -> list[Any]:
     return [prompt]
 
 
+def all_ints(xs: list) -> bool:
+    """Every item is an int (not a bool): one C-level pass (map, set) instead of a Python-level loop."""
+    return set(map(type, xs)) <= {int}
+
+
 def prompt_ids(prompt: Any) -> list[int] | None:
     """The ids of a prompt given as token ids, else None (it needs the upstream's tokenizer)."""
-    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+    if isinstance(prompt, list) and all_ints(prompt):
         return list(prompt)
     return None
 
@@ -137,33 +150,50 @@ def inject_return_tokens(raw: bytes, body: dict[str, Any]) -> bytes:
 
 
 def blank_tokens(raw: bytes) -> bytes:
-    """A native response with every `"tokens":[ids]` emptied: what the client gets without return_tokens."""
-    return TOKENS_FIELD.sub(rb"\1\2", raw)
+    """A native response with every `"tokens":[ids]` emptied (`TOKENS_FIELD.sub(rb"\1\2", raw)`): what the
+    client gets without return_tokens."""
+    out = []
+    done = 0                                         # raw[:done] is in out
+    at = raw.find(TOKENS_KEY)
+    while at >= 0:
+        m = TOKENS_REST.match(raw, at + len(TOKENS_KEY)) if at == 0 or raw[at - 1] != 0x5C else None   # '\\'
+        if m is None:
+            at = raw.find(TOKENS_KEY, at + 1)
+            continue
+        out.append(raw[done:m.start(1)])
+        done = m.end(1)
+        at = raw.find(TOKENS_KEY, m.end())
+    if not out:
+        return raw
+    out.append(raw[done:])
+    return b"".join(out)
 
 
 class SSETap:
-    """Collects the JSON events of a server-sent-event stream as it passes through (chunks may cut events)."""
+    """Keeps the chunks of a server-sent-event stream as they pass through (a list append per chunk), and parses
+    them once, after the stream ended (`events`): the JSON value of every `data:` line of every complete
+    event (one that a blank line ended; chunks may cut events anywhere; LF or CRLF line ends)."""
 
-    __slots__ = ("buf", "events")
+    __slots__ = ("chunks",)
 
     def __init__(self) -> None:
-        self.buf = b""
-        self.events: list[Any] = []
+        self.chunks: list[bytes] = []
 
     def feed(self, chunk: bytes) -> None:
-        self.buf += chunk
-        if b"\n\n" not in self.buf:
-            return
-        *done, self.buf = self.buf.replace(b"\r\n", b"\n").split(b"\n\n")
-        for ev in done:
-            for line in ev.split(b"\n"):
-                if line.startswith(b"data:"):
-                    data = line[5:].strip()
-                    if data and data != b"[DONE]":
-                        try:
-                            self.events.append(json.loads(data))
-                        except ValueError:
-                            pass
+        self.chunks.append(chunk)
+
+    def events(self) -> list[Any]:
+        buf = b"".join(self.chunks).replace(b"\r\n", b"\n")
+        out: list[Any] = []
+        for line in buf[:max(0, buf.rfind(b"\n\n"))].split(b"\n"):
+            if line.startswith(b"data:"):
+                data = line[5:].strip()
+                if data and data != b"[DONE]":
+                    try:
+                        out.append(json.loads(data))
+                    except ValueError:
+                        pass
+        return out
 
 
 class Pending:
@@ -183,9 +213,11 @@ class Pending:
 
 
 class Recorder:
-    """The proxy (an ASGI app via `app`) and the trace writer. All its work runs on the event loop."""
+    """The proxy (an ASGI app) and the trace writer. All its work runs on the event loop."""
 
     def __init__(self, upstream: str, out: str | Path, *, log=None) -> None:
+        if MISSING:
+            raise RuntimeError(f"slotlab record: {MISSING}")
         self.upstream = upstream.rstrip("/")
         self.out_path = Path(out)
         self.t0 = time.monotonic()
@@ -195,9 +227,8 @@ class Recorder:
         self._warned: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
         self._file = None
-        self.client: httpcore.AsyncConnectionPool | None = None
-        self._host = urlsplit(self.upstream).netloc.encode("latin-1")
-        self.app = Starlette(routes=[Route("/{path:path}", self.handle, methods=METHODS)], lifespan=self._lifespan)
+        self.client: aiohttp.ClientSession | None = None
+        self.app = self
 
     # --- lifecycle ------------------------------------------------------------------------------------------
     def open(self) -> None:
@@ -206,20 +237,31 @@ class Recorder:
         self._write({"slotlab_native": 1, "origin_format": "recorded", "origin_source": self.upstream,
                      "line_order": "end", "recorder": "slotlab record", "started_unix": self.started_unix})
 
-    @contextlib.asynccontextmanager
-    async def _lifespan(self, app) -> AsyncIterator[None]:
-        # httpcore, the transport under httpx, without httpx's request/response models: about half the CPU
-        # per forwarded request (what the added latency is made of)
-        self.client = httpcore.AsyncConnectionPool(max_connections=None, max_keepalive_connections=256)
-        if self._file is None:
-            self.open()
+    async def _lifespan(self, receive, send) -> None:
+        await receive()                                            # lifespan.startup
         try:
-            yield
-        finally:
-            if self._tasks:
-                await asyncio.wait(set(self._tasks), timeout=INFLIGHT_WAIT_S)
-            await self.client.aclose()
-            self.close()
+            # aiohttp's client: a C HTTP parser and a keep-alive pool that does not poll every pooled socket
+            # per request; about a third of httpcore's CPU per exchange (benchmarks/bench_record_proxy.py).
+            # The pool has no size limit (as many upstream connections as requests in flight), gives idle
+            # connections back before cpp-httplib's 5 s keep-alive would close them under a request, sends
+            # only the client's headers (no User-Agent, Accept, ... of its own), keeps no cookies and follows
+            # no redirect.
+            self.client = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S), auto_decompress=False,
+                skip_auto_headers=NO_AUTO_HEADERS, cookie_jar=aiohttp.DummyCookieJar(), trust_env=False,
+                timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S))
+            if self._file is None:
+                self.open()
+        except Exception as e:  # noqa: BLE001 - uvicorn reports it and exits
+            await send({"type": "lifespan.startup.failed", "message": f"{type(e).__name__}: {e}"})
+            return
+        await send({"type": "lifespan.startup.complete"})
+        await receive()                                            # lifespan.shutdown
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=INFLIGHT_WAIT_S)
+        await self.client.close()
+        self.close()
+        await send({"type": "lifespan.shutdown.complete"})
 
     def close(self) -> None:
         if self._file is not None:
@@ -239,11 +281,26 @@ class Recorder:
         return time.monotonic() - self.t0
 
     # --- the proxy ------------------------------------------------------------------------------------------
-    async def handle(self, request: Request) -> Response:
+    async def __call__(self, scope, receive, send) -> None:
+        """The ASGI app (`app` is the recorder itself). A plain one, no framework: a proxy has one route, and
+        every layer would cost CPU on every request and every streamed chunk."""
+        if scope["type"] != "http":
+            if scope["type"] == "lifespan":
+                await self._lifespan(receive, send)
+            return
         arrival = self.now()
-        raw = await request.body()
-        method, path = request.method, request.url.path
-        headers = [(k, v) for k, v in request.headers.raw if k.lower() not in DROP_REQUEST]
+        parts = []
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return                                             # the client left before its body ended
+            parts.append(msg.get("body", b""))
+            if not msg.get("more_body", False):
+                break
+        raw = b"".join(parts)
+        method, path = scope["method"], scope["path"]
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
+                   if k.lower() not in DROP_REQUEST]
         pending = None
         kind = endpoint_kind(method, path)
         if kind is not None:
@@ -258,77 +315,107 @@ class Recorder:
                         and not body.get("response_fields")):
                     raw = inject_return_tokens(raw, body)
                     pending.injected = True
-                    headers = [(k, v) for k, v in headers if k.lower() != b"accept-encoding"]
-        url = self.upstream + path + (("?" + request.url.query) if request.url.query else "")
+                    headers = [(k, v) for k, v in headers if k.lower() != "accept-encoding"]
+        # the path and query as the client sent them (still percent-encoded)
+        target = scope.get("raw_path") or path.encode()
+        query = scope["query_string"]
+        url = yarl.URL(self.upstream + target.decode("latin-1") + ("?" + query.decode("latin-1") if query else ""),
+                       encoded=True)
         try:
-            up = Upstream(await self.client.handle_async_request(httpcore.Request(
-                method, url, headers=[(b"host", self._host), *headers, *content_length(method, raw)], content=raw,
-                extensions={"timeout": CONNECT_TIMEOUT})))
-        except (httpcore.ConnectError, httpcore.ConnectTimeout, httpcore.NetworkError, httpcore.ProtocolError,
-                httpcore.TimeoutException, OSError) as e:
-            self.stats["upstream_errors"] += 1
-            return Response(json.dumps({"error": {
-                "code": 502, "type": "unavailable_error",
-                "message": f"slotlab record: the upstream {self.upstream} did not answer {method} {path} "
-                           f"({type(e).__name__}: {e or 'no details'})"}}).encode(),
-                status_code=502, media_type="application/json; charset=utf-8")
+            up = Upstream(await self.client.request(method, url, data=raw or None, headers=headers,
+                                                    allow_redirects=False))
+        except UPSTREAM_ERRORS as e:
+            return await self._bad_gateway(send, method, path, e)
         out_headers = [(k, v) for k, v in up.headers if k.lower() not in DROP_RESPONSE]
         if up.header(b"content-type").startswith("text/event-stream"):
-            return self._stream(up, out_headers, pending)
+            return await self._stream(up, out_headers, pending, receive, send)
         try:
-            original = b"".join([chunk async for chunk in up.raw.aiter_stream()])   # as sent (encoding kept)
-        finally:
-            await up.raw.aclose()
+            original = await up.raw.read()                  # as sent (auto_decompress off: any encoding kept)
+        except UPSTREAM_ERRORS as e:
+            up.raw.close()
+            return await self._bad_gateway(send, method, path, e)
         content = original
         if pending is not None and pending.injected and up.status_code == 200:
             content = blank_tokens(original)
-        resp = Response(content, status_code=up.status_code)
-        resp.raw_headers = out_headers + [(b"content-length", str(len(content)).encode())]
+        await send({"type": "http.response.start", "status": up.status_code,
+                    "headers": out_headers + [(b"content-length", str(len(content)).encode())]})
+        await send({"type": "http.response.body", "body": content})
         if pending is not None:
             self._finish_later(pending, up, None, original, self.now())
-        return resp
 
-    def _stream(self, up: "Upstream", out_headers: list, pending: Pending | None) -> Response:
+    async def _bad_gateway(self, send, method: str, path: str, e: BaseException) -> None:
+        self.stats["upstream_errors"] += 1
+        body = json.dumps({"error": {
+            "code": 502, "type": "unavailable_error",
+            "message": f"slotlab record: the upstream {self.upstream} did not answer {method} {path} "
+                       f"({type(e).__name__}: {e or 'no details'})"}}).encode()
+        await send({"type": "http.response.start", "status": 502,
+                    "headers": [(b"content-type", b"application/json; charset=utf-8"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _stream(self, up: "Upstream", out_headers: list, pending: Pending | None, receive, send) -> None:
+        """Relay an event stream chunk by chunk; a client that hangs up ends it at once (the upstream
+        connection is closed, as upstream's handler stops a task whose client is gone)."""
+        await send({"type": "http.response.start", "status": up.status_code, "headers": out_headers})
+        relay = asyncio.ensure_future(self._relay(up, pending, send))
+        gone = asyncio.ensure_future(receive())                  # http.disconnect: the client hung up
+        try:
+            await asyncio.wait((relay, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not relay.done():
+                relay.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await relay
+        if not relay.cancelled():
+            relay.result()                                       # an upstream error mid-stream: raised
+
+    async def _relay(self, up: "Upstream", pending: Pending | None, send) -> None:
         tap = SSETap() if pending is not None else None
-
-        async def body() -> AsyncIterator[bytes]:
-            complete = False
-            try:
-                async for chunk in up.raw.aiter_stream():
-                    if pending is not None and pending.first_byte_s is None:
+        complete = False
+        try:
+            # the upstream's HTTP chunks one by one, each as soon as it is in (several that came in one read
+            # are not merged: each streamed event reaches the client as the upstream framed it)
+            async for chunk, _ in up.raw.content.iter_chunks():
+                if not chunk:
+                    continue
+                if tap is not None:
+                    if pending.first_byte_s is None:
                         pending.first_byte_s = self.now()
-                    if tap is not None:
-                        tap.feed(chunk)
-                    yield chunk
-                complete = True
-            finally:
-                await up.raw.aclose()
-                if pending is not None:
-                    if complete:
-                        self._finish_later(pending, up, tap.events, None, self.now())
-                    else:
-                        self.stats["not_recorded_interrupted"] += 1
-
-        resp = StreamingResponse(body(), status_code=up.status_code)
-        resp.raw_headers = out_headers
-        return resp
+                    tap.feed(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            complete = True
+        finally:
+            if complete:
+                up.raw.release()                 # the connection goes back to the pool
+            else:
+                up.raw.close()                   # cut mid-body: the connection is not reused
+            if pending is not None:
+                if complete:
+                    self._finish_later(pending, up, tap, None, self.now())
+                else:
+                    self.stats["not_recorded_interrupted"] += 1
+        await send({"type": "http.response.body", "body": b""})
 
     # --- recording (after the client has its answer) ----------------------------------------------------------
-    def _finish_later(self, pending: Pending, up: "Upstream", events: list | None, content: bytes | None,
+    def _finish_later(self, pending: Pending, up: "Upstream", tap: SSETap | None, content: bytes | None,
                       end_s: float) -> None:
+        """Record the request in a task of its own: its parsing, /tokenize calls and line run after the client
+        has its answer (the line is written and flushed when they are done)."""
         if up.status_code != 200:
             self.stats[f"not_recorded_status_{up.status_code}"] += 1
             return
-        if up.header(b"content-encoding", "identity") != "identity" and events is None:
+        if up.header(b"content-encoding", "identity") != "identity" and tap is None:
             self.stats["not_recorded_encoded"] += 1
             return
-        task = asyncio.get_running_loop().create_task(self._finish(pending, events, content, end_s))
+        task = asyncio.get_running_loop().create_task(self._finish(pending, tap, content, end_s))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _finish(self, p: Pending, events: list | None, content: bytes | None, end_s: float) -> None:
+    async def _finish(self, p: Pending, tap: SSETap | None, content: bytes | None, end_s: float) -> None:
         try:
-            results = self._results(p, events, content)
+            results = self._results(p, tap.events() if tap is not None else None, content)
             if not results:
                 self.stats["not_recorded_no_result"] += 1
                 return
@@ -464,19 +551,19 @@ class Recorder:
         # as the completion handlers tokenize a prompt: special tokens added (BOS) and parsed
         r = await self._upstream_json("/tokenize", {"content": content, "add_special": True, "parse_special": True}, p)
         toks = r.get("tokens") if isinstance(r, dict) else None
-        if not isinstance(toks, list) or not all(type(t) is int for t in toks):
+        if not isinstance(toks, list) or not all_ints(toks):
             raise ValueError(f"/tokenize answered {str(r)[:80]!r}")
         return toks
 
     async def _upstream_json(self, route: str, body: Any, p: Pending) -> Any:
         prefix = p.path[:len(p.path) - len(_ENDPOINT_SUFFIX[p.kind](p.path))]
         data = json.dumps(body).encode()
-        r = await self.client.request("POST", self.upstream + prefix + route, content=data,
-                                      headers=[(b"host", self._host), (b"content-type", b"application/json"),
-                                               (b"content-length", str(len(data)).encode()), *p.auth])
-        if r.status != 200:
-            raise ValueError(f"{route} answered {r.status}")
-        return json.loads(r.content)
+        async with self.client.post(self.upstream + prefix + route, data=data, allow_redirects=False,
+                                    headers=[("Content-Type", "application/json"), *p.auth]) as r:
+            content = await r.read()
+            if r.status != 200:
+                raise ValueError(f"{route} answered {r.status}")
+        return json.loads(content)
 
 
 def _suffix(path: str, options: tuple[str, ...]) -> str:
@@ -490,13 +577,21 @@ _ENDPOINT_SUFFIX = {
 }
 
 
+def server_options() -> dict[str, str]:
+    """uvicorn's fast protocol and loop (httptools, uvloop: dependencies of the project) where importable, else
+    its pure-Python h11 and asyncio: about half the CPU of an incoming exchange."""
+    return {"http": "httptools" if importlib.util.find_spec("httptools") else "h11",
+            "loop": "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"}
+
+
 class BackgroundRecorder(ThreadedUvicorn):
     """The recorder in a background thread (tests, benchmarks): `start()` returns once the socket listens."""
 
     def __init__(self, upstream: str, out: str | Path, host: str = "127.0.0.1", port: int = 0,
                  log_level: str = "warning") -> None:
         self.recorder = Recorder(upstream, out, log=lambda msg: None)
-        super().__init__(self.recorder.app, host, port, log_level, name="slotlab-record", shutdown_s=5.0)
+        super().__init__(self.recorder.app, host, port, log_level, name="slotlab-record", shutdown_s=5.0,
+                         **server_options())
 
 
 # --- command line ----------------------------------------------------------------------------------------
@@ -521,6 +616,9 @@ def add_record_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run_record(args: argparse.Namespace) -> int:
+    if MISSING:
+        print(f"slotlab record: error: {MISSING}", file=sys.stderr)
+        return 2
     if not args.upstream.startswith(("http://", "https://")):
         print(f"slotlab record: error: --upstream must be an http(s) URL, got {args.upstream!r}", file=sys.stderr)
         return 2
@@ -530,8 +628,10 @@ def run_record(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"slotlab record: error: cannot write {args.out}: {e}", file=sys.stderr)
         return 2
-    server = uvicorn.Server(uvicorn_config(rec.app, args.host, args.port, "warning", timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn_config(rec.app, args.host, args.port, "warning", timeout_graceful_shutdown=5,
+                                                **server_options()))
     print(f"slotlab record: http://{args.host}:{args.port} -> {rec.upstream}, writing {args.out}", file=sys.stderr)
+    gc.freeze()         # the objects of the imported modules: out of every later full collection's walk
     try:
         server.run()
     finally:

@@ -226,7 +226,10 @@ def create_app(state: ServerState, load_on_startup: bool = True) -> Starlette:
 
 def uvicorn_config(app, host: str, port: int, log_level: str, **kw) -> uvicorn.Config:
     """uvicorn as llama-server answers: no `server` or `date` header of its own (cpp-httplib sends neither;
-    `Server: llama.cpp` comes from the middleware), lifespan on, no websockets."""
+    `Server: llama.cpp` comes from the middleware), lifespan on, no websockets. The HTTP protocol and event
+    loop are h11 and asyncio unless `kw` names others (uvicorn's "auto" would switch to httptools and uvloop
+    whenever they are installed, which `slotlab record` installs for itself)."""
+    kw = {"http": "h11", "loop": "asyncio", **kw}
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, server_header=False, date_header=False,
                           lifespan="on", ws="none", **kw)
 
@@ -236,9 +239,10 @@ class ThreadedUvicorn:
     the socket listens; `stop()` asks it to exit and waits."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", *,
-                 name: str = "slotlab-http", shutdown_s: float = 2.0) -> None:
+                 name: str = "slotlab-http", shutdown_s: float = 2.0, **config) -> None:
         self.app = app
-        self.server = uvicorn.Server(uvicorn_config(app, host, port, log_level, timeout_graceful_shutdown=shutdown_s))
+        self.server = uvicorn.Server(uvicorn_config(app, host, port, log_level, timeout_graceful_shutdown=shutdown_s,
+                                                    **config))
         self.thread = threading.Thread(target=self.server.run, name=name, daemon=True)
         self._join_s = shutdown_s + 8.0
 

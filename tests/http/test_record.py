@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
+import threading
 import time
 
 import httpx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from experiments.record import BackgroundRecorder, blank_tokens, inject_return_tokens, split_prompts
+from engine.http.app import ThreadedUvicorn, uvicorn_config
+from experiments.record import (TOKENS_FIELD, BackgroundRecorder, SSETap, blank_tokens, inject_return_tokens,
+                                split_prompts)
 from traces import read_trace
 
 
@@ -137,6 +145,36 @@ def test_a_line_is_on_disk_as_soon_as_its_request_ended(recorder, tmp_path):
     assert len(got) == 2 and got[1]["prompt_tokens"] == [1, 2, 3]
 
 
+def test_a_killed_recorder_process_keeps_every_line_of_the_requests_that_ended(upstream, tmp_path):
+    port = free_port()
+    out = tmp_path / "killed.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "experiments.cli", "record", "--upstream", upstream.base_url,
+                             "--out", str(out), "--port", str(port)], stderr=subprocess.DEVNULL)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as c:
+            t_end = time.monotonic() + 120
+            while True:                                  # until it listens
+                try:
+                    c.get("/health")
+                    break
+                except httpx.TransportError:
+                    assert proc.poll() is None and time.monotonic() < t_end
+                    time.sleep(0.1)
+            for i in range(3):
+                assert c.post("/completion", json={"prompt": [1, 2, 3 + i], "n_predict": 2}).status_code == 200
+        got = wait_lines(out, 4)
+    finally:
+        proc.kill()                                       # SIGKILL: no shutdown, no final flush
+        proc.wait(10)
+    assert lines(out) == got and [x["prompt_tokens"] for x in got[1:]] == [[1, 2, 3], [1, 2, 4], [1, 2, 5]]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_request_body_edits_keep_the_client_bytes():
     raw = b'{ "prompt" : "a",\n "n_predict": 1e0}'
     assert inject_return_tokens(raw, json.loads(raw)) == b'{"return_tokens":true, "prompt" : "a",\n "n_predict": 1e0}'
@@ -152,9 +190,126 @@ def test_blank_tokens_touches_only_the_tokens_key():
                                  b'{"tokens":[]}]')
 
 
+FRAGMENTS = [b'"tokens"', b'"tokens":[', b'"tokens": [1, -2]', b'"tokens":[3]', b'\\"tokens":[4]', b'\\"tokens\\"',
+             b"\\", b":", b" ", b"\n", b"[", b"]", b"[]", b"1", b"-2", b",", b'"', b"{", b"}", b"x", b"tokens"]
+
+
+@given(st.lists(st.sampled_from(FRAGMENTS), max_size=40))
+def test_blank_tokens_does_what_its_pattern_says(parts):
+    raw = b"".join(parts)
+    assert blank_tokens(raw) == TOKENS_FIELD.sub(rb"\1\2", raw)
+
+
 def test_prompt_lists_are_split_as_upstream_reads_them():
     assert split_prompts("a") == ["a"]
     assert split_prompts([1, 2]) == [[1, 2]]
     assert split_prompts([1, "a"]) == [[1, "a"]]
     assert split_prompts(["a", "b"]) == ["a", "b"]
     assert split_prompts([[1], [2, 3]]) == [[1], [2, 3]]
+
+
+EVENTS = [b'data: {"n": %d}\n\n' % i for i in range(8)]
+HUNG_UP = threading.Event()
+
+
+async def echo_app(scope, receive, send):
+    """An upstream that answers every request with what it received: method, raw path, query, headers, body."""
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    body, more = b"", True
+    while more:
+        msg = await receive()
+        body, more = body + msg.get("body", b""), msg.get("more_body", False)
+    if scope["path"] == "/completion" and b'"stream"' in body:     # one event, then wait for the client to go
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": EVENTS[0], "more_body": True})
+        if (await receive())["type"] == "http.disconnect":
+            HUNG_UP.set()
+        return
+    if scope["path"] == "/events":                  # EVENTS, one HTTP chunk each, sent back to back
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for ev in EVENTS:
+            await send({"type": "http.response.body", "body": ev, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+        return
+    out = json.dumps({"method": scope["method"], "raw_path": scope["raw_path"].decode(),
+                      "query": scope["query_string"].decode(), "body": body.decode(),
+                      "headers": [[k.decode(), v.decode()] for k, v in scope["headers"]]}).encode()
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json"), (b"x-upstream", b"a"), (b"x-upstream", b"b")]})
+    await send({"type": "http.response.body", "body": out})
+
+
+@pytest.fixture()
+def echo(tmp_path):
+    """An echo upstream that closes idle connections after 1 s, and a recorder in front of it."""
+    up = ThreadedUvicorn(echo_app, timeout_keep_alive=1).start()
+    rec = BackgroundRecorder(up.base_url, tmp_path / "echo.jsonl").start()
+    yield up, rec
+    rec.stop()
+    up.stop()
+
+
+def test_the_upstream_gets_the_request_as_the_client_sent_it(echo):
+    up, rec = echo
+    raw = b'{"anything": [1, 2]}'
+    headers = {"X-Custom": "v1", "Authorization": "Bearer k", "Content-Type": "text/plain"}
+    with httpx.Client(timeout=30) as c:
+        via = c.put(rec.base_url + "/some%20where/x%2Fy?a=1&b=%C3%A9", content=raw, headers=headers)
+        direct = c.put(up.base_url + "/some%20where/x%2Fy?a=1&b=%C3%A9", content=raw, headers=headers)
+    assert via.status_code == 200 and via.headers.get_list("x-upstream") == ["a", "b"]
+    a, b = via.json(), direct.json()
+    assert a["method"] == "PUT" and a["raw_path"] == "/some%20where/x%2Fy" and a["query"] == "a=1&b=%C3%A9"
+    assert a["body"] == raw.decode()
+    host = up.base_url.split("://")[1]
+    # the same headers in the same order but the hop-by-hop `Connection`; Host names the upstream (as for a
+    # direct client); nothing added (no User-Agent or Accept of the proxy's own)
+    assert a["headers"] == [[k, host if k == "host" else v] for k, v in b["headers"] if k != "connection"]
+
+
+def test_a_stream_keeps_the_upstream_chunks_even_when_they_come_in_together(echo):
+    up, rec = echo
+    with httpx.Client(timeout=30) as c, c.stream("GET", rec.base_url + "/events") as s:
+        got = list(s.iter_raw())
+    ends = {sum(map(len, got[:i + 1])) for i in range(len(got))}
+    assert b"".join(got) == b"".join(EVENTS)
+    assert {sum(map(len, EVENTS[:i + 1])) for i in range(len(EVENTS))} <= ends   # each event ends a chunk
+
+
+def test_a_client_that_hangs_up_mid_stream_ends_the_upstream_request(echo, tmp_path):
+    up, rec = echo
+    HUNG_UP.clear()
+    with httpx.Client(timeout=30) as c, c.stream("POST", rec.base_url + "/completion", json={"stream": True}) as s:
+        assert next(s.iter_raw()) == EVENTS[0]
+    assert HUNG_UP.wait(10)                       # the proxy closed its upstream connection
+    assert rec.recorder.stats["not_recorded_interrupted"] == 1
+    assert len(lines(tmp_path / "echo.jsonl")) == 1                # the header only
+
+
+def test_a_connection_the_upstream_closed_while_idle_is_not_reused(echo):
+    up, rec = echo
+    with httpx.Client(base_url=rec.base_url, timeout=30) as c:
+        assert c.post("/completion", content=b"{}").status_code == 200
+        time.sleep(1.5)                           # the upstream closes the idle keep-alive connection
+        assert c.post("/completion", content=b"{}").status_code == 200
+
+
+def test_the_stream_tap_parses_complete_events_however_the_chunks_cut_them():
+    stream = (b'data: {"a": 1}\n\n: comment\ndata: {"b": 2}\r\n\r\ndata: [DONE]\n\n'
+              b'data: not json\n\ndata: {"c": 3}\n\ndata: {"d": 4}')      # the last event is not complete
+    whole = SSETap()
+    whole.feed(stream)
+    assert whole.events() == [{"a": 1}, {"b": 2}, {"c": 3}]
+    for cut in range(1, len(stream)):
+        tap = SSETap()
+        tap.feed(stream[:cut])
+        tap.feed(stream[cut:])
+        assert tap.events() == whole.events(), cut
+
+
+def test_serve_keeps_h11_and_asyncio_whatever_is_installed():
+    config = uvicorn_config(echo_app, "127.0.0.1", 0, "warning")
+    assert (config.http, config.loop) == ("h11", "asyncio")
