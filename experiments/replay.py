@@ -50,6 +50,11 @@ REPLAY_EPILOG = """examples:
 """
 
 
+def load_model(path: str, threads: int) -> Any:
+    """The GGUF model with `threads` compute threads (for commands that run the engine through this module)."""
+    return load(path, n_threads=threads)
+
+
 def engine_setup(model: Any, cfg: ServerConfig, *, keep_n_ctx_train: bool = False
                  ) -> tuple[ServerConfig, dict[str, Any]]:
     """`cfg` with the model's own facts (KV bytes per token, EOG ids, BOS; its n_ctx_train unless

@@ -206,10 +206,10 @@ class _Model:
 
     def get(self) -> Any:
         if self.model is None:
-            from engine.model import load
+            from experiments.replay import load_model
 
             t0 = time.perf_counter()
-            self.model = load(self.opts.model, n_threads=self.opts.threads)
+            self.model = load_model(self.opts.model, self.opts.threads)
             self.load_s = time.perf_counter() - t0
             self.log(f"real engine: loaded {self.opts.model} in {self.load_s:.1f} s ({self.model.threads_desc})")
         return self.model
