@@ -105,7 +105,11 @@ class Simulation:
         self.recorder = recorder
         self.progress = progress
         self.env = simpy.Environment()
-        self.core = ServerCore(self.resolved, make_policies(server_config.policies), recorder)
+        # simulated, the core keeps token sequences as array('i') (engine/core/tokens.py: copies are memcpy);
+        # a real backend gets the lists it expects
+        self._token_arrays = backend is None
+        self.core = ServerCore(self.resolved, make_policies(server_config.policies), recorder,
+                               token_arrays=self._token_arrays)
         if backend is None and latency is None:
             raise ValueError("Simulation needs a latency model or a backend")
         self.backend = backend if backend is not None else SimBackend(latency, server_config.kv_bytes_per_token)
@@ -168,7 +172,7 @@ class Simulation:
         arr = self._arrivals
         i = self._arr_i
         n = len(arr)
-        mat = self.materializer
+        prompt = self.materializer.prompt_array if self._token_arrays else self.materializer.prompt
         defaults = self.task_defaults
         reply = self._reply
         while i < n and arr[i][0] <= until_ns:
@@ -180,7 +184,7 @@ class Simulation:
             else:
                 rep, kw = reply(r.index, r.n_output), defaults
             req = SimRequest(r.index, t_ns, r.n_output, rep, r.session_id, 0, None)
-            out.append(Task(id=-1, tokens=mat.prompt(r), n_predict=r.n_output, user=req, **kw))
+            out.append(Task(id=-1, tokens=prompt(r), n_predict=r.n_output, user=req, **kw))
         self._arr_i = i
         return out
 
@@ -498,11 +502,11 @@ class Simulation:
             return
 
         if isinstance(workload, ChatWorkload):
-            self._future = FutureRequests(chat_requests(workload, self.space, self._reply), self._oracle_clock,
-                                          by_time=False)
+            self._future = FutureRequests(chat_requests(workload, self.space, self._reply, self._token_arrays),
+                                          self._oracle_clock, by_time=False)
         else:
-            self._future = FutureRequests(trace_requests(workload, self.materializer), self._oracle_clock,
-                                          by_time=True)
+            self._future = FutureRequests(trace_requests(workload, self.materializer, self._token_arrays),
+                                          self._oracle_clock, by_time=True)
         bind(self._future)
 
     def _oracle_clock(self) -> int:

@@ -3,15 +3,18 @@
 Every token is a pure function of (seed, stream key, position) through SplitMix64 counters, vectorised in
 numpy: equal block hashes give equal token blocks (so prefix sharing survives), a bounded cache of recent
 blocks only saves recomputation, and
-nothing depends on the order in which prompts are materialised.
+nothing depends on the order in which prompts are materialised. Each sequence comes as a `list` of int, or
+(the `*_array` methods, for the simulator's core) as the same ids in an `array('i')`.
 """
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import numpy as np
 
+from engine.core.tokens import token_array
 from traces.schema import TraceRequest
 
 MASK64 = (1 << 64) - 1
@@ -96,7 +99,7 @@ class PromptMaterializer:
     """
 
     __slots__ = ("space", "seed", "_n_allowed", "_u_allowed", "_gaps", "_pos_mult", "_table", "_blocks",
-                 "_block_size")
+                 "_block_size", "_blocks_array", "_block_size_array")
 
     BLOCK_CACHE_TOKENS = 1 << 24   # ~16M token ids (128 MB of pointers) of recently used prefix blocks
 
@@ -114,6 +117,8 @@ class PromptMaterializer:
         # (block hash) -> its tokens, for one block size; a pure cache (values are functions of seed, hash)
         self._blocks: dict[int, list[int]] = {}
         self._block_size = 0
+        self._blocks_array: dict[int, array] = {}       # the same blocks for prompt_array
+        self._block_size_array = 0
 
     def _id_table(self) -> np.ndarray:
         """[n_allowed] object array: draw index -> token id as a shared Python int. Indexing it and calling
@@ -139,12 +144,32 @@ class PromptMaterializer:
         np.remainder(z, self._u_allowed, out=z)
         return self._id_table().take(z.view(np.int64)).tolist()                  # [n] allowed ids
 
+    def _draw_array(self, z: np.ndarray) -> array:
+        """`_draw` into an array('i'): the ids go from numpy to the array in one copy."""
+        if self.space.vocab_size > 2 ** 31:
+            raise ValueError(f"TokenSpace: vocab_size {self.space.vocab_size} does not fit array('i') token ids")
+        _mix64_np_inplace(z)
+        np.remainder(z, self._u_allowed, out=z)
+        idx = z.view(np.int64)
+        if len(self._gaps):                      # the id table's values, computed for these indices only
+            idx = idx + np.searchsorted(self._gaps, idx, side="right")
+        out = token_array()
+        out.frombytes(memoryview(idx.astype(np.intc)).cast("B"))
+        return out
+
     def tokens(self, key: int, n: int, start: int = 0) -> list[int]:
         """Positions start .. start+n-1 of the token stream `key` (see `stream_key`)."""
         if n <= 0:
             return []
         end = start + n
         return self._draw(self._pos(end)[start:end] + np.uint64(key & MASK64))    # [n] uint64 counters
+
+    def tokens_array(self, key: int, n: int, start: int = 0) -> array:
+        """`tokens` as an array('i')."""
+        if n <= 0:
+            return token_array()
+        end = start + n
+        return self._draw_array(self._pos(end)[start:end] + np.uint64(key & MASK64))
 
     def block(self, block_hash: int, block_size: int) -> list[int]:
         """The tokens of one prefix block; a pure function of (seed, block_hash)."""
@@ -158,18 +183,37 @@ class PromptMaterializer:
         """
         if req.prompt_tokens is not None:
             return list(req.prompt_tokens)
+        return self._prompt(req, False)
+
+    def prompt_array(self, req: TraceRequest) -> array:
+        """`prompt` as an array('i') (the same ids)."""
+        if req.prompt_tokens is not None:
+            try:
+                return token_array(req.prompt_tokens)
+            except OverflowError:
+                raise ValueError(f"request {req.index} (source line {req.source_line}): a prompt token id is "
+                                 f"outside the C int range of array('i')") from None
+        return self._prompt(req, True)
+
+    def _prompt(self, req: TraceRequest, as_array: bool):
         n = req.n_prompt
         unique_key = stream_key(self.seed, DOMAIN_UNIQUE, req.index)
+        tokens, draw = (self.tokens_array, self._draw_array) if as_array else (self.tokens, self._draw)
         if not req.block_hashes or req.block_size <= 0:
-            return self.tokens(unique_key, n)
+            return tokens(unique_key, n)
         bs = req.block_size
         n_blocks = min(len(req.block_hashes), -(-n // bs))
         n_hashed = min(n, n_blocks * bs)
         hashes = req.block_hashes[:n_blocks]
-        if bs != self._block_size:
-            self._blocks, self._block_size = {}, bs
-        cache = self._blocks
-        got: dict[int, list[int]] = {}
+        if as_array:
+            if bs != self._block_size_array:
+                self._blocks_array, self._block_size_array = {}, bs
+            cache = self._blocks_array
+        else:
+            if bs != self._block_size:
+                self._blocks, self._block_size = {}, bs
+            cache = self._blocks
+        got = {}
         missing = []
         for h in dict.fromkeys(hashes):
             blk = cache.pop(h, None)
@@ -183,18 +227,18 @@ class PromptMaterializer:
             block_keys = _mix64_np(((np.uint64(prefix) ^ _as_u64(tuple(missing))) + _UGOLDEN))
             # counter of (block, position) = block key + (position + 1) * golden, as a [n_missing, bs] grid
             z = (block_keys[:, None] + self._pos(bs)[None, :bs]).ravel()         # [n_missing * bs]
-            flat = self._draw(z)
+            flat = draw(z)
             if len(cache) * bs > self.BLOCK_CACHE_TOKENS:
                 for h in list(cache)[: len(cache) // 2]:                          # drop the least recent half
                     del cache[h]
             for i, h in enumerate(missing):
                 got[h] = cache[h] = flat[i * bs:(i + 1) * bs]
-        out: list[int] = []
+        out = token_array() if as_array else []
         for h in hashes:
             out += got[h]
         del out[n_hashed:]
         if n_hashed < n:
-            out += self.tokens(unique_key, n - n_hashed, start=n_hashed)
+            out += tokens(unique_key, n - n_hashed, start=n_hashed)
         return out
 
 

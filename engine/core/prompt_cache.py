@@ -107,7 +107,7 @@ class PromptCache:
         if self.limit_bytes > 0:
             while self.entries and self._size_bytes + size_bytes > self.limit_bytes:
                 self._evict_one(now_s, "evict_make_room")
-        e = CacheEntry(self._next_id, list(tokens), size_bytes, now_s, now_s, 0, 0.0, self._next_id)
+        e = CacheEntry(self._next_id, tokens[:], size_bytes, now_s, now_s, 0, 0.0, self._next_id)
         self._next_id += 1
         self.entries[e.id] = e
         bucket = self._by_first.get(tokens[0])

@@ -33,7 +33,7 @@ from engine.core.prompt_cache import CacheLoadFailed, PromptCache
 from engine.core.protocols import Policies
 from engine.core.recorder import NullRecorder, Recorder
 from engine.core.slot import Slot
-from engine.core.tokens import common_prefix
+from engine.core.tokens import common_prefix, token_array
 from engine.core.types import (
     STOP_EOS, STOP_LIMIT, STOP_WORD, BatchPlan, Chunk, ForwardCall, KVOp, SlotState, StepResult, Task, TaskError,
     TokenEvent,
@@ -51,16 +51,22 @@ class ServerCore:
     """One llama-server scheduling state machine. Not thread-safe: one thread (or one SimPy process) drives it.
 
     `stream_tokens`: every sampled token is reported in `commit`'s events (tokens of tasks with a text hook
-    always are, with the hook's output)."""
+    always are, with the hook's output). `token_arrays`: the core keeps every token sequence (task prompts,
+    slot tokens, prompt-cache entries) as `array('i')` instead of `list` (engine/core/tokens.py); submitted
+    prompts are converted to it, and the decisions are the same either way."""
 
     def __init__(self, config: ServerConfig | ResolvedConfig, policies: Policies,
-                 recorder: Recorder | None = None, stream_tokens: bool = False) -> None:
+                 recorder: Recorder | None = None, stream_tokens: bool = False, token_arrays: bool = False) -> None:
         self.cfg = config.resolve() if isinstance(config, ServerConfig) else config
         self.base = self.cfg.base
         self.policies = policies
         self.rec = recorder if recorder is not None else NullRecorder()
         self.stream_tokens = stream_tokens
         self.slots = [Slot(i, self.cfg.n_ctx_slot) for i in range(self.cfg.n_slots)]
+        # the token container: its type, and a function making a new one (a copy of an iterable)
+        self._tok_type, self._tokens = (type(token_array()), token_array) if token_arrays else (list, list)
+        for s in self.slots:
+            s.tokens = self._tokens()
         self.queue: deque[Task] = deque()          # queue_tasks (new + resumed tasks)
         self.deferred: list[Task] = []             # queue_tasks_deferred
         self.metrics = Metrics()
@@ -84,8 +90,8 @@ class ServerCore:
     # ------------------------------------------------------------------ public API
     def submit(self, task: Task, now_s: float) -> Task:
         """Post a completion task (`queue_tasks.post`). n_cmpl > 1 creates child tasks sharing its prompt."""
-        if type(task.tokens) is not list:
-            task.tokens = list(task.tokens)
+        if type(task.tokens) is not self._tok_type:
+            task.tokens = self._tokens(task.tokens)
         task.id = self._new_id()
         task.t_submit_s = now_s
         if task.n_cmpl > 1 and not task.children:
@@ -143,7 +149,7 @@ class ServerCore:
             raise RuntimeError(f"slot {slot_id} is processing; its tokens can change only when idle")
         self.kv.truncated(slot_id, 0)
         self._saved_in[slot_id] = -1
-        s.tokens = list(tokens)
+        s.tokens = self._tokens(tokens)
 
     def kv_cells_used(self) -> int:
         """KV cells in use: every slot's tokens, counting cells shared by seq_cp once (unified KV)."""
@@ -261,14 +267,14 @@ class ServerCore:
             keep = self.base.cache_hit == "copy"
             self._ops.append(KVOp("cache_load", seq=slot.id, entry=entry.id, n_tokens=len(entry.tokens), keep=keep))
             self.kv.truncated(slot.id, 0)
-            slot.tokens = list(entry.tokens)
+            slot.tokens = entry.tokens[:]
             self._saved_in[slot.id] = entry.id if keep else -1
         return True
 
     def _prompt_clear(self, slot: Slot) -> None:
         if slot.tokens:
             self._ops.append(KVOp("seq_rm", seq=slot.id, p0=-1, p1=-1))
-            slot.tokens = []
+            slot.tokens = self._tokens()
             self.kv.truncated(slot.id, 0)
         self._saved_in[slot.id] = -1
 
@@ -398,7 +404,7 @@ class ServerCore:
         task.n_prompt_processed = n - n_past
         self.metrics.n_prompt_tokens_cached_total += n_past
         if len(s.tokens) > n_past:
-            s.tokens = s.tokens[:n_past]     # (a fresh list: cheaper than deleting a long tail in place)
+            s.tokens = s.tokens[:n_past]     # (a fresh copy: cheaper than deleting a long list tail in place)
             self.kv.truncated(s.id, n_past)
             ops.append(KVOp("seq_rm", seq=s.id, p0=n_past, p1=-1))
         self._saved_in[s.id] = -1
@@ -484,7 +490,7 @@ class ServerCore:
                 ops.append(KVOp("seq_rm", seq=sid, p0=-1, p1=-1))
                 ops.append(KVOp("seq_cp", seq=parent.id, dst=sid, p0=-1, p1=-1))
                 self.kv.truncated(sid, 0)
-                child.tokens = list(parent.tokens)
+                child.tokens = parent.tokens[:]
                 self.kv.copied(sid, parent.id, len(parent.tokens))
                 self._saved_in[sid] = -1
                 ct = child.task
@@ -726,7 +732,7 @@ class ServerCore:
             new = tokens[s.id]
             toks = s.tokens
             toks.append(s.sampled)
-            toks += new
+            toks.extend(new)
             s.sampled = toks.pop()           # the last sampled token is not in the KV yet
             task.generated += new
             task.t_gen_last_s = t_end
@@ -738,7 +744,7 @@ class ServerCore:
             p, take = prompt
             n_prompt = take
             i = p.i_prompt
-            p.tokens += p.task.tokens[i:i + k * take]
+            p.tokens.extend(p.task.tokens[i:i + k * take])
             p.i_prompt = i + k * take
             if rec:
                 ids.append(p.id)

@@ -1,3 +1,4 @@
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -79,3 +80,25 @@ def test_reserved_ids_never_appear(reserved, seed, n, blocks):
 def test_allowed_ids_are_all_reachable():
     space = TokenSpace(vocab_size=8, reserved=frozenset({0, 3, 7}))
     assert set(materialize_prompt(req(n_prompt=500), space, 0)) == {1, 2, 4, 5, 6}
+
+
+@settings(max_examples=60, deadline=None)
+@given(reserved=st.frozensets(st.integers(0, 63), max_size=60), seed=st.integers(0, 2**32),
+       reqs=st.lists(st.tuples(st.integers(0, 300), st.lists(st.integers(0, 5), max_size=6),
+                               st.sampled_from([0, 8, 32])), min_size=1, max_size=8))
+def test_prompt_array_holds_exactly_the_ids_of_prompt(reserved, seed, reqs):
+    # one materializer per container, each with its own block cache; requests share blocks (small hashes)
+    space = TokenSpace(vocab_size=64, reserved=reserved)
+    m_list, m_arr = PromptMaterializer(space, seed), PromptMaterializer(space, seed)
+    for i, (n, blocks, bs) in enumerate(reqs):
+        r = req(index=i, n_prompt=n, block_hashes=tuple(blocks) if bs else (), block_size=bs)
+        arr = m_arr.prompt_array(r)
+        assert arr.typecode == "i" and list(arr) == m_list.prompt(r)
+    assert list(m_arr.tokens_array(99, 50, start=7)) == m_list.tokens(99, 50, start=7)
+
+
+def test_prompt_array_of_recorded_tokens_and_its_range_error():
+    m = PromptMaterializer(TokenSpace(), 0)
+    assert list(m.prompt_array(req(n_prompt=3, prompt_tokens=(5, 6, 7)))) == [5, 6, 7]
+    with pytest.raises(ValueError, match="request 4 .source line 12.*C int range"):
+        m.prompt_array(req(index=4, n_prompt=1, prompt_tokens=(2 ** 40,), source_line=12))
