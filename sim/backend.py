@@ -20,6 +20,8 @@ class SimBackend:
     def __init__(self, latency: LatencyModel, kv_bytes_per_token: int) -> None:
         self.latency = latency
         self.kv_bytes_per_token = kv_bytes_per_token
+        # optional: the time of a decode-only step from (n_seqs, attn_ctx), bit-equal to step_time_s of its cost
+        self._decode_step_time_s = getattr(latency, "decode_step_time_s", None)
 
     def cost(self, plan: BatchPlan) -> StepCost:
         n_prefill = n_decode = n_seqs = attn = kv_read = n_calls = 0
@@ -51,14 +53,24 @@ class SimBackend:
 
     def execute(self, plan: BatchPlan) -> StepResult:
         tasks = plan.tasks
-        if not tasks and not any(type(p) is ForwardCall for p in plan.program):
+        program = plan.program
+        if not tasks and not any(type(p) is ForwardCall for p in program):
             return StepResult(0.0, {})   # KV bookkeeping only (drops, clears): charged nothing
-        elapsed = self.latency.step_time_s(self.cost(plan))
-        sampled = {}
-        for sid, task in tasks.items():
-            reply = task.user.reply
-            n = len(task.generated)
-            sampled[sid] = reply[n] if n < len(reply) else reply[n % len(reply)]
+        if (not plan.n_prompt_tokens and len(program) == 1 and self._decode_step_time_s is not None
+                and type(program[0]) is ForwardCall):
+            # one call of decode tokens only, nothing else: what cost() makes decode_only_cost(n, Σ pos0 + 1)
+            chunks = program[0].chunks
+            n = len(chunks)
+            elapsed = self._decode_step_time_s(n, sum([c[3] for c in chunks]) + n)
+        else:
+            elapsed = self.latency.step_time_s(self.cost(plan))
+        try:                             # the k-th generated token is reply[k] ...
+            sampled = {sid: task.user.reply[len(task.generated)] for sid, task in tasks.items()}
+        except IndexError:               # ... and past the reply's end the reply repeats
+            sampled = {}
+            for sid, task in tasks.items():
+                reply = task.user.reply
+                sampled[sid] = reply[len(task.generated) % len(reply)]
         return StepResult(elapsed, sampled)
 
     def prefill_stretch_costs(self, decode_pos: list[int], prompt_pos0: int, take: int, k: int) -> list[StepCost]:

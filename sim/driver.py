@@ -30,7 +30,7 @@ from policies import make_policies
 from sim.backend import SimBackend
 from sim.latency import LatencyModel
 from traces import ChatWorkload, PromptMaterializer, TokenSpace, Trace
-from traces.tokens import DOMAIN_REPLY, stream_key
+from traces.tokens import DOMAIN_REPLY, extend_key, stream_key
 from sim.future import FutureRequests, chat_requests, trace_requests
 
 NS = 1_000_000_000
@@ -115,7 +115,9 @@ class Simulation:
         self.backend = backend if backend is not None else SimBackend(latency, server_config.kv_bytes_per_token)
         self.space = TokenSpace(vocab_size, frozenset(server_config.eog_ids) | reserved_tokens)
         self.materializer = PromptMaterializer(self.space, seed)
-        self._reply_pool = self.materializer.tokens(stream_key(seed, DOMAIN_REPLY, -1), REPLY_POOL)
+        draw = self.materializer.tokens_array if self._token_arrays else self.materializer.tokens
+        self._reply_pool = draw(stream_key(seed, DOMAIN_REPLY, -1), REPLY_POOL)
+        self._reply_key = stream_key(seed, DOMAIN_REPLY)
         # stand-in replies are drawn from the token space, which excludes the EOG ids: then no stretch can hold one
         self._reply_eog = any(t in server_config.eog_ids for t in self._reply_pool)
         self._inbox: list[Task] = []
@@ -159,7 +161,7 @@ class Simulation:
         pool = self._reply_pool
         if n >= len(pool):
             return (pool * (n // len(pool) + 1))[:n]
-        off = stream_key(self.seed, DOMAIN_REPLY, index) % (len(pool) - n)
+        off = extend_key(self._reply_key, index) % (len(pool) - n)    # stream_key(seed, DOMAIN_REPLY, index)
         return pool[off:off + n]
 
     def _next_arrival_ns(self) -> float:

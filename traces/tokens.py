@@ -77,7 +77,13 @@ def _mix64_np_inplace(z: np.ndarray) -> np.ndarray:
 
 def stream_key(*parts: int) -> int:
     """Fold integers (any sign, taken modulo 2**64) into one 64-bit stream key."""
-    k = 0
+    return extend_key(0, *parts)
+
+
+def extend_key(key: int, *parts: int) -> int:
+    """Fold more integers into a stream key: `extend_key(stream_key(*a), *b) == stream_key(*a, *b)` (so a
+    shared head of the parts is folded once)."""
+    k = key
     for p in parts:
         k = _mix64(((k ^ (p & MASK64)) + _GOLDEN) & MASK64)
     return k
@@ -99,7 +105,7 @@ class PromptMaterializer:
     """
 
     __slots__ = ("space", "seed", "_n_allowed", "_u_allowed", "_gaps", "_pos_mult", "_table", "_blocks",
-                 "_block_size", "_blocks_array", "_block_size_array")
+                 "_block_size", "_blocks_array", "_block_size_array", "_unique_key", "_block_key")
 
     BLOCK_CACHE_TOKENS = 1 << 24   # ~16M token ids (128 MB of pointers) of recently used prefix blocks
 
@@ -119,6 +125,8 @@ class PromptMaterializer:
         self._block_size = 0
         self._blocks_array: dict[int, array] = {}       # the same blocks for prompt_array
         self._block_size_array = 0
+        self._unique_key = stream_key(self.seed, DOMAIN_UNIQUE)   # heads of the per-request and block keys
+        self._block_key = stream_key(self.seed, DOMAIN_BLOCK)
 
     def _id_table(self) -> np.ndarray:
         """[n_allowed] object array: draw index -> token id as a shared Python int. Indexing it and calling
@@ -197,7 +205,7 @@ class PromptMaterializer:
 
     def _prompt(self, req: TraceRequest, as_array: bool):
         n = req.n_prompt
-        unique_key = stream_key(self.seed, DOMAIN_UNIQUE, req.index)
+        unique_key = extend_key(self._unique_key, req.index)    # = stream_key(seed, DOMAIN_UNIQUE, index)
         tokens, draw = (self.tokens_array, self._draw_array) if as_array else (self.tokens, self._draw)
         if not req.block_hashes or req.block_size <= 0:
             return tokens(unique_key, n)
@@ -223,8 +231,7 @@ class PromptMaterializer:
                 got[h] = cache[h] = blk                                           # re-inserted: most recent
         if missing:
             # equal hashes repeat across requests (prefix sharing): draw each new block once, all in one go
-            prefix = stream_key(self.seed, DOMAIN_BLOCK)
-            block_keys = _mix64_np(((np.uint64(prefix) ^ _as_u64(tuple(missing))) + _UGOLDEN))
+            block_keys = _mix64_np(((np.uint64(self._block_key) ^ _as_u64(tuple(missing))) + _UGOLDEN))
             # counter of (block, position) = block key + (position + 1) * golden, as a [n_missing, bs] grid
             z = (block_keys[:, None] + self._pos(bs)[None, :bs]).ravel()         # [n_missing * bs]
             flat = draw(z)

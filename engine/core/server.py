@@ -51,9 +51,9 @@ class ServerCore:
     """One llama-server scheduling state machine. Not thread-safe: one thread (or one SimPy process) drives it.
 
     `stream_tokens`: every sampled token is reported in `commit`'s events (tokens of tasks with a text hook
-    always are, with the hook's output). `token_arrays`: the core keeps every token sequence (task prompts,
-    slot tokens, prompt-cache entries) as `array('i')` instead of `list` (engine/core/tokens.py); submitted
-    prompts are converted to it, and the decisions are the same either way."""
+    always are, with the hook's output). `token_arrays`: the core keeps every token sequence (task prompts
+    and generated tokens, slot tokens, prompt-cache entries) as `array('i')` instead of `list`
+    (engine/core/tokens.py); submitted prompts are converted to it, and the decisions are the same either way."""
 
     def __init__(self, config: ServerConfig | ResolvedConfig, policies: Policies,
                  recorder: Recorder | None = None, stream_tokens: bool = False, token_arrays: bool = False) -> None:
@@ -226,6 +226,8 @@ class ServerCore:
         slot.n_past = 0
         slot.i_prompt = 0
         slot.n_tasks += 1
+        if type(task.generated) is not self._tok_type:
+            task.generated = self._tokens(task.generated)
         task.slot_id = slot.id
         npr = task.n_predict
         task.n_predict_max = self.base.n_predict if npr is None or npr == -1 else npr
@@ -734,7 +736,7 @@ class ServerCore:
             toks.append(s.sampled)
             toks.extend(new)
             s.sampled = toks.pop()           # the last sampled token is not in the KV yet
-            task.generated += new
+            task.generated.extend(new)
             task.t_gen_last_s = t_end
             if stream:
                 self._events.extend(TokenEvent(task, t) for t in new)

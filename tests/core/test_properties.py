@@ -122,7 +122,7 @@ def test_same_inputs_give_same_decision_log(cfg, reqs):
 
 
 def _outcome(t):
-    return (t.id, t.slot_id, list(t.tokens), t.generated, t.stop_type, t.truncated, t.n_prompt_cached,
+    return (t.id, t.slot_id, list(t.tokens), list(t.generated), t.stop_type, t.truncated, t.n_prompt_cached,
             t.n_prompt_processed, t.n_tokens_cached, t.n_deferred, t.t_launch_s, t.t_start_s, t.t_prompt_last_s,
             t.t_end_s, None if t.error is None else t.error.message)
 

@@ -3,6 +3,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from traces import PromptMaterializer, TokenSpace, TraceRequest, materialize_prompt
+from traces.tokens import extend_key, stream_key
 
 
 def req(**kw):
@@ -102,3 +103,8 @@ def test_prompt_array_of_recorded_tokens_and_its_range_error():
     assert list(m.prompt_array(req(n_prompt=3, prompt_tokens=(5, 6, 7)))) == [5, 6, 7]
     with pytest.raises(ValueError, match="request 4 .source line 12.*C int range"):
         m.prompt_array(req(index=4, n_prompt=1, prompt_tokens=(2 ** 40,), source_line=12))
+
+
+@given(head=st.lists(st.integers(-2**70, 2**70), max_size=4), tail=st.lists(st.integers(-2**70, 2**70), max_size=4))
+def test_extend_key_continues_the_fold_of_stream_key(head, tail):
+    assert extend_key(stream_key(*head), *tail) == stream_key(*head, *tail)
