@@ -170,24 +170,29 @@ class Simulation:
     def _take_arrivals(self, until_ns: int) -> list[Task]:
         """Open-loop requests arriving at or before `until_ns`, as tasks (arrival time = trace time). Nobody can
         wait on a trace request, so it gets no SimPy `done` event."""
-        out = []
         arr = self._arrivals
-        i = self._arr_i
+        i0 = i = self._arr_i
         n = len(arr)
-        prompt = self.materializer.prompt_array if self._token_arrays else self.materializer.prompt
+        while i < n and arr[i][0] <= until_ns:
+            i += 1
+        if i == i0:
+            return []
+        self._arr_i = i
+        taken = arr[i0:i]
+        mat = self.materializer
+        prompts = (mat.prompt_arrays([r for _, r in taken]) if self._token_arrays
+                   else [mat.prompt(r) for _, r in taken])
+        out = []
         defaults = self.task_defaults
         reply = self._reply
-        while i < n and arr[i][0] <= until_ns:
-            t_ns, r = arr[i]
-            i += 1
+        for (t_ns, r), tokens in zip(taken, prompts):
             if r.output_tokens:
                 rep, kw = list(r.output_tokens), self._recorded_fields(r)
                 self._reply_eog = True               # recorded replies end with the EOS they stopped at
             else:
                 rep, kw = reply(r.index, r.n_output), defaults
             req = SimRequest(r.index, t_ns, r.n_output, rep, r.session_id, 0, None)
-            out.append(Task(id=-1, tokens=prompt(r), n_predict=r.n_output, user=req, **kw))
-        self._arr_i = i
+            out.append(Task(id=-1, tokens=tokens, n_predict=r.n_output, user=req, **kw))
         return out
 
     def _recorded_fields(self, r) -> dict[str, Any]:

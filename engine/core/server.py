@@ -290,7 +290,6 @@ class ServerCore:
             return BatchPlan(now_s, tuple(ops), 0, 0, {}, {})
         n_ctx = self.cfg.n_ctx_slot
         chunks: list[Chunk] = []
-        added = [0] * len(slots)
         sampling: dict[int, Any] = {}
         tasks: dict[int, Task] = {}
         # 1. context shift of full generating slots (each slot on its own, so one pass does 1. and the census)
@@ -317,7 +316,6 @@ class ServerCore:
                 tok = s.sampled
                 chunks.append(_tuple_new(Chunk, (sid, task.id, (tok,), len(toks), self_only[sid], False)))
                 toks.append(tok)
-                added[sid] = 1
                 tasks[sid] = task
                 sampling[sid] = task.sampling
             n_decode = len(gen)
@@ -340,7 +338,6 @@ class ServerCore:
                 part = task.tokens[s.i_prompt:s.i_prompt + take]
                 s.tokens.extend(part)
                 s.i_prompt += take
-                added[s.id] += take
                 budget -= take
                 n_prompt += take
                 sample_for: tuple[int, ...] = ()
@@ -355,7 +352,7 @@ class ServerCore:
         if not chunks:
             self._ops = []
             return BatchPlan(now_s, tuple(ops), 0, 0, {}, {})
-        fatal, single = self._decode_views(chunks, added, ops, now_s)
+        fatal, single = self._decode_views(chunks, n_decode + n_prompt, ops, now_s)
         self._ops = []
         if not single:     # split batch: only slots whose last chunk made it into a forward call sample
             sampling = {}
@@ -461,11 +458,10 @@ class ServerCore:
         self.rec.record(now_s, "context_shift", task=task.id, slot=s.id, n_keep=n_keep, n_discard=n_discard)
 
     # --- decode(): KV capacity, idle-slot purge, n_batch halving --------------------------------------
-    def _decode_views(self, chunks: list[Chunk], added: list[int], ops: list, now_s: float) -> tuple[str, bool]:
-        """Cut the batch into llama_decode calls of at most n_batch tokens that fit in the KV cells
-        (`KVCells.split`: idle-slot purge, n_batch halving). Returns (fatal error message or "", whether the
-        batch went as one call)."""
-        n_total = sum(added)
+    def _decode_views(self, chunks: list[Chunk], n_total: int, ops: list, now_s: float) -> tuple[str, bool]:
+        """Cut the batch (`n_total` tokens in `chunks`, already appended to the slots' tokens) into llama_decode
+        calls of at most n_batch tokens that fit in the KV cells (`KVCells.split`: idle-slot purge, n_batch
+        halving). Returns (fatal error message or "", whether the batch went as one call)."""
         if n_total <= self.cfg.n_batch and self.kv.fits_as_is():
             # common case: one llama_decode call
             ops.append(ForwardCall(tuple(chunks), n_total))
@@ -474,6 +470,9 @@ class ServerCore:
             if self._n_parents_busy and any(len(c.sample_for) > 1 for c in chunks):
                 self._after_forward(chunks, ops)
             return "", True
+        added = [0] * len(self.slots)       # tokens each slot got in this batch
+        for c in chunks:
+            added[c.seq] += len(c.tokens)
         ok, used = self.kv.split(chunks, added, self.cfg.n_batch, _Views(self, ops, now_s))
         if not ok:
             self.rec.record(now_s, "decode_fatal", used=used, cap=self.kv.capacity)
@@ -531,8 +530,7 @@ class ServerCore:
         eog = self._eog
         ctx_stop = not self.base.ctx_shift     # the context limit stops a task only with ctx shift off
         ptasks = plan.tasks
-        for sid in sorted(sampled):            # post_decode visits slots in id order
-            tok = sampled[sid]
+        for sid, tok in sorted(sampled.items()):   # post_decode visits slots in id order
             s = slots[sid]
             task = s.task
             if task is None or task is not ptasks.get(sid):
@@ -764,8 +762,16 @@ class ServerCore:
                 if rec:
                     self.rec.record(start, "batch", n_decode=n_dec, n_prompt=n_prompt, slots=ids, n_calls=1)
         self._last_commit_s = t_end
+        eog = self._eog
+        ctx_stop = not self.base.ctx_shift
         for s in gen:                      # the last step's commit: stop checks in slot order
-            if self._process_token(s, s.task, s.sampled):
+            task = s.task
+            tok = s.sampled
+            npm = task.n_predict_max
+            if (tok not in eog and (npm == -1 or len(task.generated) < npm)
+                    and not (ctx_stop and len(s.tokens) + 1 >= s.n_ctx)):
+                continue                   # no stop condition can hold (no text hook here): as commit skips
+            if self._process_token(s, task, tok):
                 self._release(s, t_end)
         n_max = max([len(s.tokens) for s in self.slots])
         if n_max > m.n_tokens_max:

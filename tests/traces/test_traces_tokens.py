@@ -108,3 +108,16 @@ def test_prompt_array_of_recorded_tokens_and_its_range_error():
 @given(head=st.lists(st.integers(-2**70, 2**70), max_size=4), tail=st.lists(st.integers(-2**70, 2**70), max_size=4))
 def test_extend_key_continues_the_fold_of_stream_key(head, tail):
     assert extend_key(stream_key(*head), *tail) == stream_key(*head, *tail)
+
+
+@settings(max_examples=60, deadline=None)
+@given(reserved=st.frozensets(st.integers(0, 63), max_size=60), seed=st.integers(0, 2**32),
+       reqs=st.lists(st.tuples(st.integers(0, 300), st.lists(st.integers(0, 5), max_size=6),
+                               st.sampled_from([0, 0, 8]), st.booleans()), max_size=10))
+def test_prompt_arrays_of_many_requests_equal_one_by_one(reserved, seed, reqs):
+    space = TokenSpace(vocab_size=64, reserved=reserved)
+    batch = [req(index=i * 7, n_prompt=n, block_hashes=tuple(blocks) if bs else (), block_size=bs,
+                 prompt_tokens=tuple(range(n % 9)) if real else None) for i, (n, blocks, bs, real) in enumerate(reqs)]
+    one = PromptMaterializer(space, seed)
+    got = PromptMaterializer(space, seed).prompt_arrays(batch)
+    assert [list(a) for a in got] == [list(one.prompt_array(r)) for r in batch]
