@@ -28,18 +28,23 @@ class SimBackend:
         copy_tokens = shift_tokens = 0
         for p in plan.program:
             if type(p) is ForwardCall:
+                chunks = p.chunks
                 n_calls += 1
-                n_seqs += len(p.chunks)
-                for _seq, _task, toks, pos0, _sf, is_prompt in p.chunks:
-                    if is_prompt:
-                        n = len(toks)
-                        n_prefill += n
-                        attn += n * pos0 + n * (n + 1) // 2
-                        kv_read += pos0 + n
-                    else:
-                        n_decode += 1
-                        attn += pos0 + 1
-                        kv_read += pos0 + 1
+                n_seqs += len(chunks)
+                # a decode token at pos0 attends (and reads) pos0 + 1 cells: summed over the decode chunks at once
+                dec = [c[3] for c in chunks if not c[5]]          # pos0 of the chunks with is_prompt False
+                n_dec = len(dec)
+                d = sum(dec) + n_dec
+                n_decode += n_dec
+                attn += d
+                kv_read += d
+                if n_dec < len(chunks):
+                    for _seq, _task, toks, pos0, _sf, is_prompt in chunks:
+                        if is_prompt:
+                            n = len(toks)
+                            n_prefill += n
+                            attn += n * pos0 + n * (n + 1) // 2
+                            kv_read += pos0 + n
             else:
                 k = p.kind
                 if k == "cache_save" or k == "cache_load":

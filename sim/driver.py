@@ -236,6 +236,10 @@ class Simulation:
         backend = self.backend
         ff = self.fast_forward
         now = env.now
+
+        def end_s(r):                              # a step's end: its start (_clock_ns) + its rounded duration
+            return (self._clock_ns + round(r.elapsed_s * NS)) / NS
+
         while True:
             if not self._inbox and not core.has_work():
                 if self._n_done >= self._n_total:
@@ -269,7 +273,7 @@ class Simulation:
                 self._inbox = []
             # the step commits at its end time, computed in integer ns; its tasks finish once the clock is there
             t0 = self._clock_ns = now
-            st = step(core, backend, now_s, lambda r: _s(t0 + round(r.elapsed_s * NS)))
+            st = step(core, backend, now_s, end_s)
             now += round(st.result.elapsed_s * NS)
             self._n_steps += 1
             finished = st.finished
@@ -281,7 +285,8 @@ class Simulation:
                     yield env.timeout(now - env.now)
             if finished:
                 self._finish_tasks(finished)
-            self._sample_timeline(now)
+            if not self._n_steps % self._tl_stride:
+                self._sample_timeline(now)
             if ff and not self._inbox:
                 t_ff = self._try_fast_forward(now)
                 if t_ff > now:
@@ -294,7 +299,8 @@ class Simulation:
                         yield env.timeout(now - env.now)
                     if finished:
                         self._finish_tasks(finished)
-                    self._sample_timeline(now)
+                    if not self._n_steps % self._tl_stride:
+                        self._sample_timeline(now)
 
     @staticmethod
     def _has_waiters(finished: list[Task]) -> bool:
@@ -357,8 +363,12 @@ class Simulation:
             if self._arr_i == len(self._arrivals):   # deferred at once: all of them wait
                 self._backlog_at_last_arrival = (len(core.deferred) + len(core.queue)
                                                  + sum(len(v) for v in arrivals.values()))
-        tokens_for = SimBackend.tokens_for
-        tokens = {s.id: tokens_for(s.task, kk) for s in gen}
+        tokens = {}
+        for s in gen:                                # SimBackend.tokens_for, its common case inlined
+            task = s.task
+            reply = task.user.reply
+            n = len(task.generated)
+            tokens[s.id] = reply[n:n + kk] if n + kk <= len(reply) else SimBackend.tokens_for(task, kk)
         eog = self.config.eog_ids
         if eog and self._reply_eog and any(tok in eog for toks in tokens.values() for tok in toks[:-1]):
             self._arr_i -= sum(len(v) for v in arrivals.values())
@@ -406,8 +416,7 @@ class Simulation:
         }
 
     def _sample_timeline(self, now_ns: int) -> None:
-        if self._n_steps % self._tl_stride:
-            return
+        """One timeline row (the caller samples every `_tl_stride`-th step)."""
         core = self.core
         cache = core.cache
         m = core.metrics

@@ -75,6 +75,14 @@ def _mix64_np_inplace(z: np.ndarray) -> np.ndarray:
     return z
 
 
+def _remainder_inplace(z: np.ndarray, n: np.uint64) -> None:
+    """z %= n on a uint64 array, as z - (z // n) * n: exact for unsigned integers, and numpy divides by a
+    scalar with a multiply-and-shift (libdivide), several times faster than its remainder loop."""
+    q = z // n
+    q *= n
+    z -= q
+
+
 def stream_key(*parts: int) -> int:
     """Fold integers (any sign, taken modulo 2**64) into one 64-bit stream key."""
     return extend_key(0, *parts)
@@ -149,7 +157,7 @@ class PromptMaterializer:
     def _draw(self, z: np.ndarray) -> list[int]:
         """Counters (a fresh uint64 array, overwritten) -> token ids."""
         _mix64_np_inplace(z)
-        np.remainder(z, self._u_allowed, out=z)
+        _remainder_inplace(z, self._u_allowed)
         return self._id_table().take(z.view(np.int64)).tolist()                  # [n] allowed ids
 
     def _draw_array(self, z: np.ndarray) -> array:
@@ -157,7 +165,7 @@ class PromptMaterializer:
         if self.space.vocab_size > 2 ** 31:
             raise ValueError(f"TokenSpace: vocab_size {self.space.vocab_size} does not fit array('i') token ids")
         _mix64_np_inplace(z)
-        np.remainder(z, self._u_allowed, out=z)
+        _remainder_inplace(z, self._u_allowed)
         idx = z.view(np.int64)
         if len(self._gaps):                      # the id table's values, computed for these indices only
             idx = idx + np.searchsorted(self._gaps, idx, side="right")
@@ -268,7 +276,19 @@ class PromptMaterializer:
                     del cache[h]
             for i, h in enumerate(missing):
                 got[h] = cache[h] = flat[i * bs:(i + 1) * bs]
-        out = token_array() if as_array else []
+        if as_array:
+            # the blocks (the last one cut) and the unique tail joined in one allocation: growing the array
+            # block by block would reallocate, and copy, it again and again
+            parts = [got[h] for h in hashes]
+            cut = n_hashed - (n_blocks - 1) * bs
+            if parts and cut < bs:
+                parts[-1] = parts[-1][:cut]
+            if n_hashed < n:
+                parts.append(tokens(unique_key, n - n_hashed, start=n_hashed))
+            out = token_array()
+            out.frombytes(b"".join(parts))
+            return out
+        out = []
         for h in hashes:
             out += got[h]
         del out[n_hashed:]

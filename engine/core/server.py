@@ -237,7 +237,8 @@ class ServerCore:
 
     # --- RAM prompt cache (slot.prompt_save / prompt_load / prompt_clear) ---------------------------
     def _emit_cache_drop(self, entry_id: int) -> None:
-        self._ops.append(KVOp("cache_drop", entry=entry_id))
+        # KVOp("cache_drop", entry=entry_id), built from its full field tuple (see _tuple_new)
+        self._ops.append(_tuple_new(KVOp, ("cache_drop", -1, -1, -1, 0, -1, entry_id, 0, False)))
 
     def _prompt_save(self, slot: Slot, now_s: float) -> bool:
         if not slot.tokens:
@@ -250,7 +251,8 @@ class ServerCore:
         if entry is None:
             return False
         self._saved_in[slot.id] = entry.id
-        self._ops.append(KVOp("cache_save", seq=slot.id, entry=entry.id, n_tokens=n))
+        # KVOp("cache_save", seq=slot.id, entry=entry.id, n_tokens=n)
+        self._ops.append(_tuple_new(KVOp, ("cache_save", slot.id, -1, -1, 0, -1, entry.id, n, False)))
         if self.rec.enabled:
             self.rec.record(now_s, "cache_save", slot=slot.id, entry=entry.id, n_tokens=n,
                             cache_bytes=self.cache.size_bytes(), n_entries=len(self.cache))
@@ -405,7 +407,7 @@ class ServerCore:
         if len(s.tokens) > n_past:
             s.tokens = s.tokens[:n_past]     # (a fresh copy: cheaper than deleting a long list tail in place)
             self.kv.truncated(s.id, n_past)
-            ops.append(KVOp("seq_rm", seq=s.id, p0=n_past, p1=-1))
+            ops.append(_tuple_new(KVOp, ("seq_rm", s.id, n_past, -1, 0, -1, -1, 0, False)))  # seq_rm p0=n_past
         self._saved_in[s.id] = -1
         s.n_past = n_past
         s.i_prompt = n_past

@@ -121,3 +121,13 @@ def test_prompt_arrays_of_many_requests_equal_one_by_one(reserved, seed, reqs):
     one = PromptMaterializer(space, seed)
     got = PromptMaterializer(space, seed).prompt_arrays(batch)
     assert [list(a) for a in got] == [list(one.prompt_array(r)) for r in batch]
+
+
+@given(values=st.lists(st.integers(0, 2**64 - 1), max_size=50), n=st.integers(1, 2**40))
+def test_uint64_remainder_in_place_equals_python_modulo(values, n):
+    import numpy as np
+
+    from traces.tokens import _remainder_inplace
+    z = np.array(values, dtype=np.uint64)
+    _remainder_inplace(z, np.uint64(n))
+    assert z.tolist() == [v % n for v in values]
