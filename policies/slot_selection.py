@@ -15,7 +15,7 @@ def _lru(slots: Sequence[Slot]) -> Slot | None:
     ret = None
     t_last = -1.0
     for s in slots:
-        if s.is_processing:
+        if s.state:                      # processing (IDLE is 0); the test `is_processing` makes, inlined
             continue
         if ret is None or s.t_last_used_s <= t_last:
             t_last = s.t_last_used_s
@@ -39,13 +39,15 @@ class LcpLru:
         update_cache = False
         f_sim_best = 0.0
         if similarity != 0.0:
-            n = len(task.tokens)
+            tokens = task.tokens
+            n = len(tokens)
+            id_slot = task.id_slot
             for s in slots:
-                if task.id_slot != -1 and s.id != task.id_slot:   # raw id, as upstream
+                if s.state or not s.tokens:                      # processing (IDLE is 0) or empty
                     continue
-                if s.is_processing or not s.tokens:
+                if id_slot != -1 and s.id != id_slot:            # raw id, as upstream
                     continue
-                f_sim = common_prefix(s.tokens, task.tokens) / n if n else 0.0
+                f_sim = common_prefix(s.tokens, tokens) / n if n else 0.0
                 if f_sim > f_sim_best and f_sim > similarity:
                     f_sim_best, ret, reason = f_sim, s, "similarity"
             if ret is not None:

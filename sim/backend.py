@@ -22,6 +22,9 @@ class SimBackend:
         self.kv_bytes_per_token = kv_bytes_per_token
         # a model that prices the engine's layout (sim.latency_physical) gets StepCost.calls / kv_save_bytes
         self.wants_layout = bool(getattr(latency, "wants_layout", False))
+        # optional: the time of a decode-only step from (n_seqs, attn_ctx), bit-equal to step_time_s of its cost
+        # (not for a layout model: its decode cost depends on the slots' positions, not only their sum)
+        self._decode_step_time_s = None if self.wants_layout else getattr(latency, "decode_step_time_s", None)
 
     def cost(self, plan: BatchPlan) -> StepCost:
         if self.wants_layout:
@@ -30,18 +33,23 @@ class SimBackend:
         copy_tokens = shift_tokens = 0
         for p in plan.program:
             if type(p) is ForwardCall:
+                chunks = p.chunks
                 n_calls += 1
-                n_seqs += len(p.chunks)
-                for _seq, _task, toks, pos0, _sf, is_prompt in p.chunks:
-                    if is_prompt:
-                        n = len(toks)
-                        n_prefill += n
-                        attn += n * pos0 + n * (n + 1) // 2
-                        kv_read += pos0 + n
-                    else:
-                        n_decode += 1
-                        attn += pos0 + 1
-                        kv_read += pos0 + 1
+                n_seqs += len(chunks)
+                # a decode token at pos0 attends (and reads) pos0 + 1 cells: summed over the decode chunks at once
+                dec = [c[3] for c in chunks if not c[5]]          # pos0 of the chunks with is_prompt False
+                n_dec = len(dec)
+                d = sum(dec) + n_dec
+                n_decode += n_dec
+                attn += d
+                kv_read += d
+                if n_dec < len(chunks):
+                    for _seq, _task, toks, pos0, _sf, is_prompt in chunks:
+                        if is_prompt:
+                            n = len(toks)
+                            n_prefill += n
+                            attn += n * pos0 + n * (n + 1) // 2
+                            kv_read += pos0 + n
             else:
                 k = p.kind
                 if k == "cache_save" or k == "cache_load":
@@ -88,14 +96,24 @@ class SimBackend:
 
     def execute(self, plan: BatchPlan) -> StepResult:
         tasks = plan.tasks
-        if not tasks and not any(type(p) is ForwardCall for p in plan.program):
+        program = plan.program
+        if not tasks and not any(type(p) is ForwardCall for p in program):
             return StepResult(0.0, {})   # KV bookkeeping only (drops, clears): charged nothing
-        elapsed = self.latency.step_time_s(self.cost(plan))
-        sampled = {}
-        for sid, task in tasks.items():
-            reply = task.user.reply
-            n = len(task.generated)
-            sampled[sid] = reply[n] if n < len(reply) else reply[n % len(reply)]
+        if (not plan.n_prompt_tokens and len(program) == 1 and self._decode_step_time_s is not None
+                and type(program[0]) is ForwardCall):
+            # one call of decode tokens only, nothing else: what cost() makes decode_only_cost(n, Σ pos0 + 1)
+            chunks = program[0].chunks
+            n = len(chunks)
+            elapsed = self._decode_step_time_s(n, sum([c[3] for c in chunks]) + n)
+        else:
+            elapsed = self.latency.step_time_s(self.cost(plan))
+        try:                             # the k-th generated token is reply[k] ...
+            sampled = {sid: task.user.reply[len(task.generated)] for sid, task in tasks.items()}
+        except IndexError:               # ... and past the reply's end the reply repeats
+            sampled = {}
+            for sid, task in tasks.items():
+                reply = task.user.reply
+                sampled[sid] = reply[len(task.generated) % len(reply)]
         return StepResult(elapsed, sampled)
 
     def prefill_stretch_costs(self, decode_pos: list[int], prompt_pos0: int, take: int, k: int,

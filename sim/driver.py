@@ -30,7 +30,7 @@ from policies import make_policies
 from sim.backend import SimBackend
 from sim.latency import LatencyModel
 from traces import ChatWorkload, PromptMaterializer, TokenSpace, Trace
-from traces.tokens import DOMAIN_REPLY, stream_key
+from traces.tokens import DOMAIN_REPLY, extend_key, stream_key
 from sim.future import FutureRequests, chat_requests, trace_requests
 
 NS = 1_000_000_000
@@ -105,13 +105,19 @@ class Simulation:
         self.recorder = recorder
         self.progress = progress
         self.env = simpy.Environment()
-        self.core = ServerCore(self.resolved, make_policies(server_config.policies), recorder)
+        # simulated, the core keeps token sequences as array('i') (engine/core/tokens.py: copies are memcpy);
+        # a real backend gets the lists it expects
+        self._token_arrays = backend is None
+        self.core = ServerCore(self.resolved, make_policies(server_config.policies), recorder,
+                               token_arrays=self._token_arrays)
         if backend is None and latency is None:
             raise ValueError("Simulation needs a latency model or a backend")
         self.backend = backend if backend is not None else SimBackend(latency, server_config.kv_bytes_per_token)
         self.space = TokenSpace(vocab_size, frozenset(server_config.eog_ids) | reserved_tokens)
         self.materializer = PromptMaterializer(self.space, seed)
-        self._reply_pool = self.materializer.tokens(stream_key(seed, DOMAIN_REPLY, -1), REPLY_POOL)
+        draw = self.materializer.tokens_array if self._token_arrays else self.materializer.tokens
+        self._reply_pool = draw(stream_key(seed, DOMAIN_REPLY, -1), REPLY_POOL)
+        self._reply_key = stream_key(seed, DOMAIN_REPLY)
         # stand-in replies are drawn from the token space, which excludes the EOG ids: then no stretch can hold one
         self._reply_eog = any(t in server_config.eog_ids for t in self._reply_pool)
         self._inbox: list[Task] = []
@@ -155,7 +161,7 @@ class Simulation:
         pool = self._reply_pool
         if n >= len(pool):
             return (pool * (n // len(pool) + 1))[:n]
-        off = stream_key(self.seed, DOMAIN_REPLY, index) % (len(pool) - n)
+        off = extend_key(self._reply_key, index) % (len(pool) - n)    # stream_key(seed, DOMAIN_REPLY, index)
         return pool[off:off + n]
 
     def _next_arrival_ns(self) -> float:
@@ -164,24 +170,29 @@ class Simulation:
     def _take_arrivals(self, until_ns: int) -> list[Task]:
         """Open-loop requests arriving at or before `until_ns`, as tasks (arrival time = trace time). Nobody can
         wait on a trace request, so it gets no SimPy `done` event."""
-        out = []
         arr = self._arrivals
-        i = self._arr_i
+        i0 = i = self._arr_i
         n = len(arr)
+        while i < n and arr[i][0] <= until_ns:
+            i += 1
+        if i == i0:
+            return []
+        self._arr_i = i
+        taken = arr[i0:i]
         mat = self.materializer
+        prompts = (mat.prompt_arrays([r for _, r in taken]) if self._token_arrays
+                   else [mat.prompt(r) for _, r in taken])
+        out = []
         defaults = self.task_defaults
         reply = self._reply
-        while i < n and arr[i][0] <= until_ns:
-            t_ns, r = arr[i]
-            i += 1
+        for (t_ns, r), tokens in zip(taken, prompts):
             if r.output_tokens:
                 rep, kw = list(r.output_tokens), self._recorded_fields(r)
                 self._reply_eog = True               # recorded replies end with the EOS they stopped at
             else:
                 rep, kw = reply(r.index, r.n_output), defaults
             req = SimRequest(r.index, t_ns, r.n_output, rep, r.session_id, 0, None)
-            out.append(Task(id=-1, tokens=mat.prompt(r), n_predict=r.n_output, user=req, **kw))
-        self._arr_i = i
+            out.append(Task(id=-1, tokens=tokens, n_predict=r.n_output, user=req, **kw))
         return out
 
     def _recorded_fields(self, r) -> dict[str, Any]:
@@ -225,6 +236,10 @@ class Simulation:
         backend = self.backend
         ff = self.fast_forward
         now = env.now
+
+        def end_s(r):                              # a step's end: its start (_clock_ns) + its rounded duration
+            return (self._clock_ns + round(r.elapsed_s * NS)) / NS
+
         while True:
             if not self._inbox and not core.has_work():
                 if self._n_done >= self._n_total:
@@ -258,7 +273,7 @@ class Simulation:
                 self._inbox = []
             # the step commits at its end time, computed in integer ns; its tasks finish once the clock is there
             t0 = self._clock_ns = now
-            st = step(core, backend, now_s, lambda r: _s(t0 + round(r.elapsed_s * NS)))
+            st = step(core, backend, now_s, end_s)
             now += round(st.result.elapsed_s * NS)
             self._n_steps += 1
             finished = st.finished
@@ -270,7 +285,8 @@ class Simulation:
                     yield env.timeout(now - env.now)
             if finished:
                 self._finish_tasks(finished)
-            self._sample_timeline(now)
+            if not self._n_steps % self._tl_stride:
+                self._sample_timeline(now)
             if ff and not self._inbox:
                 t_ff = self._try_fast_forward(now)
                 if t_ff > now:
@@ -283,7 +299,8 @@ class Simulation:
                         yield env.timeout(now - env.now)
                     if finished:
                         self._finish_tasks(finished)
-                    self._sample_timeline(now)
+                    if not self._n_steps % self._tl_stride:
+                        self._sample_timeline(now)
 
     @staticmethod
     def _has_waiters(finished: list[Task]) -> bool:
@@ -350,8 +367,12 @@ class Simulation:
             if self._arr_i == len(self._arrivals):   # deferred at once: all of them wait
                 self._backlog_at_last_arrival = (len(core.deferred) + len(core.queue)
                                                  + sum(len(v) for v in arrivals.values()))
-        tokens_for = SimBackend.tokens_for
-        tokens = {s.id: tokens_for(s.task, kk) for s in gen}
+        tokens = {}
+        for s in gen:                                # SimBackend.tokens_for, its common case inlined
+            task = s.task
+            reply = task.user.reply
+            n = len(task.generated)
+            tokens[s.id] = reply[n:n + kk] if n + kk <= len(reply) else SimBackend.tokens_for(task, kk)
         eog = self.config.eog_ids
         if eog and self._reply_eog and any(tok in eog for toks in tokens.values() for tok in toks[:-1]):
             self._arr_i -= sum(len(v) for v in arrivals.values())
@@ -399,8 +420,7 @@ class Simulation:
         }
 
     def _sample_timeline(self, now_ns: int) -> None:
-        if self._n_steps % self._tl_stride:
-            return
+        """One timeline row (the caller samples every `_tl_stride`-th step)."""
         core = self.core
         cache = core.cache
         m = core.metrics
@@ -502,11 +522,11 @@ class Simulation:
             return
 
         if isinstance(workload, ChatWorkload):
-            self._future = FutureRequests(chat_requests(workload, self.space, self._reply), self._oracle_clock,
-                                          by_time=False)
+            self._future = FutureRequests(chat_requests(workload, self.space, self._reply, self._token_arrays),
+                                          self._oracle_clock, by_time=False)
         else:
-            self._future = FutureRequests(trace_requests(workload, self.materializer), self._oracle_clock,
-                                          by_time=True)
+            self._future = FutureRequests(trace_requests(workload, self.materializer, self._token_arrays),
+                                          self._oracle_clock, by_time=True)
         bind(self._future)
 
     def _oracle_clock(self) -> int:

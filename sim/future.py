@@ -29,6 +29,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from engine.core.tokens import token_array
+
 F_KEEP_MIN = 0.25   # upstream's load threshold
 
 
@@ -86,8 +88,10 @@ class FutureRequests:
         self._answers.pop(entry.id, None)
 
 
-def chat_requests(workload: Any, space: Any, reply: Callable[[int, int], list[int]]) -> list[tuple[float, int, list[int]]]:
-    """(nominal time, request index, prompt) of every turn of a ChatWorkload, with the driver's replies."""
+def chat_requests(workload: Any, space: Any, reply: Callable[[int, int], list[int]],
+                  as_array: bool = False) -> list[tuple[float, int, list[int]]]:
+    """(nominal time, request index, prompt) of every turn of a ChatWorkload, with the driver's replies;
+    prompts as array('i') with `as_array` (a core keeping arrays: a list never equals an array)."""
     out = []
     index = 0
     for sess in workload.sessions:
@@ -96,11 +100,13 @@ def chat_requests(workload: Any, space: Any, reply: Callable[[int, int], list[in
         for k, turn in enumerate(sess.turns):
             if k > 0:
                 t += turn.think_s
-            out.append((t, index, workload.prompt_tokens(sess.session_id, k, space, replies)))
+            prompt = workload.prompt_tokens(sess.session_id, k, space, replies)
+            out.append((t, index, token_array(prompt) if as_array else prompt))
             replies.append(reply(index, turn.n_output))
             index += 1
     return out
 
 
-def trace_requests(trace: Any, materializer: Any) -> list[tuple[float, int, list[int]]]:
-    return [(r.arrival_s, r.index, materializer.prompt(r)) for r in trace.requests]
+def trace_requests(trace: Any, materializer: Any, as_array: bool = False) -> list[tuple[float, int, list[int]]]:
+    prompt = materializer.prompt_array if as_array else materializer.prompt
+    return [(r.arrival_s, r.index, prompt(r)) for r in trace.requests]

@@ -16,6 +16,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+SMALL_K = 48        # decode stretches up to this many steps are timed in Python, longer ones with numpy
 DEFAULT_CALIBRATION_PATH = Path(__file__).with_name("data") / "default_calibration.json"
 CALIBRATION_KIND = "parametric"
 
@@ -251,10 +252,29 @@ class ParametricLatency:
             + self.g_call_s * max(cost.n_forward_calls - 1, 0)
         )
 
+    def decode_step_time_s(self, n_seqs: int, attn_ctx: int) -> float:
+        """`step_time_s(decode_only_cost(n_seqs, attn_ctx))` without building the StepCost: the same terms
+        in the same order (kv_read estimated as step_time_s estimates it), so the result is bit-equal."""
+        return (
+            self.a_s
+            + self.b_prefill_s * 0
+            + self.c_decode_s * n_seqs
+            + self.d_attn_s * attn_ctx
+            + self.h_kv_read_s * (attn_ctx * n_seqs / n_seqs + (n_seqs - n_seqs) / 2)
+            + self.e_copy_s_per_byte * 0
+            + self.f_shift_s_per_token * 0
+            + self.g_call_s * max(1 - 1, 0)
+        )
+
     def decode_only_times_s(self, n_seqs: int, attn_ctx0: int, k: int) -> list[float]:
         check_decode_only_args(n_seqs, attn_ctx0, k)
         # Same left-to-right sum as step_time_s (the zero terms add exactly 0.0), so results are bit-equal.
         base = self.a_s + self.b_prefill_s * 0 + self.c_decode_s * n_seqs
+        if k <= SMALL_K:
+            # a short stretch costs less in Python than numpy's per-call overhead; the same float operations
+            # (an int times a float is the int converted, then multiplied, as numpy does), so bit-equal
+            d, h = self.d_attn_s, self.h_kv_read_s
+            return [base + d * c + h * float(c) for c in range(attn_ctx0, attn_ctx0 + n_seqs * k, n_seqs)]
         attn_ctx = attn_ctx0 + n_seqs * np.arange(k, dtype=np.int64)  # [k]
         # a decode token at context c reads c+1 cells, as many as it attends: kv_read == attn_ctx here
         return (base + self.d_attn_s * attn_ctx + self.h_kv_read_s * attn_ctx.astype(np.float64)).tolist()

@@ -3,15 +3,18 @@
 Every token is a pure function of (seed, stream key, position) through SplitMix64 counters, vectorised in
 numpy: equal block hashes give equal token blocks (so prefix sharing survives), a bounded cache of recent
 blocks only saves recomputation, and
-nothing depends on the order in which prompts are materialised.
+nothing depends on the order in which prompts are materialised. Each sequence comes as a `list` of int, or
+(the `*_array` methods, for the simulator's core) as the same ids in an `array('i')`.
 """
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import numpy as np
 
+from engine.core.tokens import token_array
 from traces.schema import TraceRequest
 
 MASK64 = (1 << 64) - 1
@@ -72,9 +75,23 @@ def _mix64_np_inplace(z: np.ndarray) -> np.ndarray:
     return z
 
 
+def _remainder_inplace(z: np.ndarray, n: np.uint64) -> None:
+    """z %= n on a uint64 array, as z - (z // n) * n: exact for unsigned integers, and numpy divides by a
+    scalar with a multiply-and-shift (libdivide), several times faster than its remainder loop."""
+    q = z // n
+    q *= n
+    z -= q
+
+
 def stream_key(*parts: int) -> int:
     """Fold integers (any sign, taken modulo 2**64) into one 64-bit stream key."""
-    k = 0
+    return extend_key(0, *parts)
+
+
+def extend_key(key: int, *parts: int) -> int:
+    """Fold more integers into a stream key: `extend_key(stream_key(*a), *b) == stream_key(*a, *b)` (so a
+    shared head of the parts is folded once)."""
+    k = key
     for p in parts:
         k = _mix64(((k ^ (p & MASK64)) + _GOLDEN) & MASK64)
     return k
@@ -96,7 +113,7 @@ class PromptMaterializer:
     """
 
     __slots__ = ("space", "seed", "_n_allowed", "_u_allowed", "_gaps", "_pos_mult", "_table", "_blocks",
-                 "_block_size")
+                 "_block_size", "_blocks_array", "_block_size_array", "_unique_key", "_block_key")
 
     BLOCK_CACHE_TOKENS = 1 << 24   # ~16M token ids (128 MB of pointers) of recently used prefix blocks
 
@@ -114,6 +131,10 @@ class PromptMaterializer:
         # (block hash) -> its tokens, for one block size; a pure cache (values are functions of seed, hash)
         self._blocks: dict[int, list[int]] = {}
         self._block_size = 0
+        self._blocks_array: dict[int, array] = {}       # the same blocks for prompt_array
+        self._block_size_array = 0
+        self._unique_key = stream_key(self.seed, DOMAIN_UNIQUE)   # heads of the per-request and block keys
+        self._block_key = stream_key(self.seed, DOMAIN_BLOCK)
 
     def _id_table(self) -> np.ndarray:
         """[n_allowed] object array: draw index -> token id as a shared Python int. Indexing it and calling
@@ -136,8 +157,21 @@ class PromptMaterializer:
     def _draw(self, z: np.ndarray) -> list[int]:
         """Counters (a fresh uint64 array, overwritten) -> token ids."""
         _mix64_np_inplace(z)
-        np.remainder(z, self._u_allowed, out=z)
+        _remainder_inplace(z, self._u_allowed)
         return self._id_table().take(z.view(np.int64)).tolist()                  # [n] allowed ids
+
+    def _draw_array(self, z: np.ndarray) -> array:
+        """`_draw` into an array('i'): the ids go from numpy to the array in one copy."""
+        if self.space.vocab_size > 2 ** 31:
+            raise ValueError(f"TokenSpace: vocab_size {self.space.vocab_size} does not fit array('i') token ids")
+        _mix64_np_inplace(z)
+        _remainder_inplace(z, self._u_allowed)
+        idx = z.view(np.int64)
+        if len(self._gaps):                      # the id table's values, computed for these indices only
+            idx = idx + np.searchsorted(self._gaps, idx, side="right")
+        out = token_array()
+        out.frombytes(memoryview(idx.astype(np.intc)).cast("B"))
+        return out
 
     def tokens(self, key: int, n: int, start: int = 0) -> list[int]:
         """Positions start .. start+n-1 of the token stream `key` (see `stream_key`)."""
@@ -145,6 +179,13 @@ class PromptMaterializer:
             return []
         end = start + n
         return self._draw(self._pos(end)[start:end] + np.uint64(key & MASK64))    # [n] uint64 counters
+
+    def tokens_array(self, key: int, n: int, start: int = 0) -> array:
+        """`tokens` as an array('i')."""
+        if n <= 0:
+            return token_array()
+        end = start + n
+        return self._draw_array(self._pos(end)[start:end] + np.uint64(key & MASK64))
 
     def block(self, block_hash: int, block_size: int) -> list[int]:
         """The tokens of one prefix block; a pure function of (seed, block_hash)."""
@@ -158,18 +199,65 @@ class PromptMaterializer:
         """
         if req.prompt_tokens is not None:
             return list(req.prompt_tokens)
+        return self._prompt(req, False)
+
+    def prompt_array(self, req: TraceRequest) -> array:
+        """`prompt` as an array('i') (the same ids)."""
+        if req.prompt_tokens is not None:
+            try:
+                return token_array(req.prompt_tokens)
+            except OverflowError:
+                raise ValueError(f"request {req.index} (source line {req.source_line}): a prompt token id is "
+                                 f"outside the C int range of array('i')") from None
+        return self._prompt(req, True)
+
+    def prompt_arrays(self, reqs: list[TraceRequest]) -> list[array]:
+        """`[prompt_array(r) for r in reqs]`, the length-only requests drawn together in one numpy pass (numpy's
+        per-call overhead, paid once instead of per request, is most of the cost of a short prompt)."""
+        out: list = [None] * len(reqs)
+        plain = []                                   # (position in out, request) of length-only requests
+        for i, r in enumerate(reqs):
+            if r.prompt_tokens is None and (not r.block_hashes or r.block_size <= 0) and r.n_prompt > 0:
+                plain.append((i, r))
+            else:
+                out[i] = self.prompt_array(r)
+        if len(plain) == 1:
+            i, r = plain[0]
+            out[i] = self.prompt_array(r)
+        elif plain:
+            ns = np.array([r.n_prompt for _, r in plain], dtype=np.int64)
+            keys = _as_u64(tuple(extend_key(self._unique_key, r.index) for _, r in plain))
+            ends = np.cumsum(ns)
+            total = int(ends[-1])
+            # position of each token inside its own prompt, and its prompt's stream key
+            within = np.arange(total, dtype=np.int64) - np.repeat(ends - ns, ns)
+            z = self._pos(int(ns.max())).take(within) + np.repeat(keys, ns)       # [total] uint64 counters
+            ids = self._draw_array(z)
+            off = 0
+            for (i, _), end in zip(plain, ends.tolist()):
+                out[i] = ids[off:end]
+                off = end
+        return out
+
+    def _prompt(self, req: TraceRequest, as_array: bool):
         n = req.n_prompt
-        unique_key = stream_key(self.seed, DOMAIN_UNIQUE, req.index)
+        unique_key = extend_key(self._unique_key, req.index)    # = stream_key(seed, DOMAIN_UNIQUE, index)
+        tokens, draw = (self.tokens_array, self._draw_array) if as_array else (self.tokens, self._draw)
         if not req.block_hashes or req.block_size <= 0:
-            return self.tokens(unique_key, n)
+            return tokens(unique_key, n)
         bs = req.block_size
         n_blocks = min(len(req.block_hashes), -(-n // bs))
         n_hashed = min(n, n_blocks * bs)
         hashes = req.block_hashes[:n_blocks]
-        if bs != self._block_size:
-            self._blocks, self._block_size = {}, bs
-        cache = self._blocks
-        got: dict[int, list[int]] = {}
+        if as_array:
+            if bs != self._block_size_array:
+                self._blocks_array, self._block_size_array = {}, bs
+            cache = self._blocks_array
+        else:
+            if bs != self._block_size:
+                self._blocks, self._block_size = {}, bs
+            cache = self._blocks
+        got = {}
         missing = []
         for h in dict.fromkeys(hashes):
             blk = cache.pop(h, None)
@@ -179,22 +267,33 @@ class PromptMaterializer:
                 got[h] = cache[h] = blk                                           # re-inserted: most recent
         if missing:
             # equal hashes repeat across requests (prefix sharing): draw each new block once, all in one go
-            prefix = stream_key(self.seed, DOMAIN_BLOCK)
-            block_keys = _mix64_np(((np.uint64(prefix) ^ _as_u64(tuple(missing))) + _UGOLDEN))
+            block_keys = _mix64_np(((np.uint64(self._block_key) ^ _as_u64(tuple(missing))) + _UGOLDEN))
             # counter of (block, position) = block key + (position + 1) * golden, as a [n_missing, bs] grid
             z = (block_keys[:, None] + self._pos(bs)[None, :bs]).ravel()         # [n_missing * bs]
-            flat = self._draw(z)
+            flat = draw(z)
             if len(cache) * bs > self.BLOCK_CACHE_TOKENS:
                 for h in list(cache)[: len(cache) // 2]:                          # drop the least recent half
                     del cache[h]
             for i, h in enumerate(missing):
                 got[h] = cache[h] = flat[i * bs:(i + 1) * bs]
-        out: list[int] = []
+        if as_array:
+            # the blocks (the last one cut) and the unique tail joined in one allocation: growing the array
+            # block by block would reallocate, and copy, it again and again
+            parts = [got[h] for h in hashes]
+            cut = n_hashed - (n_blocks - 1) * bs
+            if parts and cut < bs:
+                parts[-1] = parts[-1][:cut]
+            if n_hashed < n:
+                parts.append(tokens(unique_key, n - n_hashed, start=n_hashed))
+            out = token_array()
+            out.frombytes(b"".join(parts))
+            return out
+        out = []
         for h in hashes:
             out += got[h]
         del out[n_hashed:]
         if n_hashed < n:
-            out += self.tokens(unique_key, n - n_hashed, start=n_hashed)
+            out += tokens(unique_key, n - n_hashed, start=n_hashed)
         return out
 
 

@@ -107,7 +107,7 @@ class PromptCache:
         if self.limit_bytes > 0:
             while self.entries and self._size_bytes + size_bytes > self.limit_bytes:
                 self._evict_one(now_s, "evict_make_room")
-        e = CacheEntry(self._next_id, list(tokens), size_bytes, now_s, now_s, 0, 0.0, self._next_id)
+        e = CacheEntry(self._next_id, tokens[:], size_bytes, now_s, now_s, 0, 0.0, self._next_id)
         self._next_id += 1
         self.entries[e.id] = e
         bucket = self._by_first.get(tokens[0])
@@ -146,7 +146,8 @@ class PromptCache:
                 f_keep_best, f_sim_best, best = f_keep, f_sim, e
         if best is None:
             self.n_misses += 1
-            self.recorder.record(now_s, "cache_miss", n_tokens=n_new, n_entries=len(self.entries))
+            if self.recorder.enabled:
+                self.recorder.record(now_s, "cache_miss", n_tokens=n_new, n_entries=len(self.entries))
             return None
         if can_restore is not None and not can_restore(best):
             self.n_load_failures += 1
@@ -154,8 +155,9 @@ class PromptCache:
             raise CacheLoadFailed(best.id)
         self.n_hits += 1
         self.bytes_loaded += best.size_bytes
-        self.recorder.record(now_s, "cache_hit", entry=best.id, n_tokens=len(best.tokens),
-                             f_keep=f_keep_best, f_sim=f_sim_best, mode=self.hit_mode)
+        if self.recorder.enabled:
+            self.recorder.record(now_s, "cache_hit", entry=best.id, n_tokens=len(best.tokens),
+                                 f_keep=f_keep_best, f_sim=f_sim_best, mode=self.hit_mode)
         if self.hit_mode == "move":
             self._remove(best, now_s, "hit")
         else:

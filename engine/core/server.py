@@ -33,7 +33,7 @@ from engine.core.prompt_cache import CacheLoadFailed, PromptCache
 from engine.core.protocols import Policies
 from engine.core.recorder import NullRecorder, Recorder
 from engine.core.slot import Slot
-from engine.core.tokens import common_prefix
+from engine.core.tokens import common_prefix, token_array
 from engine.core.types import (
     STOP_EOS, STOP_LIMIT, STOP_WORD, BatchPlan, Chunk, ForwardCall, KVOp, SlotState, StepResult, Task, TaskError,
     TokenEvent,
@@ -51,16 +51,22 @@ class ServerCore:
     """One llama-server scheduling state machine. Not thread-safe: one thread (or one SimPy process) drives it.
 
     `stream_tokens`: every sampled token is reported in `commit`'s events (tokens of tasks with a text hook
-    always are, with the hook's output)."""
+    always are, with the hook's output). `token_arrays`: the core keeps every token sequence (task prompts
+    and generated tokens, slot tokens, prompt-cache entries) as `array('i')` instead of `list`
+    (engine/core/tokens.py); submitted prompts are converted to it, and the decisions are the same either way."""
 
     def __init__(self, config: ServerConfig | ResolvedConfig, policies: Policies,
-                 recorder: Recorder | None = None, stream_tokens: bool = False) -> None:
+                 recorder: Recorder | None = None, stream_tokens: bool = False, token_arrays: bool = False) -> None:
         self.cfg = config.resolve() if isinstance(config, ServerConfig) else config
         self.base = self.cfg.base
         self.policies = policies
         self.rec = recorder if recorder is not None else NullRecorder()
         self.stream_tokens = stream_tokens
         self.slots = [Slot(i, self.cfg.n_ctx_slot) for i in range(self.cfg.n_slots)]
+        # the token container: its type, and a function making a new one (a copy of an iterable)
+        self._tok_type, self._tokens = (type(token_array()), token_array) if token_arrays else (list, list)
+        for s in self.slots:
+            s.tokens = self._tokens()
         self.queue: deque[Task] = deque()          # queue_tasks (new + resumed tasks)
         self.deferred: list[Task] = []             # queue_tasks_deferred
         self.metrics = Metrics()
@@ -84,8 +90,8 @@ class ServerCore:
     # ------------------------------------------------------------------ public API
     def submit(self, task: Task, now_s: float) -> Task:
         """Post a completion task (`queue_tasks.post`). n_cmpl > 1 creates child tasks sharing its prompt."""
-        if type(task.tokens) is not list:
-            task.tokens = list(task.tokens)
+        if type(task.tokens) is not self._tok_type:
+            task.tokens = self._tokens(task.tokens)
         task.id = self._new_id()
         task.t_submit_s = now_s
         if task.n_cmpl > 1 and not task.children:
@@ -143,7 +149,7 @@ class ServerCore:
             raise RuntimeError(f"slot {slot_id} is processing; its tokens can change only when idle")
         self.kv.truncated(slot_id, 0)
         self._saved_in[slot_id] = -1
-        s.tokens = list(tokens)
+        s.tokens = self._tokens(tokens)
 
     def kv_cells_used(self) -> int:
         """KV cells in use: every slot's tokens, counting cells shared by seq_cp once (unified KV)."""
@@ -220,6 +226,8 @@ class ServerCore:
         slot.n_past = 0
         slot.i_prompt = 0
         slot.n_tasks += 1
+        if type(task.generated) is not self._tok_type:
+            task.generated = self._tokens(task.generated)
         task.slot_id = slot.id
         npr = task.n_predict
         task.n_predict_max = self.base.n_predict if npr is None or npr == -1 else npr
@@ -229,7 +237,8 @@ class ServerCore:
 
     # --- RAM prompt cache (slot.prompt_save / prompt_load / prompt_clear) ---------------------------
     def _emit_cache_drop(self, entry_id: int) -> None:
-        self._ops.append(KVOp("cache_drop", entry=entry_id))
+        # KVOp("cache_drop", entry=entry_id), built from its full field tuple (see _tuple_new)
+        self._ops.append(_tuple_new(KVOp, ("cache_drop", -1, -1, -1, 0, -1, entry_id, 0, False)))
 
     def _prompt_save(self, slot: Slot, now_s: float) -> bool:
         if not slot.tokens:
@@ -242,7 +251,8 @@ class ServerCore:
         if entry is None:
             return False
         self._saved_in[slot.id] = entry.id
-        self._ops.append(KVOp("cache_save", seq=slot.id, entry=entry.id, n_tokens=n))
+        # KVOp("cache_save", seq=slot.id, entry=entry.id, n_tokens=n)
+        self._ops.append(_tuple_new(KVOp, ("cache_save", slot.id, -1, -1, 0, -1, entry.id, n, False)))
         if self.rec.enabled:
             self.rec.record(now_s, "cache_save", slot=slot.id, entry=entry.id, n_tokens=n,
                             cache_bytes=self.cache.size_bytes(), n_entries=len(self.cache))
@@ -261,14 +271,14 @@ class ServerCore:
             keep = self.base.cache_hit == "copy"
             self._ops.append(KVOp("cache_load", seq=slot.id, entry=entry.id, n_tokens=len(entry.tokens), keep=keep))
             self.kv.truncated(slot.id, 0)
-            slot.tokens = list(entry.tokens)
+            slot.tokens = entry.tokens[:]
             self._saved_in[slot.id] = entry.id if keep else -1
         return True
 
     def _prompt_clear(self, slot: Slot) -> None:
         if slot.tokens:
             self._ops.append(KVOp("seq_rm", seq=slot.id, p0=-1, p1=-1))
-            slot.tokens = []
+            slot.tokens = self._tokens()
             self.kv.truncated(slot.id, 0)
         self._saved_in[slot.id] = -1
 
@@ -282,7 +292,6 @@ class ServerCore:
             return BatchPlan(now_s, tuple(ops), 0, 0, {}, {})
         n_ctx = self.cfg.n_ctx_slot
         chunks: list[Chunk] = []
-        added = [0] * len(slots)
         sampling: dict[int, Any] = {}
         tasks: dict[int, Task] = {}
         # 1. context shift of full generating slots (each slot on its own, so one pass does 1. and the census)
@@ -309,7 +318,6 @@ class ServerCore:
                 tok = s.sampled
                 chunks.append(_tuple_new(Chunk, (sid, task.id, (tok,), len(toks), self_only[sid], False)))
                 toks.append(tok)
-                added[sid] = 1
                 tasks[sid] = task
                 sampling[sid] = task.sampling
             n_decode = len(gen)
@@ -332,7 +340,6 @@ class ServerCore:
                 part = task.tokens[s.i_prompt:s.i_prompt + take]
                 s.tokens.extend(part)
                 s.i_prompt += take
-                added[s.id] += take
                 budget -= take
                 n_prompt += take
                 sample_for: tuple[int, ...] = ()
@@ -347,7 +354,7 @@ class ServerCore:
         if not chunks:
             self._ops = []
             return BatchPlan(now_s, tuple(ops), 0, 0, {}, {})
-        fatal, single = self._decode_views(chunks, added, ops, now_s)
+        fatal, single = self._decode_views(chunks, n_decode + n_prompt, ops, now_s)
         self._ops = []
         if not single:     # split batch: only slots whose last chunk made it into a forward call sample
             sampling = {}
@@ -398,9 +405,9 @@ class ServerCore:
         task.n_prompt_processed = n - n_past
         self.metrics.n_prompt_tokens_cached_total += n_past
         if len(s.tokens) > n_past:
-            s.tokens = s.tokens[:n_past]     # (a fresh list: cheaper than deleting a long tail in place)
+            s.tokens = s.tokens[:n_past]     # (a fresh copy: cheaper than deleting a long list tail in place)
             self.kv.truncated(s.id, n_past)
-            ops.append(KVOp("seq_rm", seq=s.id, p0=n_past, p1=-1))
+            ops.append(_tuple_new(KVOp, ("seq_rm", s.id, n_past, -1, 0, -1, -1, 0, False)))  # seq_rm p0=n_past
         self._saved_in[s.id] = -1
         s.n_past = n_past
         s.i_prompt = n_past
@@ -453,11 +460,10 @@ class ServerCore:
         self.rec.record(now_s, "context_shift", task=task.id, slot=s.id, n_keep=n_keep, n_discard=n_discard)
 
     # --- decode(): KV capacity, idle-slot purge, n_batch halving --------------------------------------
-    def _decode_views(self, chunks: list[Chunk], added: list[int], ops: list, now_s: float) -> tuple[str, bool]:
-        """Cut the batch into llama_decode calls of at most n_batch tokens that fit in the KV cells
-        (`KVCells.split`: idle-slot purge, n_batch halving). Returns (fatal error message or "", whether the
-        batch went as one call)."""
-        n_total = sum(added)
+    def _decode_views(self, chunks: list[Chunk], n_total: int, ops: list, now_s: float) -> tuple[str, bool]:
+        """Cut the batch (`n_total` tokens in `chunks`, already appended to the slots' tokens) into llama_decode
+        calls of at most n_batch tokens that fit in the KV cells (`KVCells.split`: idle-slot purge, n_batch
+        halving). Returns (fatal error message or "", whether the batch went as one call)."""
         if n_total <= self.cfg.n_batch and self.kv.fits_as_is():
             # common case: one llama_decode call
             ops.append(ForwardCall(tuple(chunks), n_total))
@@ -466,6 +472,9 @@ class ServerCore:
             if self._n_parents_busy and any(len(c.sample_for) > 1 for c in chunks):
                 self._after_forward(chunks, ops)
             return "", True
+        added = [0] * len(self.slots)       # tokens each slot got in this batch
+        for c in chunks:
+            added[c.seq] += len(c.tokens)
         ok, used = self.kv.split(chunks, added, self.cfg.n_batch, _Views(self, ops, now_s))
         if not ok:
             self.rec.record(now_s, "decode_fatal", used=used, cap=self.kv.capacity)
@@ -484,7 +493,7 @@ class ServerCore:
                 ops.append(KVOp("seq_rm", seq=sid, p0=-1, p1=-1))
                 ops.append(KVOp("seq_cp", seq=parent.id, dst=sid, p0=-1, p1=-1))
                 self.kv.truncated(sid, 0)
-                child.tokens = list(parent.tokens)
+                child.tokens = parent.tokens[:]
                 self.kv.copied(sid, parent.id, len(parent.tokens))
                 self._saved_in[sid] = -1
                 ct = child.task
@@ -523,8 +532,7 @@ class ServerCore:
         eog = self._eog
         ctx_stop = not self.base.ctx_shift     # the context limit stops a task only with ctx shift off
         ptasks = plan.tasks
-        for sid in sorted(sampled):            # post_decode visits slots in id order
-            tok = sampled[sid]
+        for sid, tok in sorted(sampled.items()):   # post_decode visits slots in id order
             s = slots[sid]
             task = s.task
             if task is None or task is not ptasks.get(sid):
@@ -726,9 +734,9 @@ class ServerCore:
             new = tokens[s.id]
             toks = s.tokens
             toks.append(s.sampled)
-            toks += new
+            toks.extend(new)
             s.sampled = toks.pop()           # the last sampled token is not in the KV yet
-            task.generated += new
+            task.generated.extend(new)
             task.t_gen_last_s = t_end
             if stream:
                 self._events.extend(TokenEvent(task, t) for t in new)
@@ -738,7 +746,7 @@ class ServerCore:
             p, take = prompt
             n_prompt = take
             i = p.i_prompt
-            p.tokens += p.task.tokens[i:i + k * take]
+            p.tokens.extend(p.task.tokens[i:i + k * take])
             p.i_prompt = i + k * take
             if rec:
                 ids.append(p.id)
@@ -756,8 +764,16 @@ class ServerCore:
                 if rec:
                     self.rec.record(start, "batch", n_decode=n_dec, n_prompt=n_prompt, slots=ids, n_calls=1)
         self._last_commit_s = t_end
+        eog = self._eog
+        ctx_stop = not self.base.ctx_shift
         for s in gen:                      # the last step's commit: stop checks in slot order
-            if self._process_token(s, s.task, s.sampled):
+            task = s.task
+            tok = s.sampled
+            npm = task.n_predict_max
+            if (tok not in eog and (npm == -1 or len(task.generated) < npm)
+                    and not (ctx_stop and len(s.tokens) + 1 >= s.n_ctx)):
+                continue                   # no stop condition can hold (no text hook here): as commit skips
+            if self._process_token(s, task, tok):
                 self._release(s, t_end)
         n_max = max([len(s.tokens) for s in self.slots])
         if n_max > m.n_tokens_max:

@@ -52,11 +52,11 @@ requests = st.lists(
     min_size=1, max_size=12)
 
 
-def simulate(cfg, reqs):
+def simulate(cfg, reqs, token_arrays=False, be=None):
     resolved = cfg.resolve()
     rec = Recorder()
-    core = ServerCore(resolved, make_policies(cfg.policies), rec)
-    be = FakeBackend(step_s=0.01, tokens_for=token_for)
+    core = ServerCore(resolved, make_policies(cfg.policies), rec, token_arrays=token_arrays)
+    be = be if be is not None else FakeBackend(step_s=0.01, tokens_for=token_for)
     pending = sorted(enumerate(reqs), key=lambda x: (x[1][0], x[0]))
     tasks = []
     now = 0.0
@@ -119,3 +119,31 @@ def test_same_inputs_give_same_decision_log(cfg, reqs):
     _, rec1, _ = simulate(cfg, reqs)
     _, rec2, _ = simulate(cfg, reqs)
     assert rec1.events == rec2.events
+
+
+def _outcome(t):
+    return (t.id, t.slot_id, list(t.tokens), list(t.generated), t.stop_type, t.truncated, t.n_prompt_cached,
+            t.n_prompt_processed, t.n_tokens_cached, t.n_deferred, t.t_launch_s, t.t_start_s, t.t_prompt_last_s,
+            t.t_end_s, None if t.error is None else t.error.message)
+
+
+def _program(plan):
+    return [(p.kind, *p[1:]) if hasattr(p, "kind") else
+            [(c.seq, c.task_id, list(c.tokens), c.pos0, c.sample_for, c.is_prompt) for c in p.chunks]
+            for p in plan.program]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(configs, requests)
+def test_token_arrays_decide_exactly_as_lists(cfg, reqs):
+    """The core keeping its token sequences as array('i') (the simulator's choice) takes the same decisions,
+    emits the same KV operations and forward calls, and leaves every task and slot as with lists."""
+    be_l, be_a = (FakeBackend(step_s=0.01, tokens_for=token_for) for _ in range(2))
+    core_l, rec_l, tasks_l = simulate(cfg, reqs, be=be_l)
+    core_a, rec_a, tasks_a = simulate(cfg, reqs, token_arrays=True, be=be_a)
+    assert rec_a.events == rec_l.events
+    assert [_outcome(t) for p in tasks_a for t in (p, *p.children)] == \
+        [_outcome(t) for p in tasks_l for t in (p, *p.children)]
+    assert [list(s.tokens) for s in core_a.slots] == [list(s.tokens) for s in core_l.slots]
+    assert all(type(s.tokens).__name__ == "array" for s in core_a.slots)
+    assert [_program(p) for p in be_a.plans] == [_program(p) for p in be_l.plans]

@@ -223,6 +223,24 @@ def test_decode_only_times_equal_repeated_step_times(model, n_seqs, extra_ctx, k
     assert model.decode_only_times_s(n_seqs, attn_ctx0, k) == pytest.approx(expected, rel=1e-12)
 
 
+coefficient = st.floats(0, 1e-2, allow_subnormal=False)
+parametric_models = st.builds(ParametricLatency, a_s=coefficient, b_prefill_s=coefficient, c_decode_s=coefficient,
+                              d_attn_s=st.floats(0, 1e-7), e_copy_s_per_byte=coefficient,
+                              f_shift_s_per_token=coefficient, g_call_s=coefficient, h_kv_read_s=st.floats(0, 1e-7))
+
+
+@settings(max_examples=200, deadline=None)
+@given(model=parametric_models, n_seqs=st.integers(1, 256), extra_ctx=st.integers(0, 10_000_000),
+       k=st.integers(0, 200))
+def test_parametric_decode_times_are_bit_equal_to_step_times(model, n_seqs, extra_ctx, k):
+    """The simulator's exact fast-forward and its decode-only shortcut rest on these being the same floats
+    (not just close): the Python path (short stretches), the numpy path (long ones) and the scalar one."""
+    attn_ctx0 = n_seqs + extra_ctx
+    expected = [model.step_time_s(decode_only_cost(n_seqs, attn_ctx0 + i * n_seqs)) for i in range(k)]
+    assert model.decode_only_times_s(n_seqs, attn_ctx0, k) == expected
+    assert [model.decode_step_time_s(n_seqs, attn_ctx0 + i * n_seqs) for i in range(k)] == expected
+
+
 @pytest.mark.parametrize("model", DECODE_MODELS.values(), ids=DECODE_MODELS.keys())
 def test_decode_only_times_reject_fewer_attended_cells_than_sequences(model):
     with pytest.raises(ValueError, match="attn_ctx0"):

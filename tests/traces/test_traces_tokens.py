@@ -1,7 +1,9 @@
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from traces import PromptMaterializer, TokenSpace, TraceRequest, materialize_prompt
+from traces.tokens import extend_key, stream_key
 
 
 def req(**kw):
@@ -79,3 +81,53 @@ def test_reserved_ids_never_appear(reserved, seed, n, blocks):
 def test_allowed_ids_are_all_reachable():
     space = TokenSpace(vocab_size=8, reserved=frozenset({0, 3, 7}))
     assert set(materialize_prompt(req(n_prompt=500), space, 0)) == {1, 2, 4, 5, 6}
+
+
+@settings(max_examples=60, deadline=None)
+@given(reserved=st.frozensets(st.integers(0, 63), max_size=60), seed=st.integers(0, 2**32),
+       reqs=st.lists(st.tuples(st.integers(0, 300), st.lists(st.integers(0, 5), max_size=6),
+                               st.sampled_from([0, 8, 32])), min_size=1, max_size=8))
+def test_prompt_array_holds_exactly_the_ids_of_prompt(reserved, seed, reqs):
+    # one materializer per container, each with its own block cache; requests share blocks (small hashes)
+    space = TokenSpace(vocab_size=64, reserved=reserved)
+    m_list, m_arr = PromptMaterializer(space, seed), PromptMaterializer(space, seed)
+    for i, (n, blocks, bs) in enumerate(reqs):
+        r = req(index=i, n_prompt=n, block_hashes=tuple(blocks) if bs else (), block_size=bs)
+        arr = m_arr.prompt_array(r)
+        assert arr.typecode == "i" and list(arr) == m_list.prompt(r)
+    assert list(m_arr.tokens_array(99, 50, start=7)) == m_list.tokens(99, 50, start=7)
+
+
+def test_prompt_array_of_recorded_tokens_and_its_range_error():
+    m = PromptMaterializer(TokenSpace(), 0)
+    assert list(m.prompt_array(req(n_prompt=3, prompt_tokens=(5, 6, 7)))) == [5, 6, 7]
+    with pytest.raises(ValueError, match="request 4 .source line 12.*C int range"):
+        m.prompt_array(req(index=4, n_prompt=1, prompt_tokens=(2 ** 40,), source_line=12))
+
+
+@given(head=st.lists(st.integers(-2**70, 2**70), max_size=4), tail=st.lists(st.integers(-2**70, 2**70), max_size=4))
+def test_extend_key_continues_the_fold_of_stream_key(head, tail):
+    assert extend_key(stream_key(*head), *tail) == stream_key(*head, *tail)
+
+
+@settings(max_examples=60, deadline=None)
+@given(reserved=st.frozensets(st.integers(0, 63), max_size=60), seed=st.integers(0, 2**32),
+       reqs=st.lists(st.tuples(st.integers(0, 300), st.lists(st.integers(0, 5), max_size=6),
+                               st.sampled_from([0, 0, 8]), st.booleans()), max_size=10))
+def test_prompt_arrays_of_many_requests_equal_one_by_one(reserved, seed, reqs):
+    space = TokenSpace(vocab_size=64, reserved=reserved)
+    batch = [req(index=i * 7, n_prompt=n, block_hashes=tuple(blocks) if bs else (), block_size=bs,
+                 prompt_tokens=tuple(range(n % 9)) if real else None) for i, (n, blocks, bs, real) in enumerate(reqs)]
+    one = PromptMaterializer(space, seed)
+    got = PromptMaterializer(space, seed).prompt_arrays(batch)
+    assert [list(a) for a in got] == [list(one.prompt_array(r)) for r in batch]
+
+
+@given(values=st.lists(st.integers(0, 2**64 - 1), max_size=50), n=st.integers(1, 2**40))
+def test_uint64_remainder_in_place_equals_python_modulo(values, n):
+    import numpy as np
+
+    from traces.tokens import _remainder_inplace
+    z = np.array(values, dtype=np.uint64)
+    _remainder_inplace(z, np.uint64(n))
+    assert z.tolist() == [v % n for v in values]

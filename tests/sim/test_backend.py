@@ -1,0 +1,41 @@
+"""SimBackend: a plan's StepCost counts what step_cost_from_chunks counts, and the decode-only shortcut of
+execute() charges exactly what the full path charges."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.core.types import BatchPlan, Chunk, ForwardCall, KVOp
+from sim.backend import SimBackend
+from sim.latency import ParametricLatency, step_cost_from_chunks
+
+chunk = st.tuples(st.integers(0, 5000), st.booleans(), st.integers(1, 300))   # pos0, is_prompt, n_tokens
+
+
+def _plan(chunks, ops=()):
+    cs = tuple(Chunk(i, i, tuple(range(n)) if prompt else (7,), pos0, (), prompt)
+               for i, (pos0, prompt, n) in enumerate(chunks))
+    return BatchPlan(0.0, (*ops, ForwardCall(cs, sum(len(c.tokens) for c in cs))), 0, 0, {}, {})
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(chunk, min_size=1, max_size=20), st.integers(0, 3))
+def test_cost_counts_prefill_chunks_and_decode_tokens(chunks, n_saved):
+    ops = (KVOp("cache_save", seq=0, entry=1, n_tokens=10),) * n_saved
+    got = SimBackend(ParametricLatency(0.01, 1e-4, 1e-3, 1e-8), 100).cost(_plan(chunks, ops))
+    want = step_cost_from_chunks([(p, n) for p, prompt, n in chunks if prompt],
+                                 [p for p, prompt, _ in chunks if not prompt], kv_copy_bytes=10 * n_saved * 100)
+    for f in ("n_prefill_tokens", "n_decode_tokens", "n_seqs", "attn_ctx_tokens", "n_forward_calls",
+              "kv_copy_bytes", "kv_shift_tokens"):
+        assert getattr(got, f) == getattr(want, f), f
+    if got.kv_read_tokens is not None:
+        assert got.kv_read_tokens == want.kv_read_tokens
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 100_000), min_size=1, max_size=64),
+       st.floats(0, 1e-2), st.floats(0, 1e-2), st.floats(0, 1e-7), st.floats(0, 1e-7))
+def test_decode_only_shortcut_charges_the_full_paths_time(pos, a, c, d, h):
+    lat = ParametricLatency(a, 1e-4, c, d, h_kv_read_s=h)
+    be = SimBackend(lat, 100)
+    plan = _plan([(p, False, 1) for p in pos])
+    assert be.execute(plan).elapsed_s == lat.step_time_s(be.cost(plan))
