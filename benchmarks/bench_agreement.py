@@ -1,11 +1,12 @@
 """Top-1 agreement between numerics modes on SmolLM2, teacher-forced over `validate_llamacpp.LONG_TEXT`.
 
-    .venv/bin/python benchmarks/bench_agreement.py [--modes f32,q,ggml] [--n-tokens 1000] [--threads 2]
+    .venv/bin/python benchmarks/bench_agreement.py [--modes f32,q,ggml,ggml-numpy] [--n-tokens 1000] [--threads 2]
 
 Each mode runs the whole text as one chunk (logits of every position); prints, for every pair of modes, the
 share of positions whose argmax agrees, the largest and mean |logit| difference, and the time of each
 forward. "ggml" replays llama.cpp's CPU arithmetic (100% top-1 agreement with llama.cpp measured, see
-docs/tokenizer_sampling.md), so agreement with it stands for agreement with llama.cpp; it takes minutes.
+docs/tokenizer_sampling.md), so agreement with it stands for agreement with llama.cpp; "ggml-numpy" is the same
+arithmetic on its numpy reference code (minutes; "ggml" runs numba kernels that must give the same bits).
 `--save DIR` / `--load DIR` keep a mode's logits' argmax and values between runs (ggml is slow).
 """
 
@@ -23,6 +24,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.validate_llamacpp import LONG_TEXT  # noqa: E402
 from engine.model import default_model_path, load  # noqa: E402
+from engine.model.numerics import GGML_REFERENCE  # noqa: E402
+
+# names of --modes: the NUMERICS names, and "ggml-numpy", the ggml arithmetic on its numpy reference code
+SPECIAL = {"ggml-numpy": GGML_REFERENCE}
 
 
 def main() -> int:
@@ -43,7 +48,7 @@ def main() -> int:
     ids = None
     for mode in args.modes.split(","):
         cached = args.load and os.path.exists(os.path.join(args.load, f"{mode}.npy"))
-        model = load(args.model, n_threads=args.threads, numerics=mode)
+        model = load(args.model, n_threads=args.threads, numerics=SPECIAL.get(mode, mode))
         ids = model.tokenize(LONG_TEXT)[: args.n_tokens]
         if cached:
             logits[mode] = np.load(os.path.join(args.load, f"{mode}.npy"))
@@ -63,14 +68,14 @@ def main() -> int:
             os.makedirs(args.save, exist_ok=True)
             np.save(os.path.join(args.save, f"{mode}.npy"), logits[mode])
     print(f"\n{len(ids)} teacher-forced positions")
-    print("| modes | top-1 agreement | max abs logit diff | mean abs logit diff |")
-    print("|---|---|---|---|")
+    print("| modes | top-1 agreement | max abs logit diff | mean abs logit diff | bit-identical |")
+    print("|---|---|---|---|---|")
     for a, b in itertools.combinations(logits, 2):
         la, lb = logits[a], logits[b]
         agree = float((la.argmax(1) == lb.argmax(1)).mean())
         d = np.abs(la - lb)
         print(f"| {a} vs {b} | {agree * 100:.2f}% ({int((la.argmax(1) != lb.argmax(1)).sum())} differ) | "
-              f"{d.max():.3g} | {d.mean():.3g} |")
+              f"{d.max():.3g} | {d.mean():.3g} | {'yes' if np.array_equal(la, lb) else 'no'} |")
     return 0
 
 

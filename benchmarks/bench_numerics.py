@@ -30,20 +30,26 @@ from engine.model.numerics import GGML_REFERENCE  # noqa: E402
 NUMERICS = {"f32": "f32", "q": "q", "ggml": "ggml", "ggml-numpy": GGML_REFERENCE}
 
 
-def measure(model, prompt: list[int], n_steps: int) -> tuple[float, float]:
-    """(prefill seconds, median decode-step seconds) on a fresh KV store."""
+def measure(model, prompt: list[int], n_steps: int) -> tuple[float, float, float, float]:
+    """(prefill seconds, median decode-step seconds, and the process CPU time of each: prefill seconds, CPU
+    seconds per decode step) on a fresh KV store. CPU time counts every thread of the process: with one thread it
+    is the work done whatever the machine's load, with more it is the sum over them."""
     kv = model.new_kv(1, len(prompt) + n_steps + 1)
+    c0 = time.process_time()
     t0 = time.perf_counter()
     [row] = model.forward_batch(kv, [BatchChunk(0, prompt, 0, True)])
     t_prefill = time.perf_counter() - t0
+    c_prefill = time.process_time() - c0
     steps = []
     tok = int(np.argmax(row[-1]))
+    c0 = time.process_time()
     for i in range(n_steps):
         t0 = time.perf_counter()
         [row] = model.forward_batch(kv, [BatchChunk(0, [tok], len(prompt) + i, True)])
         steps.append(time.perf_counter() - t0)
         tok = int(np.argmax(row[-1]))
-    return t_prefill, statistics.median(steps)
+    c_step = (time.process_time() - c0) / max(1, n_steps)
+    return t_prefill, statistics.median(steps), c_prefill, c_step
 
 
 def main() -> int:
@@ -77,19 +83,22 @@ def main() -> int:
             if mode == "ggml-numpy" and rep >= args.numpy_reps:
                 continue
             results[mode].append(measure(model, prompt, args.steps))
-            pre, dec = results[mode][-1]
-            print(f"  rep {rep} {mode}: prefill {pre:.2f} s, decode step {dec * 1e3:.1f} ms "
-                  f"(load average {os.getloadavg()[0]:.2f})", flush=True)
-    print(f"| mode | prefill {args.prompt} tokens | prefill tok/s | decode step (median of {args.steps}) | decode tok/s |")
-    print("|---|---|---|---|---|")
-    med = {m: (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs)) for m, rs in results.items()}
-    for mode, (pre, dec) in med.items():
-        print(f"| {mode} | {pre:.2f} s | {args.prompt / pre:.0f} | {dec * 1e3:.1f} ms | {1 / dec:.1f} |")
+            pre, dec, cpre, cdec = results[mode][-1]
+            print(f"  rep {rep} {mode}: prefill {pre:.2f} s (CPU {cpre:.2f} s), decode step {dec * 1e3:.1f} ms "
+                  f"(CPU {cdec * 1e3:.1f} ms) (load average {os.getloadavg()[0]:.2f})", flush=True)
+    print(f"| mode | prefill {args.prompt} tokens | prefill tok/s | decode step (median of {args.steps}) | decode tok/s "
+          f"| CPU: prefill / decode step |")
+    print("|---|---|---|---|---|---|")
+    med = {m: tuple(statistics.median(r[i] for r in rs) for i in range(4)) for m, rs in results.items()}
+    for mode, (pre, dec, cpre, cdec) in med.items():
+        print(f"| {mode} | {pre:.2f} s | {args.prompt / pre:.0f} | {dec * 1e3:.1f} ms | {1 / dec:.1f} "
+              f"| {cpre:.2f} s / {cdec * 1e3:.1f} ms |")
     if "f32" in med:
         for mode in med:
             if mode != "f32":
                 print(f"{mode} / f32: prefill {med[mode][0] / med['f32'][0]:.2f}x, "
-                      f"decode {med[mode][1] / med['f32'][1]:.2f}x")
+                      f"decode {med[mode][1] / med['f32'][1]:.2f}x (CPU: {med[mode][2] / med['f32'][2]:.2f}x, "
+                      f"{med[mode][3] / med['f32'][3]:.2f}x)")
     print(f"load average after {os.getloadavg()}")
     return 0
 

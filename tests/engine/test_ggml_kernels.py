@@ -266,3 +266,17 @@ def test_smollm2_forward_matches_numpy(smollm2_path):
     got_logits, got_kv = _run(fast, ids, 2)
     assert np.array_equal(got_logits, want_logits)
     assert got_kv == want_kv
+
+
+def test_fp16_cells_are_read_exactly():
+    """Every fp16 bit pattern (normal, subnormal, zeros, inf, NaN) read as float32, as numpy's cast does."""
+    h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).reshape(4, 256, 64)      # [heads, cells, hd]
+    want = h.view(np.float16).astype(np.float32)
+    got = np.empty((4, 200, 64), np.float32)
+    K.kv_values(h, 200, got)
+    got_t = np.empty((4, 64, 200), np.float32)
+    K.kv_values_t(h, 200, got_t)
+    w = want[:, :200]
+    assert np.array_equal(got, w, equal_nan=True) and np.array_equal(got_t, w.transpose(0, 2, 1), equal_nan=True)
+    finite = np.isfinite(w)
+    assert np.array_equal(got.view(np.uint32)[finite], w.view(np.uint32)[finite])          # signs of zero too
