@@ -191,7 +191,7 @@ FLAGS: tuple[Flag, ...] = (
          "split over N threads, BLAS itself held at 1)", _S, int, -1, "N"),
     Flag(NET, ("-a", "--alias"), "model name(s) in responses, comma separated", _S, str, "", "NAMES"),
     Flag(NET, ("--numerics",), "engine arithmetic: f32 (default), q (weights kept quantized, numba "
-         "kernels) or ggml (llama.cpp's CPU arithmetic, f16 KV; much slower)", _S, str, "f32",
+         "kernels) or ggml (llama.cpp's CPU arithmetic, f16 KV, numba kernels; slower prefill)", _S, str, "f32",
          choices=("f32", "q", "ggml")),
     # workload
     Flag(W, ("--trace",), "replay this trace file (format detected from its first line; .gz ok) instead of a "
@@ -347,7 +347,7 @@ FLAGS: tuple[Flag, ...] = (
          _G, int, 2, "N"),
     Flag(None, ("--numerics",), "engine arithmetic: f32 (default: weights dequantized to float32), q "
          "(weights kept in their quant blocks, numba kernels) or ggml (llama.cpp's CPU arithmetic replayed: same "
-         "logits as llama.cpp on the quantized file, much slower)", _G, str, "f32", choices=("f32", "q", "ggml")),
+         "logits as llama.cpp on the quantized file, numba kernels; prefill 2-3.5x slower)", _G, str, "f32", choices=("f32", "q", "ggml")),
     Flag(None, ("--chat",), "wrap the prompt in the model's chat template as a user message", _G, default=False),
     Flag(None, ("--threads",), "compute threads, as `slotlab replay --threads` (default: 2)", _K, int, 2, "N"),
     Flag(None, ("--out",), "calibration file to write (default: results/calibrate/<timestamp>/calibration.json)",

@@ -223,12 +223,12 @@ def _run(model, prompt: list[int], steps: int) -> tuple[np.ndarray, bytes]:
 
 @pytest.mark.parametrize("n_threads", [1, 2])
 @pytest.mark.parametrize("kw", [
-    dict(tensor_type="Q4_1"),
-    dict(tensor_type="Q5_1", arch="qwen2", tied=False),
-    dict(tensor_type="Q4_1", n_embd=128, n_head=2, n_head_kv=1, n_ff=320),     # head_dim 64, as SmolLM2
-    dict(tensor_type="Q8_0"),
-    dict(tensor_type="Q4_0", arch="qwen2"),
-    dict(tensor_type="F16"),
+    {"tensor_type": "Q4_1"},
+    {"tensor_type": "Q5_1", "arch": "qwen2", "tied": False},
+    {"tensor_type": "Q4_1", "n_embd": 128, "n_head": 2, "n_head_kv": 1, "n_ff": 320},   # head_dim 64, as SmolLM2
+    {"tensor_type": "Q8_0"},
+    {"tensor_type": "Q4_0", "arch": "qwen2"},
+    {"tensor_type": "F16"},
 ], ids=["q4_1", "q5_1-qwen2-untied", "q4_1-hd64", "q8_0", "q4_0-qwen2", "f16"])
 def test_forward_matches_numpy_on_tiny_models(tiny_gguf, kw, n_threads):
     path = tiny_gguf(**kw)
