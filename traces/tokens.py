@@ -277,8 +277,7 @@ class PromptMaterializer:
             for i, h in enumerate(missing):
                 got[h] = cache[h] = flat[i * bs:(i + 1) * bs]
         if as_array:
-            # the blocks (the last one cut) and the unique tail joined in one allocation: growing the array
-            # block by block would reallocate, and copy, it again and again
+            # the blocks (the last one cut: no tail to delete afterwards) and the unique tail
             parts = [got[h] for h in hashes]
             cut = n_hashed - (n_blocks - 1) * bs
             if parts and cut < bs:
@@ -286,7 +285,8 @@ class PromptMaterializer:
             if n_hashed < n:
                 parts.append(tokens(unique_key, n - n_hashed, start=n_hashed))
             out = token_array()
-            out.frombytes(b"".join(parts))
+            for p in parts:
+                out += p
             return out
         out = []
         for h in hashes:

@@ -64,7 +64,7 @@ class KVCells:
 
     def used(self) -> int:
         """Cells in use: every slot's tokens, counting cells shared by seq_cp once."""
-        return sum(len(s.tokens) for s in self.slots) - self.n_shared()
+        return sum([len(s.tokens) for s in self.slots]) - self.n_shared()
 
     def room_to_restore(self, slot: Slot) -> int:
         """Unified KV: cells a prompt-cache entry restored into `slot` may take (restoring first drops the

@@ -311,12 +311,13 @@ class ServerCore:
         n_decode = 0
         if gen and self.policies.batch_builder.include_decodes(len(gen), n_prompt_pending):
             self_only = self._self_only
+            append = chunks.append
             for s in gen:
                 toks = s.tokens
                 sid = s.id
                 task = s.task
                 tok = s.sampled
-                chunks.append(_tuple_new(Chunk, (sid, task.id, (tok,), len(toks), self_only[sid], False)))
+                append(_tuple_new(Chunk, (sid, task.id, (tok,), len(toks), self_only[sid], False)))
                 toks.append(tok)
                 tasks[sid] = task
                 sampling[sid] = task.sampling
