@@ -298,6 +298,19 @@ def _require_number(where: str, name: str, value: object) -> float:
     return float(value)
 
 
+def _require_numbers(where: str, field: str, obj: object, names: tuple[str, ...]) -> dict[str, float]:
+    """The JSON object `field` holding exactly the numbers `names` (each as `_require_number` takes it)."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: field '{field}' must be a JSON object")
+    for name in names:
+        if name not in obj:
+            raise ValueError(f"{where}: missing field '{field}.{name}'")
+    unknown = sorted(set(obj) - set(names))
+    if unknown:
+        raise ValueError(f"{where}: unknown field '{field}.{unknown[0]}' (expected {names})")
+    return {name: _require_number(where, f"{field}.{name}", obj[name]) for name in names}
+
+
 def load_calibration(path: str | Path) -> ParametricLatency:
     """Read a parametric calibration file (format in docs/latency_models.md); ValueError names file and field."""
     where = str(path)
@@ -319,14 +332,7 @@ def load_calibration(path: str | Path) -> ParametricLatency:
     coefficients = data["coefficients"]
     if not isinstance(coefficients, dict):
         raise ValueError(f"{where}: field 'coefficients' must be a JSON object")
-    coefficients = {**OPTIONAL_COEFFICIENTS, **coefficients}
-    for name in COEFFICIENT_NAMES:
-        if name not in coefficients:
-            raise ValueError(f"{where}: missing field 'coefficients.{name}'")
-    unknown = sorted(set(coefficients) - set(COEFFICIENT_NAMES))
-    if unknown:
-        raise ValueError(f"{where}: unknown field 'coefficients.{unknown[0]}' (expected {COEFFICIENT_NAMES})")
-    values = {name: _require_number(where, f"coefficients.{name}", coefficients[name]) for name in COEFFICIENT_NAMES}
+    values = _require_numbers(where, "coefficients", {**OPTIONAL_COEFFICIENTS, **coefficients}, COEFFICIENT_NAMES)
     measured_on = MeasuredOn.from_dict(data["measured_on"], where)
     return ParametricLatency(**values, measured_on=measured_on, source=where)
 

@@ -41,7 +41,7 @@ from sim.latency import (
     ParametricLatency,
     StepCost,
     _check_non_negative,
-    _require_number,
+    _require_numbers,
     check_decode_only_args,
     fit_nonnegative,
     fit_stats,
@@ -371,16 +371,7 @@ def load_physical(path: str | Path) -> PhysicalLatency:
     for name in ("terms", "layout"):
         if name not in block:
             raise ValueError(f"{where}: missing field 'physical.{name}'")
-    terms = block["terms"]
-    if not isinstance(terms, dict):
-        raise ValueError(f"{where}: field 'physical.terms' must be a JSON object")
-    for name in PHYSICAL_TERMS:
-        if name not in terms:
-            raise ValueError(f"{where}: missing field 'physical.terms.{name}'")
-    unknown = sorted(set(terms) - set(PHYSICAL_TERMS))
-    if unknown:
-        raise ValueError(f"{where}: unknown field 'physical.terms.{unknown[0]}' (expected {PHYSICAL_TERMS})")
-    values = tuple(_require_number(where, f"physical.terms.{name}", terms[name]) for name in PHYSICAL_TERMS)
+    values = tuple(_require_numbers(where, "physical.terms", block["terms"], PHYSICAL_TERMS).values())
     layout = EngineLayout.from_dict(block["layout"], where)
     moved = data.get("load_moved")
     return PhysicalLatency(values, layout, measured_on=simple.measured_on, source=where,

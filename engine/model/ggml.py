@@ -582,6 +582,16 @@ def _pad(a: np.ndarray, axis: int, multiple: int, value: float) -> np.ndarray:
     return np.pad(a, widths, constant_values=value)
 
 
+def _run_blocks(mm: Matmul | None, tasks: list[Callable[[], None]]) -> None:
+    """The query blocks of one attention call: on the matmul's threads (`Matmul.parallel` runs a single task
+    inline), or in this thread when there is no matmul."""
+    if mm is None:
+        for t in tasks:
+            t()
+    else:
+        mm.parallel(tasks)
+
+
 def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_old: int, mm: Matmul | None = None) -> np.ndarray:
     """`f32.attend` with ggml's non-flash-attention arithmetic: q [m, n_head, head_dim] (not scaled), k/v
     [n_head_kv, >= n_old + m, head_dim] the sequence's cells as stored. Returns [m, n_head * head_dim].
@@ -630,11 +640,7 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_old: int, mm: Matmul |
 
     starts = list(range(0, m, _QUERY_BLOCK))
     tasks = [lambda a=a: block(a, min(m, a + _QUERY_BLOCK)) for a in reversed(starts)]
-    if mm is None or len(tasks) == 1:
-        for t in tasks:
-            t()
-    else:
-        mm.parallel(tasks)
+    _run_blocks(mm, tasks)
     return out.reshape(m, n_head * head_dim)
 
 
@@ -700,9 +706,5 @@ def attend_compiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_old: int, mm:
         kern.attend_block(q16, kt, vf, n_old, a, min(m, a + _QUERY_BLOCK), one, scale, n_gqa, out)
 
     tasks = [lambda a=a: block(a) for a in reversed(range(0, m, _QUERY_BLOCK))]
-    if mm is None or len(tasks) == 1:
-        for t in tasks:
-            t()
-    else:
-        mm.parallel(tasks)
+    _run_blocks(mm, tasks)
     return out.reshape(m, n_head * head_dim)
