@@ -45,6 +45,8 @@ class NumpyBackend:
         self._eog = frozenset(tok.eog_ids)
         self.n_steps = 0
         self.t_total_s = 0.0
+        # optional observer called as on_step(plan, elapsed_s) after every execute (slotlab replay's step log)
+        self.on_step: Any = None
 
     # --- facts the server builds its ServerConfig from -----------------------------------------------------
     @property
@@ -108,6 +110,8 @@ class NumpyBackend:
         self.t_total_s += elapsed
         if len(self._samplers) > 4 * self.n_seq:
             self._prune_samplers()
+        if self.on_step is not None:
+            self.on_step(plan, elapsed)
         return StepResult(elapsed, sampled, extra or None)
 
     def apply(self, op: KVOp) -> None:

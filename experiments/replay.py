@@ -39,6 +39,7 @@ from experiments.runs import (
     server_config,
     usage_errors,
 )
+from experiments.steplog import StepLog
 from experiments.workloads import build_workload
 from sim.driver import Simulation
 
@@ -90,13 +91,17 @@ def run_replay(values: dict[str, Any], workload, model_path: str, threads: int, 
     model = load(model_path, n_threads=threads)
     sim, cfg = engine_simulation(model, server_config({**values, "kv_bytes_per_token": None}), values["seed"], temp,
                                  keep_n_ctx_train=values["ctx_size"] != 0, progress=progress)
+    steps = StepLog(sim.backend.kv_bytes_per_token)
+    sim.backend.on_step = steps
     result = sim.run(workload)
+    sim.backend.on_step = None
     threads = {"threads": sim.backend.n_threads, "threads_desc": model.threads_desc}
     result.run.update(threads, model=model_path)
     config = {"slotlab_results": 1, **context, "backend": "numpy", "model": model_path, **threads,
               "temperature": temp, "rerun": "slotlab replay " + " ".join(simulate_argv(values)[2:]),
               "options": values, "server_config": cfg, "seed": values["seed"], "fast_forward": False}
     summary = write_run(out_dir, result, config, csv=csv, plots=plots, n_slots=cfg.resolve().n_slots)
+    steps.write(out_dir)                       # steps.parquet: every executed step, its cost and measured time
     return {**summary, "threads_desc": threads["threads_desc"]}
 
 

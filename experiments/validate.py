@@ -32,11 +32,27 @@ from tqdm import tqdm
 
 from engine.core import PolicyNames, ServerConfig
 from engine.model.tokenizer import ATTR_BYTE, ATTR_NORMAL, Tokenizer
-from experiments.flags import (OPT_BY_DEST, VALIDATE, WORKLOAD_DESTS, UsageError, add_flags, flag_names, option_values,
-                               simulate_argv)
+from experiments.flags import (
+    OPT_BY_DEST,
+    VALIDATE,
+    WORKLOAD_DESTS,
+    UsageError,
+    add_flags,
+    flag_names,
+    option_values,
+    simulate_argv,
+)
 from experiments.replay import run_replay
 from experiments.results import load_results, write_json, write_run
 from experiments.runs import follow, out_dir, resolve_model, run_context, server_config
+from experiments.steplog import (
+    format_step_errors,
+    plot_step_ratio,
+    predict_steps,
+    read_steps,
+    step_errors,
+    step_warnings,
+)
 from experiments.workloads import build_workload
 from sim.driver import Simulation
 from sim.latency_spec import get_latency_model
@@ -46,7 +62,8 @@ METRICS = ("ttft", "tpot", "e2e", "queue")
 STATS = ("p50", "p90", "p99", "mean")
 MEASURED_CALIBRATION = Path(__file__).resolve().parents[1] / "sim" / "data" / "smollm2_numpy_2threads.json"
 FILES = {"per_request": "validation.csv", "errors": "errors.csv", "summary": "validation.json",
-         "scatter": "sim_vs_real_scatter.png", "cdf": "sim_vs_real_cdf.png"}
+         "scatter": "sim_vs_real_scatter.png", "cdf": "sim_vs_real_cdf.png",
+         "steps": "real_steps_ratio.png"}
 
 
 # --- comparison ------------------------------------------------------------------------------------------
@@ -112,7 +129,7 @@ def aggregate_errors(real: pd.DataFrame, sim: pd.DataFrame) -> pd.DataFrame:
 
 def per_request_summary(per: pd.DataFrame) -> dict[str, Any]:
     """Median and mean |relative error| per metric over the joined requests, and the decision-match rates."""
-    out: dict[str, Any] = {"n_requests": int(len(per))}
+    out: dict[str, Any] = {"n_requests": len(per)}
     for m in METRICS:
         ape = per[f"{m}_rel_err"].abs().to_numpy(dtype="float64", na_value=np.nan)
         ape = ape[np.isfinite(ape)]
@@ -507,17 +524,59 @@ def run_validate(args: argparse.Namespace) -> int:
         real_steps=real.run.get("steps"), sim_steps=sim.run.get("steps"), command=context["command"])
     title = (f"{Path(model).name}, {summary['threads']} threads vs {latency.describe().get('kind')} latency "
              f"({summary['n_requests']} requests)")
+    summary["calibration_error"] = calibration_error(latency)
+    steps = read_steps(real.path)
+    step_report = None
+    if steps is not None:
+        summary["real_step_errors"] = step_report = step_errors(steps, latency)
+        for warning in step_warnings(step_report):
+            print(f"slotlab validate: warning: {warning}", file=sys.stderr)
+        if not args.no_plots:
+            plot_step_ratio(steps, predict_steps(steps, latency), out / FILES["steps"], title)
     _write_comparison(out, per, errors, summary, real.requests, sim.requests, None if args.no_plots else title)
     if args.quiet:
         _print_quiet(errors, summary, out, "requests")
     else:
         print(format_errors(errors, summary))
+        if step_report is not None:
+            print(format_step_errors(step_report))
+        cal = summary["calibration_error"]
+        if cal and "in_sample" in cal:
+            held = cal.get("held_out_shape")
+            print(f"calibration's own error ({cal['model']} model, over its grid's steps): MAPE in sample "
+                  f"{100 * cal['in_sample']['mape']:.1f}%"
+                  + (f", held-out shape {100 * held['mape']:.1f}% (median {100 * held['median_ape']:.1f}%)"
+                     if held else ""))
         print(f"threads {summary['threads']}, load average {load_start[0]:.2f} -> {summary['load_average_end'][0]:.2f}"
               f"; latency {values['latency']}")
         where = "real/" if reused is None else f"real: {real.path}"
         print(f"results: {out}/  ({where}, sim/, "
               f"{FILES['per_request']}, {FILES['errors']}, {FILES['summary']})")
     return 0
+
+
+def calibration_error(latency: Any) -> dict[str, Any] | None:
+    """The calibration's own error for the model in use (from its file: in sample and held out by shape, over
+    the calibrated grid's steps), to be read beside the run's; None for a model not read from a calibration."""
+    desc = latency.describe()
+    source = desc.get("source")
+    if not source:
+        return None
+    try:
+        data = json.loads(Path(source).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    name = "physical" if desc.get("kind") == "physical" else "simple"
+    errs = ((data.get("cross_validation") or {}).get("errors") or {}).get(name)
+    if not errs:
+        return None
+    pick = {"in_sample": "in_sample", "held_out_shape": "loso", "held_out_group": "group"}
+    out: dict[str, Any] = {"model": name}
+    for label, key in pick.items():
+        part = (errs.get(key) or {}).get("all")
+        if part:
+            out[label] = {"mape": part["mape"], "median_ape": part["median_ape"]}
+    return out
 
 
 def read_validation(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, Any]]:
@@ -541,4 +600,12 @@ def _print_quiet(errors, summary: dict, out: Path, what: str) -> None:
     e2e = errors[(errors["metric"] == "e2e") & (errors["stat"] == "p50")].iloc[0]
     print(f"slotlab validate: {summary['n_requests']} {what}, E2E P50 real {e2e['real_s']:.3g} s sim "
           f"{e2e['sim_s']:.3g} s ({100 * e2e['rel_err']:+.1f}%), decisions match "
-          f"{100 * summary['decision_match_rate']:.0f}% -> {out}")
+          f"{100 * summary['decision_match_rate']:.0f}%{_steps_clause(summary)} -> {out}")
+
+
+def _steps_clause(summary: dict) -> str:
+    steps = (summary.get("real_step_errors") or {}).get("all")
+    if not steps:
+        return ""
+    return (f", latency model on the real steps median |err| {100 * steps['median_abs_err']:.1f}% "
+            f"(bias {100 * steps['median_err']:+.1f}%)")

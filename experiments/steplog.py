@@ -1,0 +1,263 @@
+"""The step log of a real run: every step the engine executed, what the simulator would charge for it, and what
+the engine measured.
+
+`slotlab replay` (and so `slotlab validate`'s real run) writes `steps.parquet` beside `requests.parquet`: one
+row per `NumpyBackend.execute` call, in order, with
+
+- `t_s`: when the step started, wall seconds since the first step;
+- `elapsed_s`: the engine's measured time of the step (the value the driver's clock advanced by);
+- the plan as the simulated backend counts it (`SimBackend.layout_cost`): `n_prefill_tokens`,
+  `n_decode_tokens`, `n_seqs`, `attn_ctx_tokens`, `n_forward_calls`, `kv_copy_bytes`, `kv_save_bytes`,
+  `kv_shift_tokens`, `kv_read_tokens`, `calls` (each forward call's chunks as `[seq, pos0, n_tokens]`, JSON);
+  `charged`: False for a step the simulator charges nothing (KV bookkeeping only, no task and no forward call);
+- `kind`: decode, prefill, mixed, copy (host-RAM cache save/load in the step) or shift (K re-rotation);
+- `others_cores`: the CPU that *other* processes used while the step ran, in cores, from /proc/stat
+  (machine busy time minus this process's own CPU time, over windows of at least half a second; NaN where
+  /proc/stat is not readable or before the first window closed).
+
+`step_errors(steps, latency)` prices every logged step with a latency model and compares it with the measured
+time. Because both sides see the *same* step, this error is the timing model's alone: it does not depend on
+whether the simulated run made the same decisions as the real one (a closed-loop run whose arrivals drift apart
+compares different steps request by request). It also shows the machine: the measured/predicted ratio over the
+run's duration (`drift`) moves when the machine's speed moved (another process took a core), and
+`others_cores` says whether something else ran.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from engine.core.types import BatchPlan, ForwardCall
+from experiments.calibrate import proc_cpu_seconds
+from sim.backend import SimBackend
+from sim.latency import ConstantLatency, StepCost
+
+STEPS_FILE = "steps.parquet"
+KINDS = ("decode", "prefill", "mixed", "copy", "shift")
+COST_COLUMNS = ("n_prefill_tokens", "n_decode_tokens", "n_seqs", "attn_ctx_tokens", "n_forward_calls",
+                "kv_copy_bytes", "kv_save_bytes", "kv_shift_tokens", "kv_read_tokens")
+# other processes' CPU (cores, in some window of the real run) above which validate warns
+OTHERS_CORES_WARN = 0.5
+# measured/predicted ratio moving by more than this between tenths of the run: validate warns (machine speed)
+DRIFT_WARN = 0.10
+
+
+def step_kind(cost: StepCost) -> str:
+    if cost.kv_shift_tokens:
+        return "shift"
+    if cost.kv_copy_bytes:
+        return "copy"
+    if cost.n_prefill_tokens and cost.n_decode_tokens:
+        return "mixed"
+    return "prefill" if cost.n_prefill_tokens else "decode"
+
+
+class StepLog:
+    """`NumpyBackend.on_step` observer: one row per executed plan (see the module docs for the columns).
+
+    `cpu_reader` returns (machine busy CPU seconds, this process's CPU seconds) or None (`proc_cpu_seconds`);
+    a window closes at the first step ending at least `window_s` after it opened, and its others' cores are
+    given to every step that started in it."""
+
+    def __init__(self, kv_bytes_per_token: int, *, cpu_reader: Callable[[], tuple[float, float] | None] = proc_cpu_seconds,
+                 clock: Callable[[], float] = time.perf_counter, window_s: float = 0.5) -> None:
+        self._costs = SimBackend(ConstantLatency(0.0), kv_bytes_per_token)
+        self._cpu = cpu_reader
+        self._clock = clock
+        self._window_s = window_s
+        self.rows: list[dict[str, Any]] = []
+        self._t0: float | None = None
+        self._win_start = 0                        # first row of the open window
+        self._win_clock = 0.0
+        self._win_cpu: tuple[float, float] | None = None
+
+    def __call__(self, plan: BatchPlan, elapsed_s: float) -> None:
+        end = self._clock()
+        start = end - elapsed_s
+        if self._t0 is None:
+            self._t0 = start
+            # the first reading comes at the first step's end: the first window opens there
+            self._win_clock, self._win_cpu = end, self._cpu()
+        cost = self._costs.layout_cost(plan)
+        charged = bool(plan.tasks) or any(type(p) is ForwardCall for p in plan.program)
+        row = {"t_s": start - self._t0, "elapsed_s": elapsed_s, "kind": step_kind(cost), "charged": charged,
+               "others_cores": math.nan}
+        for name in COST_COLUMNS:
+            row[name] = getattr(cost, name)
+        row["calls"] = json.dumps([[list(c) for c in call] for call in cost.calls or ()], separators=(",", ":"))
+        self.rows.append(row)
+        if end - self._win_clock >= self._window_s:
+            self._close_window(end)
+
+    def _close_window(self, end: float) -> None:
+        cpu = self._cpu()
+        if cpu is not None and self._win_cpu is not None and end > self._win_clock:
+            busy = cpu[0] - self._win_cpu[0]
+            own = cpu[1] - self._win_cpu[1]
+            others = max(0.0, (busy - own) / (end - self._win_clock))
+            for row in self.rows[self._win_start:]:
+                row["others_cores"] = others
+        self._win_start, self._win_clock, self._win_cpu = len(self.rows), end, cpu
+
+    def frame(self) -> pd.DataFrame:
+        if self._win_start < len(self.rows):
+            self._close_window(self._clock())
+        cols = ["t_s", "elapsed_s", "kind", "charged", *COST_COLUMNS, "calls", "others_cores"]
+        return pd.DataFrame(self.rows, columns=cols)
+
+    def write(self, run_dir: str | Path) -> Path:
+        path = Path(run_dir) / STEPS_FILE
+        self.frame().to_parquet(path, index=False)
+        return path
+
+
+def read_steps(run_dir: str | Path) -> pd.DataFrame | None:
+    """A results directory's step log, or None when it has none (a simulated run, or a real run written
+    before step logs existed)."""
+    path = Path(run_dir) / STEPS_FILE
+    if not path.exists():
+        return None
+    steps = pd.read_parquet(path)
+    missing = [c for c in ("t_s", "elapsed_s", "kind", "charged", *COST_COLUMNS, "calls") if c not in steps.columns]
+    if missing:
+        raise ValueError(f"{path}: not a step log (missing columns {', '.join(missing)})")
+    return steps
+
+
+def step_costs(steps: pd.DataFrame, with_layout: bool = True) -> list[StepCost]:
+    """Each logged step's StepCost (as the simulated backend builds it: without the layout unless asked)."""
+    costs = []
+    ints = {name: steps[name].to_numpy() for name in COST_COLUMNS}
+    calls = steps["calls"].tolist()
+    for i in range(len(steps)):
+        layout = tuple(tuple(tuple(int(x) for x in c) for c in call) for call in json.loads(calls[i]))
+        costs.append(StepCost(
+            int(ints["n_prefill_tokens"][i]), int(ints["n_decode_tokens"][i]), int(ints["n_seqs"][i]),
+            int(ints["attn_ctx_tokens"][i]), int(ints["n_forward_calls"][i]), int(ints["kv_copy_bytes"][i]),
+            int(ints["kv_shift_tokens"][i]), int(ints["kv_read_tokens"][i]),
+            layout if with_layout else None, int(ints["kv_save_bytes"][i]) if with_layout else None))
+    return costs
+
+
+def predict_steps(steps: pd.DataFrame, latency: Any) -> np.ndarray:
+    """What `latency` charges for each logged step (0 where the simulator charges nothing)."""
+    layout = bool(getattr(latency, "wants_layout", False))
+    charged = steps["charged"].to_numpy(bool)
+    return np.array([latency.step_time_s(c) if ok else 0.0
+                     for c, ok in zip(step_costs(steps, layout), charged)], dtype=float)
+
+
+def _errors(measured: np.ndarray, predicted: np.ndarray) -> dict[str, float]:
+    rel = predicted / measured - 1.0
+    return {"n": len(measured), "median_abs_err": float(np.median(np.abs(rel))),
+            "median_err": float(np.median(rel)), "busy_err": float(predicted.sum() / measured.sum() - 1.0)}
+
+
+def step_errors(steps: pd.DataFrame, latency: Any, n_bins: int = 10) -> dict[str, Any]:
+    """The latency model's error on the real run's own steps.
+
+    Over the charged steps with a measured time > 0: `all` and per `kind` the median |predicted/measured − 1|,
+    its median signed value (the bias: negative = the model is faster than the engine) and `busy_err`
+    (Σ predicted / Σ measured − 1: the error of the run's total busy time). `drift`: the median
+    measured/predicted ratio in each of `n_bins` equal tenths of the steps in time order (a machine whose speed
+    did not move gives a flat list) and `drift_range` = max/min − 1 of it. `others_cores`: mean and max over the
+    run of the CPU other processes used (None without /proc/stat)."""
+    measured = steps["elapsed_s"].to_numpy(float)
+    predicted = predict_steps(steps, latency)
+    ok = steps["charged"].to_numpy(bool) & (measured > 0) & (predicted > 0)
+    out: dict[str, Any] = {"n_steps": len(steps), "n_compared": int(ok.sum())}
+    if not ok.any():
+        return out
+    m, p = measured[ok], predicted[ok]
+    kinds = steps["kind"].to_numpy()[ok]
+    out["all"] = _errors(m, p)
+    out["by_kind"] = {k: _errors(m[kinds == k], p[kinds == k]) for k in KINDS if (kinds == k).any()}
+    ratio = m / p
+    bins = [b for b in np.array_split(ratio, min(n_bins, len(ratio))) if len(b)]
+    drift = [float(np.median(b)) for b in bins]
+    out["drift"] = drift
+    out["drift_range"] = float(max(drift) / min(drift) - 1.0)
+    others = steps["others_cores"].to_numpy(float) if "others_cores" in steps.columns else np.array([])
+    others = others[np.isfinite(others)]
+    out["others_cores"] = ({"mean": float(others.mean()), "max": float(others.max())} if len(others) else None)
+    return out
+
+
+def step_warnings(errors: dict[str, Any]) -> list[str]:
+    """What in a real run's step log makes its times not the calibrated machine's (empty when nothing)."""
+    warnings = []
+    others = errors.get("others_cores")
+    if others and others["max"] > OTHERS_CORES_WARN:
+        warnings.append(f"other processes used up to {others['max']:.2f} cores (mean {others['mean']:.2f}) during "
+                        f"the real run: its step times are those of a shared machine")
+    if errors.get("drift_range", 0.0) > DRIFT_WARN:
+        d = errors["drift"]
+        warnings.append(f"the engine's speed moved during the real run: measured/predicted step time went "
+                        f"{min(d):.2f}..{max(d):.2f} over its tenths (the machine's speed changed)")
+    return warnings
+
+
+def format_step_errors(errors: dict[str, Any]) -> str:
+    """One paragraph: the model's error on the real steps, by kind, and the machine during the run."""
+    if "all" not in errors:
+        return f"real run steps: {errors['n_steps']} logged, none priced"
+    a = errors["all"]
+    head = (f"latency model on the real run's own {errors['n_compared']} steps: median |err| "
+            f"{100 * a['median_abs_err']:.1f}%, bias {100 * a['median_err']:+.1f}%, busy time "
+            f"{100 * a['busy_err']:+.1f}%")
+    parts = [head]
+    kinds = ", ".join(f"{k} {v['n']}: {100 * v['median_abs_err']:.1f}% ({100 * v['median_err']:+.1f}%)"
+                      for k, v in errors["by_kind"].items())
+    parts.append(f"  by kind (median |err| (bias)): {kinds}")
+    d = errors["drift"]
+    others = errors.get("others_cores")
+    machine = (f"; other processes {others['mean']:.2f} cores mean, {others['max']:.2f} max" if others
+               else "; other processes' CPU unknown (no /proc/stat)")
+    parts.append(f"  measured/predicted over the run's tenths {min(d):.2f}..{max(d):.2f}{machine}")
+    return "\n".join(parts)
+
+
+def plot_step_ratio(steps: pd.DataFrame, predicted: Sequence[float], path: str | Path, title: str) -> Path:
+    """Measured / predicted time of every real step over the run (rolling median), with other processes'
+    CPU on a second axis: where the line leaves 1, the model or the machine moved."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    p = np.asarray(predicted, dtype=float)
+    m = steps["elapsed_s"].to_numpy(float)
+    ok = steps["charged"].to_numpy(bool) & (m > 0) & (p > 0)
+    t = steps["t_s"].to_numpy(float)[ok]
+    ratio = pd.Series(m[ok] / p[ok])
+    kinds = steps["kind"].to_numpy()[ok]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for k in KINDS:
+        sel = kinds == k
+        if sel.any():
+            ax.scatter(t[sel], ratio[sel], s=4, alpha=0.35, label=k)
+    if len(ratio):
+        ax.plot(t, ratio.rolling(max(5, len(ratio) // 50), center=True, min_periods=1).median(), color="black",
+                lw=1.2, label="rolling median")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("wall time of the real run (s)")
+    ax.set_ylabel("measured / predicted step time")
+    ax.set_title(title, fontsize=9)
+    if "others_cores" in steps.columns and np.isfinite(steps["others_cores"].to_numpy(float)).any():
+        ax2 = ax.twinx()
+        ax2.plot(steps["t_s"], steps["others_cores"], color="tab:red", lw=0.8, alpha=0.7)
+        ax2.set_ylabel("other processes' CPU (cores)", color="tab:red")
+        ax2.set_ylim(bottom=0)
+    ax.legend(loc="upper left", fontsize=7, markerscale=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)

@@ -1,0 +1,201 @@
+"""The real run's step log (`steps.parquet`): what is recorded per step, the other processes' CPU, and the
+latency model's error on the logged steps (the timing model's error alone, whatever the decisions did)."""
+
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from engine.core.types import BatchPlan, Chunk, ForwardCall, KVOp, Task
+from experiments.cli import main
+from experiments.steplog import (
+    DRIFT_WARN,
+    STEPS_FILE,
+    StepLog,
+    predict_steps,
+    read_steps,
+    step_errors,
+    step_warnings,
+)
+from sim.latency import ConstantLatency
+
+BPT = 1000   # KV bytes per token of the hand-made plans
+
+WORKLOAD = ["--workload", "poisson", "--rate", "20", "--requests", "6", "--prompt-tokens", "10-40",
+            "--output-tokens", "3-8", "-np", "2", "-c", "512", "--seed", "5"]
+
+
+def plan(*program, sample=()):
+    tasks = {sid: Task(id=sid, tokens=[1]) for sid in sample}
+    n_prompt = sum(len(c.tokens) for p in program if isinstance(p, ForwardCall) for c in p.chunks if c.is_prompt)
+    n_decode = sum(1 for p in program if isinstance(p, ForwardCall) for c in p.chunks if not c.is_prompt)
+    return BatchPlan(0.0, tuple(program), n_prompt, n_decode, {}, tasks)
+
+
+def call(*chunks):
+    return ForwardCall(tuple(chunks), sum(len(c.tokens) for c in chunks))
+
+
+class Fake:
+    """A clock and a /proc/stat reader driven by the test."""
+
+    def __init__(self):
+        self.t = 100.0
+        self.busy = 50.0
+        self.own = 5.0
+
+    def clock(self):
+        return self.t
+
+    def cpu(self):
+        return self.busy, self.own
+
+
+def test_each_step_is_logged_with_its_cost_kind_and_measured_time():
+    fake = Fake()
+    log = StepLog(BPT, cpu_reader=fake.cpu, clock=fake.clock, window_s=10.0)
+    steps = [
+        (plan(call(Chunk(0, 0, [5] * 7, 3, (0,), True)), sample=(0,)), 0.2),
+        (plan(call(Chunk(0, 0, [5], 10, (0,), False), Chunk(1, 1, [6], 4, (1,), False)), sample=(0, 1)), 0.05),
+        (plan(KVOp("cache_save", seq=1, entry=3, n_tokens=12), call(Chunk(1, 1, [5] * 4, 0, (1,), True)),
+              sample=(1,)), 0.1),
+        (plan(KVOp("seq_add", seq=0, p0=4, p1=11, delta=-2), call(Chunk(0, 0, [5], 9, (0,), False),
+                                                                 Chunk(1, 1, [5] * 3, 4, (), True)), sample=(0,)), 0.07),
+        (plan(KVOp("cache_drop", entry=3)), 0.001),
+    ]
+    for p, elapsed in steps:
+        fake.t += elapsed
+        log(p, elapsed)
+    df = log.frame()
+    assert list(df["kind"]) == ["prefill", "decode", "copy", "shift", "decode"]
+    assert list(df["charged"]) == [True, True, True, True, False]     # the KV-only step costs nothing in sim
+    assert list(df["elapsed_s"]) == [e for _, e in steps]
+    assert np.allclose(df["t_s"], np.cumsum([0] + [e for _, e in steps])[:-1])
+    first = df.iloc[0]
+    assert (first.n_prefill_tokens, first.n_decode_tokens, first.attn_ctx_tokens, first.kv_read_tokens) == \
+        (7, 0, 7 * 3 + 28, 10)
+    second = df.iloc[1]
+    assert (second.n_decode_tokens, second.n_seqs, second.attn_ctx_tokens) == (2, 2, 11 + 5)
+    assert json.loads(second.calls) == [[[0, 10, 1], [1, 4, 1]]]
+    assert df.iloc[2].kv_copy_bytes == df.iloc[2].kv_save_bytes == 12 * BPT
+    assert df.iloc[3].kv_shift_tokens == 7
+
+
+def test_other_processes_cpu_is_busy_time_minus_our_own_per_window():
+    fake = Fake()
+    log = StepLog(BPT, cpu_reader=fake.cpu, clock=fake.clock, window_s=0.8)
+    p = plan(call(Chunk(0, 0, [5], 10, (0,), False)), sample=(0,))
+    # window 1 opens at the first reading (end of step 1) and closes after step 4: 0.9 s wall, the machine
+    # busy 1.8 CPU s, 0.9 of them ours -> others 1.0 core (step 1 gets its window's figure)
+    for _ in range(4):
+        fake.t += 0.3
+        fake.busy += 0.6
+        fake.own += 0.3
+        log(p, 0.3)
+    # window 2 (closed by frame()): 0.6 s, only our own CPU
+    for _ in range(2):
+        fake.t += 0.3
+        fake.busy += 0.3
+        fake.own += 0.3
+        log(p, 0.3)
+    df = log.frame()
+    assert np.allclose(df["others_cores"], [1.0] * 4 + [0.0] * 2)
+
+
+def test_without_proc_stat_others_cpu_is_unknown():
+    fake = Fake()
+    log = StepLog(BPT, cpu_reader=lambda: None, clock=fake.clock, window_s=0.1)
+    for _ in range(3):
+        fake.t += 0.2
+        log(plan(call(Chunk(0, 0, [5], 3, (0,), False)), sample=(0,)), 0.2)
+    df = log.frame()
+    assert df["others_cores"].isna().all()
+    assert step_errors(df, ConstantLatency(0.1))["others_cores"] is None
+
+
+def frame(measured, kinds=None, others=0.0):
+    n = len(measured)
+    return pd.DataFrame({
+        "t_s": np.arange(n, dtype=float), "elapsed_s": measured, "kind": kinds or ["decode"] * n,
+        "charged": [True] * n, "n_prefill_tokens": 0, "n_decode_tokens": 1, "n_seqs": 1, "attn_ctx_tokens": 10,
+        "n_forward_calls": 1, "kv_copy_bytes": 0, "kv_save_bytes": 0, "kv_shift_tokens": 0, "kv_read_tokens": 10,
+        "calls": ["[[[0,9,1]]]"] * n, "others_cores": others})
+
+
+def test_step_errors_compare_the_model_with_each_measured_step():
+    measured = [0.2] * 6 + [0.4] * 4
+    kinds = ["decode"] * 6 + ["prefill"] * 4
+    err = step_errors(frame(measured, kinds), ConstantLatency(0.1))
+    assert err["n_compared"] == 10
+    assert err["by_kind"]["decode"]["median_err"] == pytest.approx(-0.5)
+    assert err["by_kind"]["prefill"]["median_abs_err"] == pytest.approx(0.75)
+    assert err["all"]["busy_err"] == pytest.approx(1.0 / 2.8 - 1)
+    assert err["drift"] == pytest.approx([2.0] * 6 + [4.0] * 4)
+    assert err["drift_range"] == pytest.approx(1.0)
+
+
+def test_a_flat_run_on_a_quiet_machine_gives_no_warning_and_a_drifting_or_shared_one_does():
+    quiet = step_errors(frame([0.1] * 20), ConstantLatency(0.1))
+    assert quiet["drift_range"] == 0 and step_warnings(quiet) == []
+    slower = step_errors(frame([0.1] * 10 + [0.1 * (1 + 2 * DRIFT_WARN)] * 10), ConstantLatency(0.1))
+    assert any("speed moved" in w for w in step_warnings(slower))
+    shared = step_errors(frame([0.1] * 20, others=0.9), ConstantLatency(0.1))
+    assert any("0.90 cores" in w for w in step_warnings(shared))
+
+
+def test_steps_the_simulator_charges_nothing_are_not_compared():
+    df = frame([0.1, 0.002])
+    df.loc[1, "charged"] = False
+    assert list(predict_steps(df, ConstantLatency(0.1))) == [0.1, 0.0]
+    assert step_errors(df, ConstantLatency(0.1))["n_compared"] == 1
+
+
+def test_replay_writes_the_step_log_of_every_token_it_computed(tiny, tmp_path):
+    out = tmp_path / "r"
+    assert main(["replay", "-m", tiny, "--threads", "1", "--quiet", "--no-plots", "--out", str(out), *WORKLOAD]) == 0
+    steps = read_steps(out)
+    rows = pd.read_parquet(out / "requests.parquet")
+    assert (steps["elapsed_s"] > 0).all() and steps["t_s"].is_monotonic_increasing
+    # every prompt token not taken from the cache is prefilled once, every token after the first is decoded once
+    assert steps["n_prefill_tokens"].sum() == (rows["n_prompt"] - rows["n_cached"]).sum()
+    assert steps["n_decode_tokens"].sum() == (rows["n_output"] - 1).sum()
+    assert set(steps["kind"]) <= {"decode", "prefill", "mixed", "copy", "shift"}
+
+
+def test_a_results_directory_without_a_step_log_reads_as_none_and_a_foreign_file_is_refused(tmp_path):
+    assert read_steps(tmp_path) is None
+    pd.DataFrame({"x": [1]}).to_parquet(tmp_path / STEPS_FILE)
+    with pytest.raises(ValueError, match="not a step log"):
+        read_steps(tmp_path)
+
+
+def test_validate_reports_the_models_error_on_the_real_steps_and_the_calibrations_own(tiny, tmp_path, capsys):
+    import argparse
+
+    from experiments.validate import (
+        FILES,
+        add_validate_parser,
+        read_validation,
+        run_validate,
+    )
+
+    parser = argparse.ArgumentParser()
+    add_validate_parser(parser.add_subparsers())
+    out = tmp_path / "v"
+    args = parser.parse_args(["validate", "-m", tiny, "--threads", "1", "--latency", "constant:0.01",
+                              "--out", str(out), *WORKLOAD])
+    assert run_validate(args) == 0
+    printed = capsys.readouterr().out
+    _, _, summary = read_validation(out)
+    steps = read_steps(out / "real")
+    measured = steps.loc[steps["charged"], "elapsed_s"].to_numpy()
+    got = summary["real_step_errors"]
+    assert got["n_compared"] == len(measured)
+    assert got["all"]["median_err"] == pytest.approx(float(np.median(0.01 / measured - 1)))
+    assert got["all"]["busy_err"] == pytest.approx(0.01 * len(measured) / measured.sum() - 1)
+    assert "latency model on the real run's own" in printed
+    assert summary["calibration_error"] is None            # a constant model has no calibration file
+    assert (out / FILES["steps"]).exists()
+    assert math.isfinite(got["drift_range"])
