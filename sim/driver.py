@@ -273,6 +273,25 @@ class Simulation:
                 self._inbox = []
             # the step commits at its end time, computed in integer ns; its tasks finish once the clock is there
             t0 = self._clock_ns = now
+            if ff:
+                # this step and the decode steps after it at once (a slot's last prompt chunk with the decodes, or
+                # plain decode steps, e.g. after a completion with no task waiting)
+                t_ff = self._try_admission(now)
+                if t_ff == now:
+                    t_ff = self._try_fast_forward(now)
+                if t_ff > now:
+                    finished = core.pop_finished()
+                    if core.deferred:
+                        self._backlog_ns += t_ff - now
+                        self._backlog_done += len(finished)
+                    now = t_ff
+                    if env.peek() <= now or (finished and self._has_waiters(finished)):
+                        yield env.timeout(now - env.now)
+                    if finished:
+                        self._finish_tasks(finished)
+                    if not self._n_steps % self._tl_stride:
+                        self._sample_timeline(now)
+                    continue
             st = step(core, backend, now_s, end_s)
             now += round(st.result.elapsed_s * NS)
             self._n_steps += 1
@@ -333,6 +352,38 @@ class Simulation:
             times = [step_time(c) for c in
                      self.backend.prefill_stretch_costs([len(s.tokens) for s in gen], len(p.tokens), take, k,
                                                         [s.id for s in gen], p.id)]
+        return self._stretch(now, k, gen, times, prompt, None)
+
+    def _try_admission(self, now: int) -> int:
+        """The step at `now` (ns) as the first of a stretch (`ServerCore.admission_horizon`): the queued tasks
+        taken, one slot's last prompt chunk with the other slots' decode tokens, then plain decode steps of
+        all of them. Returns the stretch's end, or `now` when the step must run normally (its queued tasks
+        are then already taken, at `now`, as the step itself would have taken them first)."""
+        core = self.core
+        k, gen, p, take, ops = core.admission_horizon(_s(now))
+        if k < 1:
+            return now
+        dec_pos = [len(s.tokens) for s in gen]
+        dec_seqs = [s.id for s in gen]
+        pos0 = len(p.tokens)
+        latency = self.latency
+        times = [latency.step_time_s(self.backend.admission_cost(ops, dec_pos, dec_seqs, p.id, pos0, take))]
+        if k > 1:
+            # after the first step: every decoding slot one token longer, p holds its whole prompt
+            n_prompt = pos0 + take
+            after = sorted([(s, c + 1) for s, c in zip(dec_seqs, dec_pos)] + [(p.id, n_prompt)])
+            n = len(after)
+            attn0 = n + sum(dec_pos) + len(dec_pos) + n_prompt
+            if self.backend.wants_layout:
+                times += latency.decode_only_times_s(n, attn0, k - 1, after)
+            else:
+                times += latency.decode_only_times_s(n, attn0, k - 1)
+        return self._stretch(now, k, gen, times, None, (p, take))
+
+    def _stretch(self, now: int, k: int, gen: list, times: list[float], prompt, admit) -> int:
+        """Apply the first steps of a stretch of k steps (durations `times`) starting at `now`, up to the next
+        client event and (with a free slot) the next arrival; returns its end (`now` if none)."""
+        core = self.core
         t_client = self.env.peek()                   # next client (closed-loop) event; math.inf if none
         if t_client <= now:
             return now
@@ -368,7 +419,7 @@ class Simulation:
                 self._backlog_at_last_arrival = (len(core.deferred) + len(core.queue)
                                                  + sum(len(v) for v in arrivals.values()))
         tokens = {}
-        for s in gen:                                # SimBackend.tokens_for, its common case inlined
+        for s in (gen if admit is None else (*gen, admit[0])):   # SimBackend.tokens_for, its common case inlined
             task = s.task
             reply = task.user.reply
             n = len(task.generated)
@@ -378,7 +429,7 @@ class Simulation:
             self._arr_i -= sum(len(v) for v in arrivals.values())
             return now                               # an EOS inside the stretch: step normally
         self._clock_ns = ends[-1]
-        core.fast_forward(gen, tokens, [e / NS for e in ends], arrivals, prompt)
+        core.fast_forward(gen, tokens, [e / NS for e in ends], arrivals, prompt, admit, _s(now))
         self._n_steps += kk
         self._n_ff_steps += kk
         return ends[-1]

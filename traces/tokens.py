@@ -225,19 +225,38 @@ class PromptMaterializer:
             i, r = plain[0]
             out[i] = self.prompt_array(r)
         elif plain:
-            ns = np.array([r.n_prompt for _, r in plain], dtype=np.int64)
-            keys = _as_u64(tuple(extend_key(self._unique_key, r.index) for _, r in plain))
-            ends = np.cumsum(ns)
-            total = int(ends[-1])
-            # position of each token inside its own prompt, and its prompt's stream key
-            within = np.arange(total, dtype=np.int64) - np.repeat(ends - ns, ns)
-            z = self._pos(int(ns.max())).take(within) + np.repeat(keys, ns)       # [total] uint64 counters
-            ids = self._draw_array(z)
-            off = 0
-            for (i, _), end in zip(plain, ends.tolist()):
-                out[i] = ids[off:end]
-                off = end
+            # groups of at most BATCH_TOKENS tokens (a longer prompt alone), so the position table stays small
+            group: list = []
+            n_group = 0
+            for ir in plain:
+                n = ir[1].n_prompt
+                if group and n_group + n > self.BATCH_TOKENS:
+                    self._draw_plain(group, out)
+                    group, n_group = [], 0
+                group.append(ir)
+                n_group += n
+            self._draw_plain(group, out)
         return out
+
+    BATCH_TOKENS = 1 << 21         # prompts drawn in one numpy pass by prompt_arrays (at most, unless one is longer)
+
+    def _draw_plain(self, plain: list, out: list) -> None:
+        """Length-only prompts (position in out, request), drawn together into `out`.
+
+        Token j of a prompt starting at offset s of the batch has the counter key + (j + 1) * golden, which is
+        (s + j + 1) * golden + (key - s * golden) modulo 2**64: the position table read at the batch offset
+        plus one per-prompt constant, so no per-token index arithmetic is needed."""
+        ns = np.array([r.n_prompt for _, r in plain], dtype=np.int64)
+        keys = _as_u64(tuple(extend_key(self._unique_key, r.index) for _, r in plain))
+        ends = np.cumsum(ns)
+        total = int(ends[-1])
+        starts = (ends - ns).view(np.uint64)
+        z = self._pos(total)[:total] + np.repeat(keys - starts * _UGOLDEN, ns)    # [total] uint64 counters
+        ids = self._draw_array(z)
+        off = 0
+        for (i, _), end in zip(plain, ends.tolist()):
+            out[i] = ids[off:end]
+            off = end
 
     def _prompt(self, req: TraceRequest, as_array: bool):
         n = req.n_prompt

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from operator import attrgetter
 from typing import Any
 
 from engine.core.config import ResolvedConfig, ServerConfig
@@ -45,6 +46,7 @@ IDLE, STARTED, PROCESSING_PROMPT, DONE_PROMPT, GENERATING, WAIT_OTHER = (
 
 MSG_CTX_EXCEEDED = "Context size has been exceeded."
 _tuple_new = tuple.__new__      # builds a NamedTuple from a full field tuple without its Python-level __new__
+_slot_id = attrgetter("id")
 
 
 class ServerCore:
@@ -709,21 +711,116 @@ class ServerCore:
             return none
         return m, gen, p, take
 
+    def admission_horizon(self, now_s: float) -> tuple[int, list[Slot], Slot | None, int, list]:
+        """Take the queued tasks as `schedule(now_s)` does first (slot choice, prompt-cache save/load, launch),
+        then: how many upcoming steps can be applied at once when the next one carries the last (or only)
+        prompt chunk of one slot `p` together with one decode token of every other busy slot, and the ones
+        after it are plain decode steps of all of them (p samples its first token at the first step's commit).
+
+        Conditions: a `stable` batch builder that includes the decodes; `p` the only slot with a prompt to
+        process (STARTED or PROCESSING_PROMPT), no text hook, no n_cmpl; every other busy slot GENERATING
+        with no text hook and no context shift due; p's remaining prompt within the step's prompt budget,
+        the step within n_batch and the KV cells as one call; and no stop before the last step's commit.
+        A STARTED `p` begins its prompt here (`_begin_prompt`: n_past, the KV trim), at `now_s`, as the
+        step's batch building would; when the rest does not hold, the next `schedule(now_s)` then finds
+        the queue empty and the prompt begun, which is what it would have done itself.
+        Returns (K, the other decoding slots in slot order, p, the chunk's size, the KV operations that lead
+        the first step's plan -- read-only); K = 0 when the next step must run normally."""
+        if self._uncommitted is not None:
+            raise RuntimeError("admission_horizon() called before commit() of the previous plan")
+        while self.queue:
+            self._process_single_task(self.queue.popleft(), now_s)
+        none = 0, [], None, 0, []
+        if self._pending_fatal is not None or not self._n_busy:
+            return none
+        gen = []
+        p = None
+        for s in self.slots:
+            st = s.state
+            if st == IDLE:
+                continue
+            if st == GENERATING:
+                if s.task.text_hook is not None or len(s.tokens) + 1 >= s.n_ctx:
+                    return none            # a text hook, or a context shift first
+                gen.append(s)
+            elif (st == STARTED or st == PROCESSING_PROMPT) and p is None:
+                p = s
+            else:
+                return none
+        if p is None:
+            return none
+        task = p.task
+        if task.text_hook is not None or task.n_cmpl != 1 or task.id_parent != -1:
+            return none
+        bb = self.policies.batch_builder
+        if not getattr(bb, "stable", False):
+            return none
+        n_dec = len(gen)
+        if gen and not bb.include_decodes(n_dec, 1):
+            return none
+        n_batch = self.cfg.n_batch
+        budget = bb.prompt_budget(n_batch, n_dec, self.base.cont_batching)
+        if budget <= 0 or n_dec + 1 > n_batch or not bb.include_decodes(n_dec + 1, 0):
+            return none
+        n = len(task.tokens)
+        if p.state == STARTED:
+            if n == 0 or n >= p.n_ctx:
+                return none                # _begin_prompt releases it
+            self._begin_prompt(p, self._ops, now_s)
+        take = n - p.i_prompt
+        if take > budget or n_dec + take > n_batch:
+            return none
+        kv = self.kv
+        if kv.unified:
+            used = kv.used() + n_dec + take          # after the first step
+            if used > kv.capacity:
+                return none
+            k = 1 + (kv.n_ctx - used) // (n_dec + 1)
+        else:
+            top = n
+            for s in self.slots:
+                c = len(s.tokens) + 1 if s.state == GENERATING else len(s.tokens)
+                if c > top:
+                    top = c
+            if top > kv.capacity:
+                return none
+            k = 1 << 62
+        if gen:
+            k = min(k, self._decode_bound(gen))
+        # p after the first step: n tokens in the KV, 1 generated; the next steps as _decode_bound counts them
+        kp = p.n_ctx - n
+        npm = task.n_predict_max
+        if npm != -1 and npm < kp:
+            kp = npm
+        k = min(k, max(kp, 1))
+        if k < 1:
+            return none
+        return k, gen, p, take, self._ops
+
     def fast_forward(self, gen: list[Slot], tokens: dict[int, list[int]], end_times_s: list[float],
                      arrivals: dict[int, list[Task]] | None = None,
-                     prompt: tuple[Slot, int] | None = None) -> list[TokenEvent]:
+                     prompt: tuple[Slot, int] | None = None,
+                     admit: tuple[Slot, int] | None = None, t_start_s: float | None = None) -> list[TokenEvent]:
         """Apply k = len(end_times_s) steps at once, exactly as k schedule/commit rounds would.
 
         Plain decode steps: `gen` and k (at most) come from `decode_horizon`. With `prompt=(slot, take)` each
         step also carries a chunk of `take` prompt tokens of that slot, and `gen`, k (at most) and take come
-        from `prefill_horizon`. `tokens[slot]` holds the k tokens sampled for each slot of `gen` (no EOG
-        before the last). The last step's commit runs the stop checks and releases, as `commit` would.
+        from `prefill_horizon`. With `admit=(p, take)` the first step also carries p's last prompt chunk of
+        `take` tokens (the KV operations already decided for it lead that step) and p decodes in the steps
+        after it; `gen` (without p), k (at most) and take come from `admission_horizon`, called just before
+        at the first step's start. `tokens[slot]` holds the k tokens sampled for each slot of `gen` (and p)
+        (no EOG before the last). The last step's commit runs the stop checks and releases, as `commit` would.
         `arrivals[j]`: tasks submitted at the start of step j; only allowed while every slot is busy, when
-        `process_new_tasks` can do nothing but defer them (so they do not change the stretch).
+        `process_new_tasks` can do nothing but defer them (so they do not change the stretch). `t_start_s`: the
+        first step's start (default: the last commit's time; with `admit`, the `now_s` of `admission_horizon`).
         """
         k = len(end_times_s)
         if arrivals and self._n_busy < len(self.slots):
             raise RuntimeError("fast_forward with arrivals needs every slot busy")
+        if admit is not None and t_start_s is None:
+            raise ValueError("fast_forward with admit needs t_start_s (the now_s given to admission_horizon)")
+        if arrivals and 0 in arrivals and admit is not None:
+            raise RuntimeError("fast_forward with admit: the first step's tasks were taken by admission_horizon")
         m = self.metrics
         n_dec = len(gen)
         busy = self._n_busy
@@ -743,6 +840,7 @@ class ServerCore:
                 self._events.extend(TokenEvent(task, t) for t in new)
         n_prompt = 0
         ids = [s.id for s in gen] if rec else None
+        t_start = self._last_commit_s if t_start_s is None else t_start_s
         if prompt is not None:
             p, take = prompt
             n_prompt = take
@@ -751,11 +849,40 @@ class ServerCore:
             p.i_prompt = i + k * take
             if rec:
                 ids.append(p.id)
+        elif admit is not None:
+            p, take = admit
+            self._ops = []                   # the first step's leading KV operations: executed with it
+            task = p.task
+            i = p.i_prompt
+            toks = p.tokens
+            toks.extend(task.tokens[i:i + take])     # the last chunk: p.i_prompt reaches len(task.tokens)
+            p.i_prompt = i + take
+            t1 = end_times_s[0]              # the first step's commit: DONE_PROMPT -> GENERATING, as commit()
+            p.state = GENERATING
+            task.t_prompt_last_s = t1
+            dt = t1 - task.t_start_s
+            m.n_prompt_tokens_processed_total += task.n_prompt_processed
+            m.n_prompt_tokens_processed += task.n_prompt_processed
+            m.t_prompt_processing_total_s += dt
+            m.t_prompt_processing_s += dt
+            new = tokens[p.id]
+            toks.extend(new)
+            p.sampled = toks.pop()
+            task.generated.extend(new)
+            task.t_gen_last_s = t_end
+            if stream:
+                self._events.extend(TokenEvent(task, t) for t in new)
+            gen = [*gen, p]
+            gen.sort(key=_slot_id)           # the last commit visits the slots in id order
+            if rec:                          # the first step: the decodes, then p's chunk
+                self.rec.record(t_start, "batch", n_decode=n_dec, n_prompt=take, slots=[*ids, p.id], n_calls=1)
+                ids = [s.id for s in gen]
+            n_dec += 1                       # the steps after it: plain decodes, p among them
         m.n_decode_total += k
         m.n_busy_slots_total += busy * k
         if arrivals or rec:
-            for j in range(k):
-                start = end_times_s[j - 1] if j else self._last_commit_s
+            for j in range(0 if admit is None else 1, k):
+                start = end_times_s[j - 1] if j else t_start
                 if arrivals and j in arrivals:
                     for t in arrivals[j]:
                         self.submit(t, start)

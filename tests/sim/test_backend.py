@@ -39,3 +39,29 @@ def test_decode_only_shortcut_charges_the_full_paths_time(pos, a, c, d, h):
     be = SimBackend(lat, 100)
     plan = _plan([(p, False, 1) for p in pos])
     assert be.execute(plan).elapsed_s == lat.step_time_s(be.cost(plan))
+
+
+class _Layout(ParametricLatency):
+    """A parametric model that asks for the layout (StepCost.calls / kv_save_bytes)."""
+
+    wants_layout = True
+
+
+op = st.sampled_from([KVOp("cache_save", seq=0, entry=1, n_tokens=10), KVOp("cache_load", seq=1, entry=2, n_tokens=7),
+                      KVOp("seq_add", seq=0, p0=5, p1=9, delta=-3), KVOp("seq_rm", seq=2, p0=4, p1=-1),
+                      KVOp("cache_drop", entry=3)])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 5000), max_size=20), st.integers(0, 5000), st.integers(1, 300),
+       st.lists(op, max_size=4), st.booleans())
+def test_admission_cost_is_the_cost_of_its_plan(dec_pos, pos0, take, ops, layout):
+    """The first step of an admission stretch (decode tokens, then one prompt chunk, after KV operations) is
+    priced exactly as `cost()` prices the plan the core would have built for it."""
+    lat = (_Layout if layout else ParametricLatency)(0.01, 1e-4, 1e-3, 1e-8)
+    be = SimBackend(lat, 100)
+    seqs = list(range(1, len(dec_pos) + 1))
+    chunks = tuple(Chunk(s, s, (7,), p, (s,), False) for s, p in zip(seqs, dec_pos))
+    chunks += (Chunk(0, 0, tuple(range(take)), pos0, (0,), True),)
+    plan = BatchPlan(0.0, (*ops, ForwardCall(chunks, len(dec_pos) + take)), take, len(dec_pos), {}, {})
+    assert be.admission_cost(ops, dec_pos, seqs, 0, pos0, take) == be.cost(plan)

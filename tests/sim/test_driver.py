@@ -143,6 +143,20 @@ def test_prefill_chunks_are_fast_forwarded():
     assert a.metrics == b.metrics
 
 
+def test_admission_steps_are_fast_forwarded():
+    """A saturated server admits each request in a step that also decodes the other slots: that step and the
+    decode steps after it are applied as one stretch, so fewer steps run normally than there are requests."""
+    n = 80
+    tr = open_loop(n, PoissonArrivals(50.0), UniformLength(20, 150), UniformLength(5, 100), seed=2)
+    for cfg in (ServerConfig(n_ctx=16384, n_parallel=4),
+                ServerConfig(n_ctx=16384, n_parallel=4, kv_unified=True, cache_ram_mib=1, kv_bytes_per_token=1024),
+                ServerConfig(n_ctx=16384, n_parallel=4, policies=PolicyNames(batch_building="token_budget:200"))):
+        a, b, ra, rb = _compare_ff(cfg, tr, param_latency())
+        assert b.run["steps"] - b.run["ff_steps"] < n / 4
+        assert_identical(a, b, ra, rb)
+        assert a.metrics == b.metrics
+
+
 def test_saturated_open_loop_fast_forwards_through_deferred_arrivals():
     tr = open_loop(60, PoissonArrivals(50.0), ConstantLength(20), ConstantLength(100), seed=0)
     a, b, ra, rb = _compare_ff(ServerConfig(n_ctx=8192, n_parallel=2), tr, ConstantLatency(0.01))
