@@ -112,7 +112,7 @@ class PromptMaterializer:
     skipped by an order-preserving remap of [0, n_allowed) onto the allowed ids.
     """
 
-    __slots__ = ("space", "seed", "_n_allowed", "_u_allowed", "_gaps", "_pos_mult", "_table", "_blocks",
+    __slots__ = ("space", "seed", "_n_allowed", "_u_allowed", "_gaps", "_pos_mult", "_table", "_table_c", "_blocks",
                  "_block_size", "_blocks_array", "_block_size_array", "_unique_key", "_block_key")
 
     BLOCK_CACHE_TOKENS = 1 << 24   # ~16M token ids (128 MB of pointers) of recently used prefix blocks
@@ -128,6 +128,7 @@ class PromptMaterializer:
         # (position + 1) * golden for positions 0.., grown on demand: the per-position half of the counter
         self._pos_mult = np.zeros(0, dtype=np.uint64)
         self._table: np.ndarray | None = None
+        self._table_c: np.ndarray | None = None      # the same ids as C ints, for _draw_array
         # (block hash) -> its tokens, for one block size; a pure cache (values are functions of seed, hash)
         self._blocks: dict[int, list[int]] = {}
         self._block_size = 0
@@ -167,10 +168,17 @@ class PromptMaterializer:
         _mix64_np_inplace(z)
         _remainder_inplace(z, self._u_allowed)
         idx = z.view(np.int64)
-        if len(self._gaps):                      # the id table's values, computed for these indices only
-            idx = idx + np.searchsorted(self._gaps, idx, side="right")
+        if len(self._gaps) and self._n_allowed > 1 << 22:    # (a table would be large)
+            ids = (idx + np.searchsorted(self._gaps, idx, side="right")).astype(np.intc)
+        elif len(self._gaps):                    # draw index -> allowed id through a C-int table (in cache)
+            if self._table_c is None:
+                t = np.arange(self._n_allowed, dtype=np.int64)
+                self._table_c = (t + np.searchsorted(self._gaps, t, side="right")).astype(np.intc)
+            ids = self._table_c.take(idx)
+        else:
+            ids = idx.astype(np.intc)
         out = token_array()
-        out.frombytes(memoryview(idx.astype(np.intc)).cast("B"))
+        out.frombytes(memoryview(ids).cast("B"))
         return out
 
     def tokens(self, key: int, n: int, start: int = 0) -> list[int]:
