@@ -735,13 +735,23 @@ class ServerCore:
             return none
         gen = []
         p = None
+        k = 1 << 62                        # the bound of _decode_bound(gen), computed in the same pass
         for s in self.slots:
             st = s.state
             if st == IDLE:
                 continue
             if st == GENERATING:
-                if s.task.text_hook is not None or len(s.tokens) + 1 >= s.n_ctx:
+                t = s.task
+                n = s.n_ctx - len(s.tokens) - 1
+                if t.text_hook is not None or n <= 0:
                     return none            # a text hook, or a context shift first
+                if n < k:
+                    k = n
+                npm = t.n_predict_max
+                if npm != -1:
+                    n = npm - len(t.generated)
+                    if n < k:
+                        k = n
                 gen.append(s)
             elif (st == STARTED or st == PROCESSING_PROMPT) and p is None:
                 p = s
@@ -775,18 +785,9 @@ class ServerCore:
             used = kv.used() + n_dec + take          # after the first step
             if used > kv.capacity:
                 return none
-            k = 1 + (kv.n_ctx - used) // (n_dec + 1)
-        else:
-            top = n
-            for s in self.slots:
-                c = len(s.tokens) + 1 if s.state == GENERATING else len(s.tokens)
-                if c > top:
-                    top = c
-            if top > kv.capacity:
-                return none
-            k = 1 << 62
-        if gen:
-            k = min(k, self._decode_bound(gen))
+            k = min(k, 1 + (kv.n_ctx - used) // (n_dec + 1))
+        # per-slot KV: the first step fits as is (fits_as_is: every slot within its n_ctx cells), since each
+        # decoding slot has len + 1 < n_ctx (no shift due), p ends at n < n_ctx, and the other slots are unchanged
         # p after the first step: n tokens in the KV, 1 generated; the next steps as _decode_bound counts them
         kp = p.n_ctx - n
         npm = task.n_predict_max
@@ -827,29 +828,9 @@ class ServerCore:
         rec = self.rec.enabled
         t_end = end_times_s[-1]
         stream = self.stream_tokens
-        for s in gen:
-            task = s.task
-            new = tokens[s.id]
-            toks = s.tokens
-            toks.append(s.sampled)
-            toks.extend(new)
-            s.sampled = toks.pop()           # the last sampled token is not in the KV yet
-            task.generated.extend(new)
-            task.t_gen_last_s = t_end
-            if stream:
-                self._events.extend(TokenEvent(task, t) for t in new)
-        n_prompt = 0
         ids = [s.id for s in gen] if rec else None
         t_start = self._last_commit_s if t_start_s is None else t_start_s
-        if prompt is not None:
-            p, take = prompt
-            n_prompt = take
-            i = p.i_prompt
-            p.tokens.extend(p.task.tokens[i:i + k * take])
-            p.i_prompt = i + k * take
-            if rec:
-                ids.append(p.id)
-        elif admit is not None:
+        if admit is not None:
             p, take = admit
             self._ops = []                   # the first step's leading KV operations: executed with it
             task = p.task
@@ -857,6 +838,9 @@ class ServerCore:
             toks = p.tokens
             toks.extend(task.tokens[i:i + take])     # the last chunk: p.i_prompt reaches len(task.tokens)
             p.i_prompt = i + take
+            # p's last prompt token stands for the token to append first: then p's sampled tokens go into its
+            # KV like every decoding slot's (all but the last)
+            p.sampled = toks.pop()
             t1 = end_times_s[0]              # the first step's commit: DONE_PROMPT -> GENERATING, as commit()
             p.state = GENERATING
             task.t_prompt_last_s = t1
@@ -865,19 +849,40 @@ class ServerCore:
             m.n_prompt_tokens_processed += task.n_prompt_processed
             m.t_prompt_processing_total_s += dt
             m.t_prompt_processing_s += dt
-            new = tokens[p.id]
-            toks.extend(new)
-            p.sampled = toks.pop()
-            task.generated.extend(new)
-            task.t_gen_last_s = t_end
-            if stream:
-                self._events.extend(TokenEvent(task, t) for t in new)
             gen = [*gen, p]
             gen.sort(key=_slot_id)           # the last commit visits the slots in id order
             if rec:                          # the first step: the decodes, then p's chunk
                 self.rec.record(t_start, "batch", n_decode=n_dec, n_prompt=take, slots=[*ids, p.id], n_calls=1)
                 ids = [s.id for s in gen]
             n_dec += 1                       # the steps after it: plain decodes, p among them
+        eog = self._eog
+        ctx_stop = not self.base.ctx_shift
+        stops = []                           # slots whose last token's stop checks may hold
+        for s in gen:
+            task = s.task
+            new = tokens[s.id]
+            toks = s.tokens
+            toks.append(s.sampled)
+            toks.extend(new)
+            tok = s.sampled = toks.pop()     # the last sampled token is not in the KV yet
+            gen_t = task.generated
+            gen_t.extend(new)
+            task.t_gen_last_s = t_end
+            if stream:
+                self._events.extend(TokenEvent(task, t) for t in new)
+            npm = task.n_predict_max
+            if (tok in eog or (npm != -1 and len(gen_t) >= npm)
+                    or (ctx_stop and len(toks) + 1 >= s.n_ctx)):
+                stops.append(s)              # else no stop condition can hold (no text hook here): commit skips it
+        n_prompt = 0
+        if prompt is not None:
+            p, take = prompt
+            n_prompt = take
+            i = p.i_prompt
+            p.tokens.extend(p.task.tokens[i:i + k * take])
+            p.i_prompt = i + k * take
+            if rec:
+                ids.append(p.id)
         m.n_decode_total += k
         m.n_busy_slots_total += busy * k
         if arrivals or rec:
@@ -892,16 +897,9 @@ class ServerCore:
                 if rec:
                     self.rec.record(start, "batch", n_decode=n_dec, n_prompt=n_prompt, slots=ids, n_calls=1)
         self._last_commit_s = t_end
-        eog = self._eog
-        ctx_stop = not self.base.ctx_shift
-        for s in gen:                      # the last step's commit: stop checks in slot order
+        for s in stops:                      # the last step's commit: stop checks and releases in slot order
             task = s.task
-            tok = s.sampled
-            npm = task.n_predict_max
-            if (tok not in eog and (npm == -1 or len(task.generated) < npm)
-                    and not (ctx_stop and len(s.tokens) + 1 >= s.n_ctx)):
-                continue                   # no stop condition can hold (no text hook here): as commit skips
-            if self._process_token(s, task, tok):
+            if self._process_token(s, task, s.sampled):
                 self._release(s, t_end)
         n_max = max([len(s.tokens) for s in self.slots])
         if n_max > m.n_tokens_max:
