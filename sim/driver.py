@@ -371,10 +371,10 @@ class Simulation:
         if k > 1:
             # after the first step: every decoding slot one token longer, p holds its whole prompt
             n_prompt = pos0 + take
-            after = sorted([(s, c + 1) for s, c in zip(dec_seqs, dec_pos)] + [(p.id, n_prompt)])
-            n = len(after)
+            n = len(dec_pos) + 1
             attn0 = n + sum(dec_pos) + len(dec_pos) + n_prompt
-            if self.backend.wants_layout:
+            if self.backend.wants_layout:     # (seq, context) in slot order
+                after = sorted([(s, c + 1) for s, c in zip(dec_seqs, dec_pos)] + [(p.id, n_prompt)])
                 times += latency.decode_only_times_s(n, attn0, k - 1, after)
             else:
                 times += latency.decode_only_times_s(n, attn0, k - 1)

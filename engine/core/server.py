@@ -886,7 +886,8 @@ class ServerCore:
         m.n_decode_total += k
         m.n_busy_slots_total += busy * k
         if arrivals or rec:
-            for j in range(0 if admit is None else 1, k):
+            # every step when recording (one batch event each), else only the steps that see arrivals
+            for j in range(0 if admit is None else 1, k) if rec else sorted(arrivals):
                 start = end_times_s[j - 1] if j else t_start
                 if arrivals and j in arrivals:
                     for t in arrivals[j]:
