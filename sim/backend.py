@@ -94,12 +94,12 @@ class SimBackend:
         return StepCost(n_prefill, n_decode, n_seqs, attn, len(calls), (save_tokens + load_tokens) * bpt,
                         shift_tokens, kv_read, tuple(calls), save_tokens * bpt)
 
-    def admission_cost(self, ops, decode_pos: list[int], decode_seqs: list[int], prompt_seq: int,
-                       prompt_pos0: int, take: int) -> StepCost:
+    def admission_cost(self, ops, decode_pos: list[int], decode_seqs: list[int],
+                       prompts: list[tuple[int, int, int]]) -> StepCost:
         """The StepCost `cost()` gives a plan of the KV operations `ops` then one call of a decode token for
-        each slot of `decode_seqs` (context lengths `decode_pos`, in that order) followed by one prompt chunk
-        of `take` >= 1 tokens of `prompt_seq` at `prompt_pos0` (`ServerCore.admission_horizon`'s first
-        step), without building the chunks."""
+        each slot of `decode_seqs` (context lengths `decode_pos`, in that order) followed by the prompt chunks
+        `prompts` ((seq, pos0, n_tokens >= 1), in order): `ServerCore.admission_horizon`'s first step,
+        priced without building its chunks."""
         copy_tokens = shift_tokens = save_tokens = 0
         for p in ops:
             k = p.kind
@@ -111,15 +111,19 @@ class SimBackend:
             elif k == "seq_add":
                 shift_tokens += max(0, p.p1 - p.p0)
         n_dec = len(decode_pos)
-        d = sum(decode_pos) + n_dec         # a decode token at pos0 attends (and reads) pos0 + 1 cells
-        attn = d + take * prompt_pos0 + take * (take + 1) // 2
-        kv_read = d + prompt_pos0 + take
+        attn = kv_read = sum(decode_pos) + n_dec       # a decode token at pos0 attends (and reads) pos0 + 1 cells
+        n_prefill = 0
+        for _seq, pos0, n in prompts:
+            n_prefill += n
+            attn += n * pos0 + n * (n + 1) // 2
+            kv_read += pos0 + n
         bpt = self.kv_bytes_per_token
+        n_seqs = n_dec + len(prompts)
         if self.wants_layout:
-            call = tuple([(s, p, 1) for s, p in zip(decode_seqs, decode_pos)]) + ((prompt_seq, prompt_pos0, take),)
-            return StepCost(take, n_dec, n_dec + 1, attn, 1, copy_tokens * bpt, shift_tokens, kv_read, (call,),
+            call = tuple([(s, p, 1) for s, p in zip(decode_seqs, decode_pos)]) + tuple(prompts)
+            return StepCost(n_prefill, n_dec, n_seqs, attn, 1, copy_tokens * bpt, shift_tokens, kv_read, (call,),
                             save_tokens * bpt)
-        return StepCost(take, n_dec, n_dec + 1, attn, 1, copy_tokens * bpt, shift_tokens, kv_read)
+        return StepCost(n_prefill, n_dec, n_seqs, attn, 1, copy_tokens * bpt, shift_tokens, kv_read)
 
     def execute(self, plan: BatchPlan) -> StepResult:
         tasks = plan.tasks

@@ -356,29 +356,47 @@ class Simulation:
 
     def _try_admission(self, now: int) -> int:
         """The step at `now` (ns) as the first of a stretch (`ServerCore.admission_horizon`): the queued tasks
-        taken, one slot's last prompt chunk with the other slots' decode tokens, then plain decode steps of
-        all of them. Returns the stretch's end, or `now` when the step must run normally (its queued tasks
-        are then already taken, at `now`, as the step itself would have taken them first)."""
+        taken, prompt chunks with the generating slots' decode tokens, then plain decode steps of all of them
+        (or prompt-chunk steps of the prompt left unfinished, with those decodes). Returns the stretch's end,
+        or `now` when the step must run normally (its queued tasks are then already taken, at `now`, as the
+        step itself would have taken them first)."""
         core = self.core
-        k, gen, p, take, ops = core.admission_horizon(_s(now))
-        if k < 1:
+        adm = core.admission_horizon(_s(now))
+        if adm is None:
             return now
+        gen = adm.gen
         dec_pos = [len(s.tokens) for s in gen]
         dec_seqs = [s.id for s in gen]
-        pos0 = len(p.tokens)
         latency = self.latency
-        times = [latency.step_time_s(self.backend.admission_cost(ops, dec_pos, dec_seqs, p.id, pos0, take))]
+        backend = self.backend
+        chunks = [(s.id, pos0, take) for s, pos0, take in adm.chunks]
+        times = [latency.step_time_s(backend.admission_cost(adm.ops, dec_pos, dec_seqs, chunks))]
+        k = adm.k
         if k > 1:
-            # after the first step: every decoding slot one token longer, p holds its whole prompt
-            n_prompt = pos0 + take
-            n = len(dec_pos) + 1
-            attn0 = n + sum(dec_pos) + len(dec_pos) + n_prompt
-            if self.backend.wants_layout:     # (seq, context) in slot order
-                after = sorted([(s, c + 1) for s, c in zip(dec_seqs, dec_pos)] + [(p.id, n_prompt)])
-                times += latency.decode_only_times_s(n, attn0, k - 1, after)
+            # after the first step: every decoding slot one token longer, a prompt chunk's slot at its end
+            ctx = {sid: c + 1 for sid, c in zip(dec_seqs, dec_pos)}
+            for sid, pos0, take in chunks:
+                ctx[sid] = pos0 + take
+            dec = adm.dec
+            q = adm.q
+            if q is not None:
+                step_time = latency.step_time_s
+                times += [step_time(c) for c in
+                          backend.prefill_stretch_costs([ctx[s.id] for s in dec], ctx[q.id], adm.q_take, k - 1,
+                                                        [s.id for s in dec], q.id)]
+            elif len(dec) == len(gen) + 1 and not backend.wants_layout:     # the common case: one new slot
+                n = len(dec)
+                times += latency.decode_only_times_s(n, n + sum(dec_pos) + len(dec_pos) + chunks[-1][1]
+                                                     + chunks[-1][2], k - 1)
             else:
-                times += latency.decode_only_times_s(n, attn0, k - 1)
-        return self._stretch(now, k, gen, times, None, (p, take))
+                after = [(s.id, ctx[s.id]) for s in dec]
+                n = len(dec)
+                attn0 = n + sum([c for _, c in after])
+                if backend.wants_layout:
+                    times += latency.decode_only_times_s(n, attn0, k - 1, after)
+                else:
+                    times += latency.decode_only_times_s(n, attn0, k - 1)
+        return self._stretch(now, k, gen, times, None, adm)
 
     def _stretch(self, now: int, k: int, gen: list, times: list[float], prompt, admit) -> int:
         """Apply the first steps of a stretch of k steps (durations `times`) starting at `now`, up to the next
@@ -419,7 +437,7 @@ class Simulation:
                 self._backlog_at_last_arrival = (len(core.deferred) + len(core.queue)
                                                  + sum(len(v) for v in arrivals.values()))
         tokens = {}
-        for s in (gen if admit is None else (*gen, admit[0])):   # SimBackend.tokens_for, its common case inlined
+        for s in (gen if admit is None else admit.dec):          # SimBackend.tokens_for, its common case inlined
             task = s.task
             reply = task.user.reply
             n = len(task.generated)

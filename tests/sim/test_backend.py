@@ -53,15 +53,18 @@ op = st.sampled_from([KVOp("cache_save", seq=0, entry=1, n_tokens=10), KVOp("cac
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 5000), max_size=20), st.integers(0, 5000), st.integers(1, 300),
+@given(st.lists(st.integers(0, 5000), max_size=20),
+       st.lists(st.tuples(st.integers(0, 5000), st.integers(1, 300)), min_size=1, max_size=4),
        st.lists(op, max_size=4), st.booleans())
-def test_admission_cost_is_the_cost_of_its_plan(dec_pos, pos0, take, ops, layout):
-    """The first step of an admission stretch (decode tokens, then one prompt chunk, after KV operations) is
+def test_admission_cost_is_the_cost_of_its_plan(dec_pos, prompts, ops, layout):
+    """The first step of an admission stretch (decode tokens, then prompt chunks, after KV operations) is
     priced exactly as `cost()` prices the plan the core would have built for it."""
     lat = (_Layout if layout else ParametricLatency)(0.01, 1e-4, 1e-3, 1e-8)
     be = SimBackend(lat, 100)
-    seqs = list(range(1, len(dec_pos) + 1))
+    seqs = list(range(len(prompts), len(prompts) + len(dec_pos)))
     chunks = tuple(Chunk(s, s, (7,), p, (s,), False) for s, p in zip(seqs, dec_pos))
-    chunks += (Chunk(0, 0, tuple(range(take)), pos0, (0,), True),)
-    plan = BatchPlan(0.0, (*ops, ForwardCall(chunks, len(dec_pos) + take)), take, len(dec_pos), {}, {})
-    assert be.admission_cost(ops, dec_pos, seqs, 0, pos0, take) == be.cost(plan)
+    chunks += tuple(Chunk(i, i, tuple(range(n)), pos0, (i,), True) for i, (pos0, n) in enumerate(prompts))
+    n_prompt = sum(n for _, n in prompts)
+    plan = BatchPlan(0.0, (*ops, ForwardCall(chunks, len(dec_pos) + n_prompt)), n_prompt, len(dec_pos), {}, {})
+    got = be.admission_cost(ops, dec_pos, seqs, [(i, pos0, n) for i, (pos0, n) in enumerate(prompts)])
+    assert got == be.cost(plan)

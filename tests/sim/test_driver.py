@@ -157,6 +157,20 @@ def test_admission_steps_are_fast_forwarded():
         assert a.metrics == b.metrics
 
 
+def test_admission_steps_with_several_prompts_are_fast_forwarded():
+    """Long prompts in small batches: the step that ends one prompt hands the rest of the budget to the next
+    prompt (begun there); that step and the prompt-chunk steps after it are one stretch too."""
+    n = 80
+    tr = open_loop(n, PoissonArrivals(50.0), UniformLength(20, 600), UniformLength(5, 100), seed=2)
+    for cfg in (ServerConfig(n_ctx=16384, n_parallel=4, n_batch=128),
+                ServerConfig(n_ctx=16384, n_parallel=4, n_batch=128, kv_unified=True, cache_ram_mib=1,
+                             kv_bytes_per_token=1024)):
+        a, b, ra, rb = _compare_ff(cfg, tr, param_latency())
+        assert b.run["steps"] - b.run["ff_steps"] < n / 4
+        assert_identical(a, b, ra, rb)
+        assert a.metrics == b.metrics
+
+
 def test_saturated_open_loop_fast_forwards_through_deferred_arrivals():
     tr = open_loop(60, PoissonArrivals(50.0), ConstantLength(20), ConstantLength(100), seed=0)
     a, b, ra, rb = _compare_ff(ServerConfig(n_ctx=8192, n_parallel=2), tr, ConstantLatency(0.01))
