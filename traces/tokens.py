@@ -116,6 +116,7 @@ class PromptMaterializer:
                  "_block_size", "_blocks_array", "_block_size_array", "_unique_key", "_block_key")
 
     BLOCK_CACHE_TOKENS = 1 << 24   # ~16M token ids (128 MB of pointers) of recently used prefix blocks
+    BLOCK_CACHE_TOKENS_ARRAY = 1 << 25   # the same 128 MB as C ints (array blocks): ~32M token ids
 
     def __init__(self, space: TokenSpace, seed: int) -> None:
         self.space = space
@@ -298,7 +299,7 @@ class PromptMaterializer:
             # counter of (block, position) = block key + (position + 1) * golden, as a [n_missing, bs] grid
             z = (block_keys[:, None] + self._pos(bs)[None, :bs]).ravel()         # [n_missing * bs]
             flat = draw(z)
-            if len(cache) * bs > self.BLOCK_CACHE_TOKENS:
+            if len(cache) * bs > (self.BLOCK_CACHE_TOKENS_ARRAY if as_array else self.BLOCK_CACHE_TOKENS):
                 for h in list(cache)[: len(cache) // 2]:                          # drop the least recent half
                     del cache[h]
             for i, h in enumerate(missing):
