@@ -25,6 +25,8 @@ class SimBackend:
         # optional: the time of a decode-only step from (n_seqs, attn_ctx), bit-equal to step_time_s of its cost
         # (not for a layout model: its decode cost depends on the slots' positions, not only their sum)
         self._decode_step_time_s = None if self.wants_layout else getattr(latency, "decode_step_time_s", None)
+        # optional too: the time of a one-call step from its counts, bit-equal to step_time_s of its StepCost
+        self._one_call_step_time_s = None if self.wants_layout else getattr(latency, "one_call_step_time_s", None)
 
     def cost(self, plan: BatchPlan) -> StepCost:
         if self.wants_layout:
@@ -171,6 +173,25 @@ class SimBackend:
             pos0 = prompt_pos0 + j * take
             dec = dec0 + j * n_dec
             out.append(StepCost(take, n_dec, n_dec + 1, dec + take * pos0 + tri, 1, 0, 0, dec + pos0 + take))
+        return out
+
+    def prefill_stretch_times_s(self, decode_pos: list[int], prompt_pos0: int, take: int, k: int,
+                                decode_seqs: list[int] | None = None, prompt_seq: int = 0) -> list[float]:
+        """`latency.step_time_s` of each of `prefill_stretch_costs(...)`, without building the StepCosts when
+        the model can price the counts directly (`one_call_step_time_s`, bit-equal)."""
+        f = self._one_call_step_time_s
+        if f is None:
+            step_time = self.latency.step_time_s
+            return [step_time(c) for c in
+                    self.prefill_stretch_costs(decode_pos, prompt_pos0, take, k, decode_seqs, prompt_seq)]
+        n_dec = len(decode_pos)
+        dec0 = sum(decode_pos) + n_dec
+        tri = take * (take + 1) // 2
+        out = []
+        for j in range(k):                   # the counts of prefill_stretch_costs, step by step
+            pos0 = prompt_pos0 + j * take
+            dec = dec0 + j * n_dec
+            out.append(f(take, n_dec, dec + take * pos0 + tri, dec + pos0 + take))
         return out
 
     @staticmethod

@@ -348,10 +348,8 @@ class Simulation:
             if k < 1:
                 return now
             prompt = (p, take)
-            step_time = self.latency.step_time_s
-            times = [step_time(c) for c in
-                     self.backend.prefill_stretch_costs([len(s.tokens) for s in gen], len(p.tokens), take, k,
-                                                        [s.id for s in gen], p.id)]
+            times = self.backend.prefill_stretch_times_s([len(s.tokens) for s in gen], len(p.tokens), take, k,
+                                                         [s.id for s in gen], p.id)
         return self._stretch(now, k, gen, times, prompt, None)
 
     def _try_admission(self, now: int) -> int:
@@ -380,10 +378,8 @@ class Simulation:
             dec = adm.dec
             q = adm.q
             if q is not None:
-                step_time = latency.step_time_s
-                times += [step_time(c) for c in
-                          backend.prefill_stretch_costs([ctx[s.id] for s in dec], ctx[q.id], adm.q_take, k - 1,
-                                                        [s.id for s in dec], q.id)]
+                times += backend.prefill_stretch_times_s([ctx[s.id] for s in dec], ctx[q.id], adm.q_take, k - 1,
+                                                         [s.id for s in dec], q.id)
             elif len(dec) == len(gen) + 1 and not backend.wants_layout:     # the common case: one new slot
                 n = len(dec)
                 times += latency.decode_only_times_s(n, n + sum(dec_pos) + len(dec_pos) + chunks[-1][1]

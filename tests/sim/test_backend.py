@@ -68,3 +68,17 @@ def test_admission_cost_is_the_cost_of_its_plan(dec_pos, prompts, ops, layout):
     plan = BatchPlan(0.0, (*ops, ForwardCall(chunks, len(dec_pos) + n_prompt)), n_prompt, len(dec_pos), {}, {})
     got = be.admission_cost(ops, dec_pos, seqs, [(i, pos0, n) for i, (pos0, n) in enumerate(prompts)])
     assert got == be.cost(plan)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 100_000), max_size=20), st.integers(0, 100_000), st.integers(1, 2048),
+       st.integers(0, 40), st.floats(0, 1e-2), st.floats(0, 1e-4), st.floats(0, 1e-2), st.floats(0, 1e-7),
+       st.floats(0, 1e-7), st.booleans())
+def test_prefill_stretch_times_are_the_times_of_its_costs(dec_pos, pos0, take, k, a, b, c, d, h, layout):
+    """The shortcut that prices a prefill stretch from its counts charges, bit for bit, what the latency model
+    charges for each step's StepCost."""
+    lat = (_Layout if layout else ParametricLatency)(a, b, c, d, h_kv_read_s=h)
+    be = SimBackend(lat, 100)
+    seqs = list(range(1, len(dec_pos) + 1))
+    want = [lat.step_time_s(x) for x in be.prefill_stretch_costs(dec_pos, pos0, take, k, seqs, 0)]
+    assert be.prefill_stretch_times_s(dec_pos, pos0, take, k, seqs, 0) == want
