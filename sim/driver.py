@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import math
+from collections import deque
 import time
 from bisect import bisect_left
 from itertools import accumulate
@@ -25,6 +26,7 @@ import simpy
 from simpy.events import NORMAL, Event
 
 from engine.core import Recorder, ServerConfig, ServerCore, Task, step
+from engine.core.tokens import token_array
 from engine.core.types import Backend
 from policies import make_policies
 from sim.backend import SimBackend
@@ -53,6 +55,7 @@ class SimRequest:
     session_id: str | None = None
     turn: int = 0
     done: simpy.Event | None = None
+    source: Any = None               # the trace request whose prompt is still to be drawn (lazy prompts)
 
 
 @dataclass(slots=True)
@@ -120,6 +123,13 @@ class Simulation:
         self._reply_key = stream_key(seed, DOMAIN_REPLY)
         # stand-in replies are drawn from the token space, which excludes the EOG ids: then no stretch can hold one
         self._reply_eog = any(t in server_config.eog_ids for t in self._reply_pool)
+        # Open-loop prompts are drawn when their task may get a slot rather than on arrival (same ids: they are
+        # a pure function of seed and request), so a saturated server holds a few prompts rather than every
+        # waiting one. Only when nothing reads a waiting task's prompt: no recorder (its submit event counts
+        # the tokens) and a deferred-queue order that declares it never reads them.
+        self._lazy_prompts = (self._token_arrays and recorder is None
+                              and getattr(self.core.policies.queue_order, "reads_deferred_prompts", True) is False)
+        self._undrawn: deque[Task] = deque()         # lazy prompts not drawn yet, in arrival order (some drawn since)
         self._inbox: list[Task] = []
         self._wakeup: simpy.Event | None = None
         self._rows: list[dict[str, Any]] = []
@@ -180,8 +190,12 @@ class Simulation:
         self._arr_i = i
         taken = arr[i0:i]
         mat = self.materializer
-        prompts = (mat.prompt_arrays([r for _, r in taken]) if self._token_arrays
-                   else [mat.prompt(r) for _, r in taken])
+        lazy = self._lazy_prompts
+        if lazy:
+            prompts = [token_array() for _ in taken]   # drawn by _draw_prompts before the task can get a slot
+        else:
+            prompts = (mat.prompt_arrays([r for _, r in taken]) if self._token_arrays
+                       else [mat.prompt(r) for _, r in taken])
         out = []
         defaults = self.task_defaults
         reply = self._reply
@@ -191,9 +205,29 @@ class Simulation:
                 self._reply_eog = True               # recorded replies end with the EOS they stopped at
             else:
                 rep, kw = reply(r.index, r.n_output), defaults
-            req = SimRequest(r.index, t_ns, r.n_output, rep, r.session_id, 0, None)
+            req = SimRequest(r.index, t_ns, r.n_output, rep, r.session_id, 0, None, r if lazy else None)
             out.append(Task(id=-1, tokens=tokens, n_predict=r.n_output, user=req, **kw))
+        if lazy:
+            self._undrawn.extend(out)
         return out
+
+    LOOKAHEAD = 32                   # waiting tasks whose prompts are drawn with those that may get a slot now
+
+    def _draw_prompts(self) -> None:
+        """Lazy prompts: draw the prompts of the queued tasks (the next schedule may give them a slot) and, when
+        any is missing, those of the next LOOKAHEAD deferred tasks with them, in one pass (so the drawn tasks
+        at the front of the deferred queue never number more than LOOKAHEAD)."""
+        todo = [t for t in self.core.queue if t.user.source is not None]
+        if todo:
+            undrawn = self._undrawn          # lazy tasks in arrival order (the deferred order, Fifo)
+            n = len(todo) + self.LOOKAHEAD
+            while undrawn and len(todo) < n:
+                t = undrawn.popleft()
+                if t.user.source is not None and t not in todo:
+                    todo.append(t)
+            for t, tokens in zip(todo, self.materializer.prompt_arrays([t.user.source for t in todo])):
+                t.tokens = tokens
+                t.user.source = None
 
     def _recorded_fields(self, r) -> dict[str, Any]:
         """Task fields of a recorded request (its `output_tokens` are the reply, EOS included): the request's
@@ -271,6 +305,8 @@ class Simulation:
                 for t in self._inbox:
                     core.submit(t, now_s)
                 self._inbox = []
+            if self._lazy_prompts and core.queue and core.n_processing < len(core.slots):
+                self._draw_prompts()                # a queued task may get a slot in this step
             # the step commits at its end time, computed in integer ns; its tasks finish once the clock is there
             t0 = self._clock_ns = now
             if ff:
@@ -461,6 +497,8 @@ class Simulation:
                 req.done.succeed(task)
 
     def _row(self, task: Task, req: SimRequest) -> dict[str, Any]:
+        if req.source is not None:                   # (a lazy prompt is drawn before its task gets a slot)
+            raise AssertionError(f"request {req.index} finished with its prompt never drawn")
         arrival = _s(req.arrival_ns)
         first = task.t_prompt_last_s
         n_out = task.n_decoded
