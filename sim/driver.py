@@ -408,18 +408,19 @@ class Simulation:
         k = adm.k
         if k > 1:
             # after the first step: every decoding slot one token longer, a prompt chunk's slot at its end
-            ctx = {sid: c + 1 for sid, c in zip(dec_seqs, dec_pos)}
-            for sid, pos0, take in chunks:
-                ctx[sid] = pos0 + take
             dec = adm.dec
             q = adm.q
-            if q is not None:
-                times += backend.prefill_stretch_times_s([ctx[s.id] for s in dec], ctx[q.id], adm.q_take, k - 1,
-                                                         [s.id for s in dec], q.id)
-            elif len(dec) == len(gen) + 1 and not backend.wants_layout:     # the common case: one new slot
+            if q is None and len(dec) == len(gen) + 1 and not backend.wants_layout:   # the common case
                 n = len(dec)
                 times += latency.decode_only_times_s(n, n + sum(dec_pos) + len(dec_pos) + chunks[-1][1]
                                                      + chunks[-1][2], k - 1)
+                return self._stretch(now, k, gen, times, None, adm)
+            ctx = {sid: c + 1 for sid, c in zip(dec_seqs, dec_pos)}
+            for sid, pos0, take in chunks:
+                ctx[sid] = pos0 + take
+            if q is not None:
+                times += backend.prefill_stretch_times_s([ctx[s.id] for s in dec], ctx[q.id], adm.q_take, k - 1,
+                                                         [s.id for s in dec], q.id)
             else:
                 after = [(s.id, ctx[s.id]) for s in dec]
                 n = len(dec)
