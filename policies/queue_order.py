@@ -12,6 +12,8 @@ from engine.core.types import Task
 class Fifo:
     """Upstream: the first deferred task that named the released slot, else the oldest deferred task."""
 
+    reads_deferred_prompts = False   # see engine.core.protocols.QueueOrder
+
     def pick_deferred(self, deferred: Sequence[Task], released: Slot, any_named: bool = True) -> int:
         for i, t in enumerate(deferred if any_named else ()):
             if t.id_slot == released.id:

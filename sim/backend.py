@@ -25,6 +25,8 @@ class SimBackend:
         # optional: the time of a decode-only step from (n_seqs, attn_ctx), bit-equal to step_time_s of its cost
         # (not for a layout model: its decode cost depends on the slots' positions, not only their sum)
         self._decode_step_time_s = None if self.wants_layout else getattr(latency, "decode_step_time_s", None)
+        # optional too: the time of a one-call step from its counts, bit-equal to step_time_s of its StepCost
+        self._one_call_step_time_s = None if self.wants_layout else getattr(latency, "one_call_step_time_s", None)
 
     def cost(self, plan: BatchPlan) -> StepCost:
         if self.wants_layout:
@@ -94,6 +96,37 @@ class SimBackend:
         return StepCost(n_prefill, n_decode, n_seqs, attn, len(calls), (save_tokens + load_tokens) * bpt,
                         shift_tokens, kv_read, tuple(calls), save_tokens * bpt)
 
+    def admission_cost(self, ops, decode_pos: list[int], decode_seqs: list[int],
+                       prompts: list[tuple[int, int, int]]) -> StepCost:
+        """The StepCost `cost()` gives a plan of the KV operations `ops` then one call of a decode token for
+        each slot of `decode_seqs` (context lengths `decode_pos`, in that order) followed by the prompt chunks
+        `prompts` ((seq, pos0, n_tokens >= 1), in order): `ServerCore.admission_horizon`'s first step,
+        priced without building its chunks."""
+        copy_tokens = shift_tokens = save_tokens = 0
+        for p in ops:
+            k = p.kind
+            if k == "cache_save":
+                copy_tokens += p.n_tokens
+                save_tokens += p.n_tokens
+            elif k == "cache_load":
+                copy_tokens += p.n_tokens
+            elif k == "seq_add":
+                shift_tokens += max(0, p.p1 - p.p0)
+        n_dec = len(decode_pos)
+        attn = kv_read = sum(decode_pos) + n_dec       # a decode token at pos0 attends (and reads) pos0 + 1 cells
+        n_prefill = 0
+        for _seq, pos0, n in prompts:
+            n_prefill += n
+            attn += n * pos0 + n * (n + 1) // 2
+            kv_read += pos0 + n
+        bpt = self.kv_bytes_per_token
+        n_seqs = n_dec + len(prompts)
+        if self.wants_layout:
+            call = tuple([(s, p, 1) for s, p in zip(decode_seqs, decode_pos)]) + tuple(prompts)
+            return StepCost(n_prefill, n_dec, n_seqs, attn, 1, copy_tokens * bpt, shift_tokens, kv_read, (call,),
+                            save_tokens * bpt)
+        return StepCost(n_prefill, n_dec, n_seqs, attn, 1, copy_tokens * bpt, shift_tokens, kv_read)
+
     def execute(self, plan: BatchPlan) -> StepResult:
         tasks = plan.tasks
         program = plan.program
@@ -140,6 +173,25 @@ class SimBackend:
             pos0 = prompt_pos0 + j * take
             dec = dec0 + j * n_dec
             out.append(StepCost(take, n_dec, n_dec + 1, dec + take * pos0 + tri, 1, 0, 0, dec + pos0 + take))
+        return out
+
+    def prefill_stretch_times_s(self, decode_pos: list[int], prompt_pos0: int, take: int, k: int,
+                                decode_seqs: list[int] | None = None, prompt_seq: int = 0) -> list[float]:
+        """`latency.step_time_s` of each of `prefill_stretch_costs(...)`, without building the StepCosts when
+        the model can price the counts directly (`one_call_step_time_s`, bit-equal)."""
+        f = self._one_call_step_time_s
+        if f is None:
+            step_time = self.latency.step_time_s
+            return [step_time(c) for c in
+                    self.prefill_stretch_costs(decode_pos, prompt_pos0, take, k, decode_seqs, prompt_seq)]
+        n_dec = len(decode_pos)
+        dec0 = sum(decode_pos) + n_dec
+        tri = take * (take + 1) // 2
+        out = []
+        for j in range(k):                   # the counts of prefill_stretch_costs, step by step
+            pos0 = prompt_pos0 + j * take
+            dec = dec0 + j * n_dec
+            out.append(f(take, n_dec, dec + take * pos0 + tri, dec + pos0 + take))
         return out
 
     @staticmethod

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import math
+from collections import deque
 import time
 from bisect import bisect_left
 from itertools import accumulate
@@ -25,6 +26,7 @@ import simpy
 from simpy.events import NORMAL, Event
 
 from engine.core import Recorder, ServerConfig, ServerCore, Task, step
+from engine.core.tokens import token_array
 from engine.core.types import Backend
 from policies import make_policies
 from sim.backend import SimBackend
@@ -53,6 +55,7 @@ class SimRequest:
     session_id: str | None = None
     turn: int = 0
     done: simpy.Event | None = None
+    source: Any = None               # the trace request whose prompt is still to be drawn (lazy prompts)
 
 
 @dataclass(slots=True)
@@ -120,6 +123,13 @@ class Simulation:
         self._reply_key = stream_key(seed, DOMAIN_REPLY)
         # stand-in replies are drawn from the token space, which excludes the EOG ids: then no stretch can hold one
         self._reply_eog = any(t in server_config.eog_ids for t in self._reply_pool)
+        # Open-loop prompts are drawn when their task may get a slot rather than on arrival (same ids: they are
+        # a pure function of seed and request), so a saturated server holds a few prompts rather than every
+        # waiting one. Only when nothing reads a waiting task's prompt: no recorder (its submit event counts
+        # the tokens) and a deferred-queue order that declares it never reads them.
+        self._lazy_prompts = (self._token_arrays and recorder is None
+                              and getattr(self.core.policies.queue_order, "reads_deferred_prompts", True) is False)
+        self._undrawn: deque[Task] = deque()         # lazy prompts not drawn yet, in arrival order (some drawn since)
         self._inbox: list[Task] = []
         self._wakeup: simpy.Event | None = None
         self._rows: list[dict[str, Any]] = []
@@ -180,8 +190,12 @@ class Simulation:
         self._arr_i = i
         taken = arr[i0:i]
         mat = self.materializer
-        prompts = (mat.prompt_arrays([r for _, r in taken]) if self._token_arrays
-                   else [mat.prompt(r) for _, r in taken])
+        lazy = self._lazy_prompts
+        if lazy:
+            prompts = [token_array() for _ in taken]   # drawn by _draw_prompts before the task can get a slot
+        else:
+            prompts = (mat.prompt_arrays([r for _, r in taken]) if self._token_arrays
+                       else [mat.prompt(r) for _, r in taken])
         out = []
         defaults = self.task_defaults
         reply = self._reply
@@ -191,9 +205,29 @@ class Simulation:
                 self._reply_eog = True               # recorded replies end with the EOS they stopped at
             else:
                 rep, kw = reply(r.index, r.n_output), defaults
-            req = SimRequest(r.index, t_ns, r.n_output, rep, r.session_id, 0, None)
+            req = SimRequest(r.index, t_ns, r.n_output, rep, r.session_id, 0, None, r if lazy else None)
             out.append(Task(id=-1, tokens=tokens, n_predict=r.n_output, user=req, **kw))
+        if lazy:
+            self._undrawn.extend(out)
         return out
+
+    LOOKAHEAD = 32                   # waiting tasks whose prompts are drawn with those that may get a slot now
+
+    def _draw_prompts(self) -> None:
+        """Lazy prompts: draw the prompts of the queued tasks (the next schedule may give them a slot) and, when
+        any is missing, those of the next LOOKAHEAD deferred tasks with them, in one pass (so the drawn tasks
+        at the front of the deferred queue never number more than LOOKAHEAD)."""
+        todo = [t for t in self.core.queue if t.user.source is not None]
+        if todo:
+            undrawn = self._undrawn          # lazy tasks in arrival order (the deferred order, Fifo)
+            n = len(todo) + self.LOOKAHEAD
+            while undrawn and len(todo) < n:
+                t = undrawn.popleft()
+                if t.user.source is not None and t not in todo:
+                    todo.append(t)
+            for t, tokens in zip(todo, self.materializer.prompt_arrays([t.user.source for t in todo])):
+                t.tokens = tokens
+                t.user.source = None
 
     def _recorded_fields(self, r) -> dict[str, Any]:
         """Task fields of a recorded request (its `output_tokens` are the reply, EOS included): the request's
@@ -271,8 +305,29 @@ class Simulation:
                 for t in self._inbox:
                     core.submit(t, now_s)
                 self._inbox = []
+            if self._lazy_prompts and core.queue and core.n_processing < len(core.slots):
+                self._draw_prompts()                # a queued task may get a slot in this step
             # the step commits at its end time, computed in integer ns; its tasks finish once the clock is there
             t0 = self._clock_ns = now
+            if ff:
+                # this step and the decode steps after it at once (a slot's last prompt chunk with the decodes, or
+                # plain decode steps, e.g. after a completion with no task waiting)
+                t_ff = self._try_admission(now)
+                if t_ff == now:
+                    t_ff = self._try_fast_forward(now)
+                if t_ff > now:
+                    finished = core.pop_finished()
+                    if core.deferred:
+                        self._backlog_ns += t_ff - now
+                        self._backlog_done += len(finished)
+                    now = t_ff
+                    if env.peek() <= now or (finished and self._has_waiters(finished)):
+                        yield env.timeout(now - env.now)
+                    if finished:
+                        self._finish_tasks(finished)
+                    if not self._n_steps % self._tl_stride:
+                        self._sample_timeline(now)
+                    continue
             st = step(core, backend, now_s, end_s)
             now += round(st.result.elapsed_s * NS)
             self._n_steps += 1
@@ -329,10 +384,57 @@ class Simulation:
             if k < 1:
                 return now
             prompt = (p, take)
-            step_time = self.latency.step_time_s
-            times = [step_time(c) for c in
-                     self.backend.prefill_stretch_costs([len(s.tokens) for s in gen], len(p.tokens), take, k,
-                                                        [s.id for s in gen], p.id)]
+            times = self.backend.prefill_stretch_times_s([len(s.tokens) for s in gen], len(p.tokens), take, k,
+                                                         [s.id for s in gen], p.id)
+        return self._stretch(now, k, gen, times, prompt, None)
+
+    def _try_admission(self, now: int) -> int:
+        """The step at `now` (ns) as the first of a stretch (`ServerCore.admission_horizon`): the queued tasks
+        taken, prompt chunks with the generating slots' decode tokens, then plain decode steps of all of them
+        (or prompt-chunk steps of the prompt left unfinished, with those decodes). Returns the stretch's end,
+        or `now` when the step must run normally (its queued tasks are then already taken, at `now`, as the
+        step itself would have taken them first)."""
+        core = self.core
+        adm = core.admission_horizon(_s(now))
+        if adm is None:
+            return now
+        gen = adm.gen
+        dec_pos = [len(s.tokens) for s in gen]
+        dec_seqs = [s.id for s in gen]
+        latency = self.latency
+        backend = self.backend
+        chunks = [(s.id, pos0, take) for s, pos0, take in adm.chunks]
+        times = [latency.step_time_s(backend.admission_cost(adm.ops, dec_pos, dec_seqs, chunks))]
+        k = adm.k
+        if k > 1:
+            # after the first step: every decoding slot one token longer, a prompt chunk's slot at its end
+            dec = adm.dec
+            q = adm.q
+            if q is None and len(dec) == len(gen) + 1 and not backend.wants_layout:   # the common case
+                n = len(dec)
+                times += latency.decode_only_times_s(n, n + sum(dec_pos) + len(dec_pos) + chunks[-1][1]
+                                                     + chunks[-1][2], k - 1)
+                return self._stretch(now, k, gen, times, None, adm)
+            ctx = {sid: c + 1 for sid, c in zip(dec_seqs, dec_pos)}
+            for sid, pos0, take in chunks:
+                ctx[sid] = pos0 + take
+            if q is not None:
+                times += backend.prefill_stretch_times_s([ctx[s.id] for s in dec], ctx[q.id], adm.q_take, k - 1,
+                                                         [s.id for s in dec], q.id)
+            else:
+                after = [(s.id, ctx[s.id]) for s in dec]
+                n = len(dec)
+                attn0 = n + sum([c for _, c in after])
+                if backend.wants_layout:
+                    times += latency.decode_only_times_s(n, attn0, k - 1, after)
+                else:
+                    times += latency.decode_only_times_s(n, attn0, k - 1)
+        return self._stretch(now, k, gen, times, None, adm)
+
+    def _stretch(self, now: int, k: int, gen: list, times: list[float], prompt, admit) -> int:
+        """Apply the first steps of a stretch of k steps (durations `times`) starting at `now`, up to the next
+        client event and (with a free slot) the next arrival; returns its end (`now` if none)."""
+        core = self.core
         t_client = self.env.peek()                   # next client (closed-loop) event; math.inf if none
         if t_client <= now:
             return now
@@ -368,7 +470,7 @@ class Simulation:
                 self._backlog_at_last_arrival = (len(core.deferred) + len(core.queue)
                                                  + sum(len(v) for v in arrivals.values()))
         tokens = {}
-        for s in gen:                                # SimBackend.tokens_for, its common case inlined
+        for s in (gen if admit is None else admit.dec):          # SimBackend.tokens_for, its common case inlined
             task = s.task
             reply = task.user.reply
             n = len(task.generated)
@@ -378,7 +480,7 @@ class Simulation:
             self._arr_i -= sum(len(v) for v in arrivals.values())
             return now                               # an EOS inside the stretch: step normally
         self._clock_ns = ends[-1]
-        core.fast_forward(gen, tokens, [e / NS for e in ends], arrivals, prompt)
+        core.fast_forward(gen, tokens, [e / NS for e in ends], arrivals, prompt, admit, _s(now))
         self._n_steps += kk
         self._n_ff_steps += kk
         return ends[-1]
@@ -396,6 +498,8 @@ class Simulation:
                 req.done.succeed(task)
 
     def _row(self, task: Task, req: SimRequest) -> dict[str, Any]:
+        if req.source is not None:                   # (a lazy prompt is drawn before its task gets a slot)
+            raise AssertionError(f"request {req.index} finished with its prompt never drawn")
         arrival = _s(req.arrival_ns)
         first = task.t_prompt_last_s
         n_out = task.n_decoded

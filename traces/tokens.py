@@ -112,10 +112,11 @@ class PromptMaterializer:
     skipped by an order-preserving remap of [0, n_allowed) onto the allowed ids.
     """
 
-    __slots__ = ("space", "seed", "_n_allowed", "_u_allowed", "_gaps", "_pos_mult", "_table", "_blocks",
+    __slots__ = ("space", "seed", "_n_allowed", "_u_allowed", "_gaps", "_pos_mult", "_table", "_table_c", "_blocks",
                  "_block_size", "_blocks_array", "_block_size_array", "_unique_key", "_block_key")
 
     BLOCK_CACHE_TOKENS = 1 << 24   # ~16M token ids (128 MB of pointers) of recently used prefix blocks
+    BLOCK_CACHE_TOKENS_ARRAY = 1 << 25   # the same 128 MB as C ints (array blocks): ~32M token ids
 
     def __init__(self, space: TokenSpace, seed: int) -> None:
         self.space = space
@@ -128,6 +129,7 @@ class PromptMaterializer:
         # (position + 1) * golden for positions 0.., grown on demand: the per-position half of the counter
         self._pos_mult = np.zeros(0, dtype=np.uint64)
         self._table: np.ndarray | None = None
+        self._table_c: np.ndarray | None = None      # the same ids as C ints, for _draw_array
         # (block hash) -> its tokens, for one block size; a pure cache (values are functions of seed, hash)
         self._blocks: dict[int, list[int]] = {}
         self._block_size = 0
@@ -167,10 +169,17 @@ class PromptMaterializer:
         _mix64_np_inplace(z)
         _remainder_inplace(z, self._u_allowed)
         idx = z.view(np.int64)
-        if len(self._gaps):                      # the id table's values, computed for these indices only
-            idx = idx + np.searchsorted(self._gaps, idx, side="right")
+        if len(self._gaps) and self._n_allowed > 1 << 22:    # (a table would be large)
+            ids = (idx + np.searchsorted(self._gaps, idx, side="right")).astype(np.intc)
+        elif len(self._gaps):                    # draw index -> allowed id through a C-int table (in cache)
+            if self._table_c is None:
+                t = np.arange(self._n_allowed, dtype=np.int64)
+                self._table_c = (t + np.searchsorted(self._gaps, t, side="right")).astype(np.intc)
+            ids = self._table_c.take(idx)
+        else:
+            ids = idx.astype(np.intc)
         out = token_array()
-        out.frombytes(memoryview(idx.astype(np.intc)).cast("B"))
+        out.frombytes(memoryview(ids).cast("B"))
         return out
 
     def tokens(self, key: int, n: int, start: int = 0) -> list[int]:
@@ -225,19 +234,38 @@ class PromptMaterializer:
             i, r = plain[0]
             out[i] = self.prompt_array(r)
         elif plain:
-            ns = np.array([r.n_prompt for _, r in plain], dtype=np.int64)
-            keys = _as_u64(tuple(extend_key(self._unique_key, r.index) for _, r in plain))
-            ends = np.cumsum(ns)
-            total = int(ends[-1])
-            # position of each token inside its own prompt, and its prompt's stream key
-            within = np.arange(total, dtype=np.int64) - np.repeat(ends - ns, ns)
-            z = self._pos(int(ns.max())).take(within) + np.repeat(keys, ns)       # [total] uint64 counters
-            ids = self._draw_array(z)
-            off = 0
-            for (i, _), end in zip(plain, ends.tolist()):
-                out[i] = ids[off:end]
-                off = end
+            # groups of at most BATCH_TOKENS tokens (a longer prompt alone), so the position table stays small
+            group: list = []
+            n_group = 0
+            for ir in plain:
+                n = ir[1].n_prompt
+                if group and n_group + n > self.BATCH_TOKENS:
+                    self._draw_plain(group, out)
+                    group, n_group = [], 0
+                group.append(ir)
+                n_group += n
+            self._draw_plain(group, out)
         return out
+
+    BATCH_TOKENS = 1 << 21         # prompts drawn in one numpy pass by prompt_arrays (at most, unless one is longer)
+
+    def _draw_plain(self, plain: list, out: list) -> None:
+        """Length-only prompts (position in out, request), drawn together into `out`.
+
+        Token j of a prompt starting at offset s of the batch has the counter key + (j + 1) * golden, which is
+        (s + j + 1) * golden + (key - s * golden) modulo 2**64: the position table read at the batch offset
+        plus one per-prompt constant, so no per-token index arithmetic is needed."""
+        ns = np.array([r.n_prompt for _, r in plain], dtype=np.int64)
+        keys = _as_u64(tuple(extend_key(self._unique_key, r.index) for _, r in plain))
+        ends = np.cumsum(ns)
+        total = int(ends[-1])
+        starts = (ends - ns).view(np.uint64)
+        z = self._pos(total)[:total] + np.repeat(keys - starts * _UGOLDEN, ns)    # [total] uint64 counters
+        ids = self._draw_array(z)
+        off = 0
+        for (i, _), end in zip(plain, ends.tolist()):
+            out[i] = ids[off:end]
+            off = end
 
     def _prompt(self, req: TraceRequest, as_array: bool):
         n = req.n_prompt
@@ -271,7 +299,7 @@ class PromptMaterializer:
             # counter of (block, position) = block key + (position + 1) * golden, as a [n_missing, bs] grid
             z = (block_keys[:, None] + self._pos(bs)[None, :bs]).ravel()         # [n_missing * bs]
             flat = draw(z)
-            if len(cache) * bs > self.BLOCK_CACHE_TOKENS:
+            if len(cache) * bs > (self.BLOCK_CACHE_TOKENS_ARRAY if as_array else self.BLOCK_CACHE_TOKENS):
                 for h in list(cache)[: len(cache) // 2]:                          # drop the least recent half
                     del cache[h]
             for i, h in enumerate(missing):

@@ -41,6 +41,10 @@ class QueueOrder(Protocol):
 
     def pick_deferred(self, deferred: Sequence["Task"], released: "Slot", any_named: bool = True) -> int: ...
 
+    # Optional: a policy that never reads the prompts (`tokens`) of the deferred tasks sets
+    # `reads_deferred_prompts = False`; a simulator may then draw a deferred task's prompt only when it
+    # resumes (sim/driver.py). Without it, prompts are assumed read.
+
 
 class BatchBuilder(Protocol):
     """How `pre_decode` fills a batch: decode tokens first or not, prompt-token budget, slot order."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from operator import attrgetter
 from typing import Any
 
 from engine.core.config import ResolvedConfig, ServerConfig
@@ -45,6 +46,21 @@ IDLE, STARTED, PROCESSING_PROMPT, DONE_PROMPT, GENERATING, WAIT_OTHER = (
 
 MSG_CTX_EXCEEDED = "Context size has been exceeded."
 _tuple_new = tuple.__new__      # builds a NamedTuple from a full field tuple without its Python-level __new__
+_slot_id = attrgetter("id")
+
+
+class Admission:
+    """A stretch `ServerCore.admission_horizon` found: its first step runs `chunks` ((slot, pos0, take) in
+    prompt order, after the KV operations `ops`) with a decode token of each slot of `gen`; the slots of
+    `done` finish their prompts in it and sample; the k - 1 steps after it decode every slot of `dec`
+    (gen and done, in slot order) and, when `q` is not None, add a chunk of `q_take` tokens of q's prompt."""
+
+    __slots__ = ("k", "gen", "chunks", "done", "dec", "q", "q_take", "ops")
+
+    def __init__(self, k: int, gen: list[Slot], chunks: list[tuple[Slot, int, int]], done: list[Slot],
+                 dec: list[Slot], q: Slot | None, q_take: int, ops: list) -> None:
+        self.k, self.gen, self.chunks, self.done, self.dec, self.q, self.q_take, self.ops = (
+            k, gen, chunks, done, dec, q, q_take, ops)
 
 
 class ServerCore:
@@ -709,53 +725,232 @@ class ServerCore:
             return none
         return m, gen, p, take
 
+    def admission_horizon(self, now_s: float) -> Admission | None:
+        """Take the queued tasks as `schedule(now_s)` does first (slot choice, prompt-cache save/load, launch),
+        then: how many upcoming steps can be applied at once when the next one carries prompt chunks (the
+        budget handed out in prompt order, as batch building does: the last chunks of some prompts, which
+        sample at its commit, and at most one chunk that leaves its prompt unfinished) together with one
+        decode token of every generating slot, and the ones after it are plain decode steps of all of them
+        or, when a prompt is left unfinished, steps of one full-budget chunk of it with those decodes (as
+        `prefill_horizon`'s stretches, never its last chunk).
+
+        Conditions: a `stable` batch builder that includes the decodes; the pending prompts with no text
+        hook and no n_cmpl; every busy slot GENERATING (no text hook, no context shift due) or with a prompt
+        to process; the first step within n_batch and the KV cells as one call; no stop before the last
+        step's commit. The STARTED slots the first step reaches begin their prompts here (`_begin_prompt`:
+        n_past, the KV trim), at `now_s`, in prompt order, as the step's batch building would; when the rest
+        does not hold, the next `schedule(now_s)` then finds the queue empty and those prompts begun, which
+        is what it would have done itself. None when the next step must run normally."""
+        if self._uncommitted is not None:
+            raise RuntimeError("admission_horizon() called before commit() of the previous plan")
+        while self.queue:
+            self._process_single_task(self.queue.popleft(), now_s)
+        if self._pending_fatal is not None or not self._n_busy:
+            return None
+        gen = []
+        pending = 0
+        k = 1 << 62                        # the bound of _decode_bound(gen), computed in the same pass
+        for s in self.slots:
+            st = s.state
+            if st == IDLE:
+                continue
+            t = s.task
+            if st == GENERATING:
+                n = s.n_ctx - len(s.tokens) - 1
+                if t.text_hook is not None or n <= 0:
+                    return None            # a text hook, or a context shift first
+                if n < k:
+                    k = n
+                npm = t.n_predict_max
+                if npm != -1:
+                    n = npm - len(t.generated)
+                    if n < k:
+                        k = n
+                gen.append(s)
+            elif st == STARTED or st == PROCESSING_PROMPT:
+                if t.text_hook is not None or t.n_cmpl != 1 or t.id_parent != -1:
+                    return None
+                pending += 1
+            else:
+                return None
+        if not pending:
+            return None
+        bb = self.policies.batch_builder
+        if not getattr(bb, "stable", False):
+            return None
+        n_dec = len(gen)
+        if gen and not bb.include_decodes(n_dec, pending):
+            return None
+        n_batch = self.cfg.n_batch
+        cont = self.base.cont_batching
+        budget = bb.prompt_budget(n_batch, n_dec, cont)
+        if budget <= 0:
+            return None
+        chunks = []                        # (slot, pos0, take) in prompt order
+        done = []                          # slots whose prompt ends in the first step
+        q = None                           # the slot whose prompt the first step leaves unfinished
+        n_prompt = 0
+        for s in bb.prompt_order(self.slots):   # batch building's prompt pass
+            if budget <= 0:
+                break
+            st = s.state
+            if st == STARTED:
+                n = len(s.task.tokens)
+                if n == 0 or n >= s.n_ctx:
+                    return None            # _begin_prompt releases it
+                self._begin_prompt(s, self._ops, now_s)
+            elif st != PROCESSING_PROMPT:
+                continue
+            i = s.i_prompt                 # == len(s.tokens)
+            n = len(s.task.tokens)
+            take = min(budget, n - i)
+            chunks.append((s, i, take))
+            budget -= take
+            n_prompt += take
+            if i + take == n:
+                done.append(s)
+                kp = s.n_ctx - n           # then n tokens in the KV, 1 generated: bounds as _decode_bound's
+                npm = s.task.n_predict_max
+                if npm != -1 and npm < kp:
+                    kp = npm
+                if kp < 1:
+                    kp = 1
+                if kp < k:
+                    k = kp
+            else:
+                q = s
+        if n_dec + n_prompt > n_batch:
+            return None
+        kv = self.kv
+        used = 0
+        if kv.unified:
+            used = kv.used() + n_dec + n_prompt          # after the first step
+            if used > kv.capacity:
+                return None
+        # per-slot KV: the first step fits as is (fits_as_is: every slot within its n_ctx cells), since each
+        # decoding slot has len + 1 < n_ctx (no shift due), a prompt ends at n < n_ctx, the others unchanged
+        dec = sorted([*gen, *done], key=_slot_id) if done else gen
+        n_dec1 = len(dec)
+        q_take = 0
+        if q is None:
+            if pending > len(chunks) or n_dec1 > n_batch or not bb.include_decodes(n_dec1, 0):
+                k = 1                      # a prompt begins next step, or no plain decode steps follow
+            elif kv.unified:
+                k = min(k, 1 + (kv.n_ctx - used) // n_dec1)
+        else:
+            if dec and not bb.include_decodes(n_dec1, pending - len(chunks) + 1):
+                k = 1
+            else:
+                q_take = bb.prompt_budget(n_batch, n_dec1, cont)
+                i = q.i_prompt + chunks[-1][2]            # q's chunk is the last one of the first step
+                if q_take <= 0 or n_dec1 + q_take > n_batch:
+                    k = 1
+                else:
+                    k = min(k, 1 + (len(q.task.tokens) - i - 1) // q_take)   # never q's last chunk
+                    if kv.unified:
+                        k = min(k, 1 + (kv.capacity - used) // (n_dec1 + q_take))
+                    else:
+                        k = min(k, 1 + (kv.capacity - i) // q_take)
+        if k < 1:
+            return None
+        return Admission(k, gen, chunks, done, dec, q, q_take, self._ops)
+
     def fast_forward(self, gen: list[Slot], tokens: dict[int, list[int]], end_times_s: list[float],
                      arrivals: dict[int, list[Task]] | None = None,
-                     prompt: tuple[Slot, int] | None = None) -> list[TokenEvent]:
+                     prompt: tuple[Slot, int] | None = None,
+                     admit: Admission | None = None, t_start_s: float | None = None) -> list[TokenEvent]:
         """Apply k = len(end_times_s) steps at once, exactly as k schedule/commit rounds would.
 
         Plain decode steps: `gen` and k (at most) come from `decode_horizon`. With `prompt=(slot, take)` each
         step also carries a chunk of `take` prompt tokens of that slot, and `gen`, k (at most) and take come
-        from `prefill_horizon`. `tokens[slot]` holds the k tokens sampled for each slot of `gen` (no EOG
-        before the last). The last step's commit runs the stop checks and releases, as `commit` would.
-        `arrivals[j]`: tasks submitted at the start of step j; only allowed while every slot is busy, when
-        `process_new_tasks` can do nothing but defer them (so they do not change the stretch).
+        from `prefill_horizon`. With `admit` (from `admission_horizon`, called just before at the first step's
+        start, with `gen` = admit.gen) the first step runs admit's prompt chunks with the decodes of `gen`
+        (its leading KV operations already decided), and the steps after it decode admit.dec (and add
+        admit.q's chunks). `tokens[slot]` holds the k tokens sampled for each decoding slot (admit.dec with
+        `admit`; no EOG before the last). The last step's commit runs the stop checks and releases, as
+        `commit` would. `arrivals[j]`: tasks submitted at the start of step j; only allowed while every slot
+        is busy, when `process_new_tasks` can do nothing but defer them (so they do not change the stretch).
+        `t_start_s`: the first step's start (default: the last commit's time; with `admit`, the `now_s` of
+        `admission_horizon`).
         """
         k = len(end_times_s)
         if arrivals and self._n_busy < len(self.slots):
             raise RuntimeError("fast_forward with arrivals needs every slot busy")
+        if admit is not None and t_start_s is None:
+            raise ValueError("fast_forward with admit needs t_start_s (the now_s given to admission_horizon)")
+        if arrivals and 0 in arrivals and admit is not None:
+            raise RuntimeError("fast_forward with admit: the first step's tasks were taken by admission_horizon")
         m = self.metrics
         n_dec = len(gen)
         busy = self._n_busy
         rec = self.rec.enabled
         t_end = end_times_s[-1]
         stream = self.stream_tokens
+        ids = [s.id for s in gen] if rec else None
+        t_start = self._last_commit_s if t_start_s is None else t_start_s
+        if admit is not None:
+            self._ops = []                   # the first step's leading KV operations: executed with it
+            n_first = 0
+            for s, i, take in admit.chunks:
+                s.tokens.extend(s.task.tokens[i:i + take])
+                s.i_prompt = i + take
+                n_first += take
+            t1 = end_times_s[0]              # the first step's commit: DONE_PROMPT -> GENERATING, as commit()
+            for s in admit.done:             # (in slot order, as commit visits them)
+                task = s.task
+                # the prompt's last token stands for the token to append first: then the slot's sampled
+                # tokens go into its KV like every decoding slot's (all but the last)
+                s.sampled = s.tokens.pop()
+                s.state = GENERATING
+                task.t_prompt_last_s = t1
+                dt = t1 - task.t_start_s
+                m.n_prompt_tokens_processed_total += task.n_prompt_processed
+                m.n_prompt_tokens_processed += task.n_prompt_processed
+                m.t_prompt_processing_total_s += dt
+                m.t_prompt_processing_s += dt
+            gen = admit.dec
+            if rec:                          # the first step: the decodes, then the prompt chunks
+                self.rec.record(t_start, "batch", n_decode=n_dec, n_prompt=n_first,
+                                slots=[*ids, *(c[0].id for c in admit.chunks)], n_calls=1)
+                ids = [s.id for s in gen]
+            n_dec = len(gen)                 # the steps after it: decodes of gen and done (and q's chunks)
+            if admit.q is not None:
+                prompt = (admit.q, admit.q_take)
+        eog = self._eog
+        ctx_stop = not self.base.ctx_shift
+        stops = []                           # slots whose last token's stop checks may hold
         for s in gen:
             task = s.task
             new = tokens[s.id]
             toks = s.tokens
             toks.append(s.sampled)
             toks.extend(new)
-            s.sampled = toks.pop()           # the last sampled token is not in the KV yet
-            task.generated.extend(new)
+            tok = s.sampled = toks.pop()     # the last sampled token is not in the KV yet
+            gen_t = task.generated
+            gen_t.extend(new)
             task.t_gen_last_s = t_end
             if stream:
                 self._events.extend(TokenEvent(task, t) for t in new)
+            npm = task.n_predict_max
+            if (tok in eog or (npm != -1 and len(gen_t) >= npm)
+                    or (ctx_stop and len(toks) + 1 >= s.n_ctx)):
+                stops.append(s)              # else no stop condition can hold (no text hook here): commit skips it
         n_prompt = 0
-        ids = [s.id for s in gen] if rec else None
         if prompt is not None:
             p, take = prompt
             n_prompt = take
+            n = (k if admit is None else k - 1) * take
             i = p.i_prompt
-            p.tokens.extend(p.task.tokens[i:i + k * take])
-            p.i_prompt = i + k * take
+            p.tokens.extend(p.task.tokens[i:i + n])
+            p.i_prompt = i + n
             if rec:
                 ids.append(p.id)
         m.n_decode_total += k
         m.n_busy_slots_total += busy * k
         if arrivals or rec:
-            for j in range(k):
-                start = end_times_s[j - 1] if j else self._last_commit_s
+            # every step when recording (one batch event each), else only the steps that see arrivals
+            for j in range(0 if admit is None else 1, k) if rec else sorted(arrivals):
+                start = end_times_s[j - 1] if j else t_start
                 if arrivals and j in arrivals:
                     for t in arrivals[j]:
                         self.submit(t, start)
@@ -765,16 +960,9 @@ class ServerCore:
                 if rec:
                     self.rec.record(start, "batch", n_decode=n_dec, n_prompt=n_prompt, slots=ids, n_calls=1)
         self._last_commit_s = t_end
-        eog = self._eog
-        ctx_stop = not self.base.ctx_shift
-        for s in gen:                      # the last step's commit: stop checks in slot order
+        for s in stops:                      # the last step's commit: stop checks and releases in slot order
             task = s.task
-            tok = s.sampled
-            npm = task.n_predict_max
-            if (tok not in eog and (npm == -1 or len(task.generated) < npm)
-                    and not (ctx_stop and len(s.tokens) + 1 >= s.n_ctx)):
-                continue                   # no stop condition can hold (no text hook here): as commit skips
-            if self._process_token(s, task, tok):
+            if self._process_token(s, task, s.sampled):
                 self._release(s, t_end)
         n_max = max([len(s.tokens) for s in self.slots])
         if n_max > m.n_tokens_max:

@@ -39,3 +39,46 @@ def test_decode_only_shortcut_charges_the_full_paths_time(pos, a, c, d, h):
     be = SimBackend(lat, 100)
     plan = _plan([(p, False, 1) for p in pos])
     assert be.execute(plan).elapsed_s == lat.step_time_s(be.cost(plan))
+
+
+class _Layout(ParametricLatency):
+    """A parametric model that asks for the layout (StepCost.calls / kv_save_bytes)."""
+
+    wants_layout = True
+
+
+op = st.sampled_from([KVOp("cache_save", seq=0, entry=1, n_tokens=10), KVOp("cache_load", seq=1, entry=2, n_tokens=7),
+                      KVOp("seq_add", seq=0, p0=5, p1=9, delta=-3), KVOp("seq_rm", seq=2, p0=4, p1=-1),
+                      KVOp("cache_drop", entry=3)])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 5000), max_size=20),
+       st.lists(st.tuples(st.integers(0, 5000), st.integers(1, 300)), min_size=1, max_size=4),
+       st.lists(op, max_size=4), st.booleans())
+def test_admission_cost_is_the_cost_of_its_plan(dec_pos, prompts, ops, layout):
+    """The first step of an admission stretch (decode tokens, then prompt chunks, after KV operations) is
+    priced exactly as `cost()` prices the plan the core would have built for it."""
+    lat = (_Layout if layout else ParametricLatency)(0.01, 1e-4, 1e-3, 1e-8)
+    be = SimBackend(lat, 100)
+    seqs = list(range(len(prompts), len(prompts) + len(dec_pos)))
+    chunks = tuple(Chunk(s, s, (7,), p, (s,), False) for s, p in zip(seqs, dec_pos))
+    chunks += tuple(Chunk(i, i, tuple(range(n)), pos0, (i,), True) for i, (pos0, n) in enumerate(prompts))
+    n_prompt = sum(n for _, n in prompts)
+    plan = BatchPlan(0.0, (*ops, ForwardCall(chunks, len(dec_pos) + n_prompt)), n_prompt, len(dec_pos), {}, {})
+    got = be.admission_cost(ops, dec_pos, seqs, [(i, pos0, n) for i, (pos0, n) in enumerate(prompts)])
+    assert got == be.cost(plan)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 100_000), max_size=20), st.integers(0, 100_000), st.integers(1, 2048),
+       st.integers(0, 40), st.floats(0, 1e-2), st.floats(0, 1e-4), st.floats(0, 1e-2), st.floats(0, 1e-7),
+       st.floats(0, 1e-7), st.booleans())
+def test_prefill_stretch_times_are_the_times_of_its_costs(dec_pos, pos0, take, k, a, b, c, d, h, layout):
+    """The shortcut that prices a prefill stretch from its counts charges, bit for bit, what the latency model
+    charges for each step's StepCost."""
+    lat = (_Layout if layout else ParametricLatency)(a, b, c, d, h_kv_read_s=h)
+    be = SimBackend(lat, 100)
+    seqs = list(range(1, len(dec_pos) + 1))
+    want = [lat.step_time_s(x) for x in be.prefill_stretch_costs(dec_pos, pos0, take, k, seqs, 0)]
+    assert be.prefill_stretch_times_s(dec_pos, pos0, take, k, seqs, 0) == want

@@ -143,8 +143,63 @@ def test_prefill_chunks_are_fast_forwarded():
     assert a.metrics == b.metrics
 
 
+def test_admission_steps_are_fast_forwarded():
+    """A saturated server admits each request in a step that also decodes the other slots: that step and the
+    decode steps after it are applied as one stretch, so fewer steps run normally than there are requests."""
+    n = 80
+    tr = open_loop(n, PoissonArrivals(50.0), UniformLength(20, 150), UniformLength(5, 100), seed=2)
+    for cfg in (ServerConfig(n_ctx=16384, n_parallel=4),
+                ServerConfig(n_ctx=16384, n_parallel=4, kv_unified=True, cache_ram_mib=1, kv_bytes_per_token=1024),
+                ServerConfig(n_ctx=16384, n_parallel=4, policies=PolicyNames(batch_building="token_budget:200"))):
+        a, b, ra, rb = _compare_ff(cfg, tr, param_latency())
+        assert b.run["steps"] - b.run["ff_steps"] < n / 4
+        assert_identical(a, b, ra, rb)
+        assert a.metrics == b.metrics
+
+
+def test_admission_steps_with_several_prompts_are_fast_forwarded():
+    """Long prompts in small batches: the step that ends one prompt hands the rest of the budget to the next
+    prompt (begun there); that step and the prompt-chunk steps after it are one stretch too."""
+    n = 80
+    tr = open_loop(n, PoissonArrivals(50.0), UniformLength(20, 600), UniformLength(5, 100), seed=2)
+    for cfg in (ServerConfig(n_ctx=16384, n_parallel=4, n_batch=128),
+                ServerConfig(n_ctx=16384, n_parallel=4, n_batch=128, kv_unified=True, cache_ram_mib=1,
+                             kv_bytes_per_token=1024)):
+        a, b, ra, rb = _compare_ff(cfg, tr, param_latency())
+        assert b.run["steps"] - b.run["ff_steps"] < n / 4
+        assert_identical(a, b, ra, rb)
+        assert a.metrics == b.metrics
+
+
 def test_saturated_open_loop_fast_forwards_through_deferred_arrivals():
     tr = open_loop(60, PoissonArrivals(50.0), ConstantLength(20), ConstantLength(100), seed=0)
     a, b, ra, rb = _compare_ff(ServerConfig(n_ctx=8192, n_parallel=2), tr, ConstantLatency(0.01))
     assert b.run["ff_steps"] > 0.8 * b.run["steps"]
     assert_identical(a, b, ra, rb)
+
+
+def _lazy_vs_eager(cfg, tr, latency, ff):
+    lazy = Simulation(cfg, latency, fast_forward=ff)
+    eager = Simulation(cfg, latency, fast_forward=ff)
+    eager._lazy_prompts = False
+    assert lazy._lazy_prompts
+    a, b = eager.run(tr), lazy.run(tr)
+    assert len(a.requests) == len(b.requests)
+    for ra, rb in zip(a.requests, b.requests):
+        assert all(_same(ra[k], rb[k]) for k in ra), (ra, rb)
+    assert a.run["sim_s"] == b.run["sim_s"] and a.run["steps"] == b.run["steps"]
+    assert a.metrics == b.metrics and a.cache_stats == b.cache_stats
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n_parallel=st.sampled_from([1, 2, 4]), n_ctx=st.sampled_from([512, 4096]), kvu=st.booleans(),
+       rate=st.floats(0.5, 80), seed=st.integers(0, 1000), cram=st.sampled_from([0, 1]), ff=st.booleans(),
+       batch=st.sampled_from(["decode_first", "prefill_first", "token_budget:64"]))
+def test_prompts_drawn_when_a_slot_may_take_them_change_nothing(n_parallel, n_ctx, kvu, rate, seed, cram, ff,
+                                                                 batch):
+    """Without a recorder, a waiting request's prompt is drawn only when its task may get a slot: same rows,
+    times, metrics and cache counts as drawing every prompt on arrival (prompts over the context included)."""
+    tr = open_loop(40, PoissonArrivals(rate), UniformLength(0, 700), UniformLength(1, 80), seed=seed)
+    cfg = ServerConfig(n_parallel=n_parallel, n_ctx=n_ctx, kv_unified=kvu, cache_ram_mib=cram, kv_bytes_per_token=1024,
+                       policies=PolicyNames(batch_building=batch))
+    _lazy_vs_eager(cfg, tr, param_latency(), ff)

@@ -123,6 +123,20 @@ def test_prompt_arrays_of_many_requests_equal_one_by_one(reserved, seed, reqs):
     assert [list(a) for a in got] == [list(one.prompt_array(r)) for r in batch]
 
 
+class _SmallBatches(PromptMaterializer):
+    BATCH_TOKENS = 100             # prompt_arrays draws the length-only prompts in several numpy passes
+
+
+@settings(max_examples=40, deadline=None)
+@given(reserved=st.frozensets(st.integers(0, 63), max_size=60), seed=st.integers(0, 2**32),
+       ns=st.lists(st.integers(1, 250), min_size=2, max_size=10))
+def test_prompt_arrays_in_several_passes_equal_one_by_one(reserved, seed, ns):
+    space = TokenSpace(vocab_size=64, reserved=reserved)
+    batch = [req(index=i, n_prompt=n) for i, n in enumerate(ns)]
+    got = _SmallBatches(space, seed).prompt_arrays(batch)
+    assert [list(a) for a in got] == [PromptMaterializer(space, seed).prompt(r) for r in batch]
+
+
 @given(values=st.lists(st.integers(0, 2**64 - 1), max_size=50), n=st.integers(1, 2**40))
 def test_uint64_remainder_in_place_equals_python_modulo(values, n):
     import numpy as np
