@@ -169,7 +169,9 @@ def step_errors(steps: pd.DataFrame, latency: Any, n_bins: int = 10) -> dict[str
     (Σ predicted / Σ measured − 1: the error of the run's total busy time). `drift`: the median
     measured/predicted ratio in each of `n_bins` equal tenths of the steps in time order (a machine whose speed
     did not move gives a flat list) and `drift_range` = max/min − 1 of it. `others_cores`: mean and max over the
-    run of the CPU other processes used (None without /proc/stat)."""
+    run of the CPU other processes used (None without /proc/stat). `shape_err`: the median |ratio / (centred
+    rolling median of the ratio over `window_steps` steps) − 1| — the model's error across step shapes once the
+    machine's speed of the moment is taken out (how well it would do on a machine of steady speed)."""
     measured = steps["elapsed_s"].to_numpy(float)
     predicted = predict_steps(steps, latency)
     ok = steps["charged"].to_numpy(bool) & (measured > 0) & (predicted > 0)
@@ -185,6 +187,11 @@ def step_errors(steps: pd.DataFrame, latency: Any, n_bins: int = 10) -> dict[str
     drift = [float(np.median(b)) for b in bins]
     out["drift"] = drift
     out["drift_range"] = float(max(drift) / min(drift) - 1.0)
+    # each step against its neighbours' speed: ratio / centred rolling median of the ratio; what is left is
+    # the model's error across step shapes at the machine's speed of the moment (not its absolute speed)
+    window = max(5, len(ratio) // 20)
+    local = pd.Series(ratio).rolling(window, center=True, min_periods=1).median().to_numpy()
+    out["shape_err"] = {"median_abs_err": float(np.median(np.abs(ratio / local - 1.0))), "window_steps": window}
     others = steps["others_cores"].to_numpy(float) if "others_cores" in steps.columns else np.array([])
     others = others[np.isfinite(others)]
     out["others_cores"] = ({"mean": float(others.mean()), "max": float(others.max())} if len(others) else None)
@@ -222,6 +229,9 @@ def format_step_errors(errors: dict[str, Any]) -> str:
     machine = (f"; other processes {others['mean']:.2f} cores mean, {others['max']:.2f} max" if others
                else "; other processes' CPU unknown (no /proc/stat)")
     parts.append(f"  measured/predicted over the run's tenths {min(d):.2f}..{max(d):.2f}{machine}")
+    parts.append(f"  against the machine's speed of the moment (ratio / its rolling median over "
+                 f"{errors['shape_err']['window_steps']} steps): median |err| "
+                 f"{100 * errors['shape_err']['median_abs_err']:.1f}%")
     return "\n".join(parts)
 
 

@@ -136,6 +136,15 @@ def test_step_errors_compare_the_model_with_each_measured_step():
     assert err["drift_range"] == pytest.approx(1.0)
 
 
+def test_shape_error_takes_the_machines_speed_of_the_moment_out():
+    # the machine halves its speed half way: the bias moves, but every step is exactly as its neighbours
+    err = step_errors(frame([0.1] * 40 + [0.2] * 40), ConstantLatency(0.1))
+    assert err["drift_range"] == pytest.approx(1.0) and err["shape_err"]["median_abs_err"] == 0.0
+    # three interleaved shapes, two of them 20% off either way: that error stays, at either speed
+    err = step_errors(frame([0.12, 0.10, 0.08] * 20 + [0.24, 0.20, 0.16] * 20), ConstantLatency(0.1))
+    assert err["shape_err"]["median_abs_err"] == pytest.approx(0.2)
+
+
 def test_a_flat_run_on_a_quiet_machine_gives_no_warning_and_a_drifting_or_shared_one_does():
     quiet = step_errors(frame([0.1] * 20), ConstantLatency(0.1))
     assert quiet["drift_range"] == 0 and step_warnings(quiet) == []
