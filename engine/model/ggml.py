@@ -29,8 +29,8 @@ Not emulated exactly (close, but a different summation order): matmuls whose wei
 BLAS), the output head (nothing is quantized after it, so only its logits move, by ~1e-5), an f32 KV store,
 rows whose length is not a multiple of 16 (ggml's scalar tails), and the flash-attention path. The kernels'
 order is that of this machine's build (x86 with AVX-512/AVX2; ARM or other builds sum differently).
-Cost: integer dot products are done per 4-element lane and every fma is replayed in float64, so this mode is
-several times slower than f32 mode; it exists to validate against llama.cpp, not to serve fast.
+Every fma (a*b + c with one rounding, as _mm256_fmadd_ps) is computed exactly (`_fma`). This numpy code is
+the reference; `numerics="ggml"` runs the numba kernels of `gkernels`, which give its results bit for bit.
 """
 
 from __future__ import annotations
@@ -106,10 +106,46 @@ def warn_unavailable() -> None:
 
 # --- float32 helpers -------------------------------------------------------------------------------------------
 
+_LOW28 = np.int64((1 << 28) - 1)   # float64 fraction bits below a float32 midpoint's last bit
+
+
+def _fma64(a: Any, b: Any, c: Any) -> np.ndarray:
+    """a*b + c for float32 operands as a float64 array whose rounding to float32 is the correctly rounded
+    fmaf(a, b, c) (`_fma`). The product is exact in float64 (24 + 24 <= 53 bits), so only the sum rounds:
+    t = RN64(a*b + c). Rounding t again to float32 gives the fma's result except where t is itself a float32
+    midpoint while the exact sum is not (a midpoint strictly between the exact sum and t would be a float64
+    closer to the sum than t). Such t have their 28 low fraction bits zero (on the normal and the subnormal
+    float32 grid alike); for those candidates the TwoSum error e = (a*b + c) - t (exact) decides: t moves one
+    float64 ulp toward the exact sum when e != 0. That is round-to-odd where it matters, and float64
+    round-to-odd followed by float32 round-to-nearest is the correctly rounded result (53 >= 24 + 2); a
+    candidate that is a float32 value keeps its rounding after the move."""
+    p = np.multiply(a, b, dtype=np.float64)                              # exact
+    t = np.array(np.add(p, c, dtype=np.float64), dtype=np.float64)      # a fresh (writable, maybe 0-d) array
+    cand = (t.view(np.int64) & _LOW28) == 0
+    if cand.any():
+        pc = np.broadcast_to(p, t.shape)[cand]
+        cc = np.broadcast_to(np.asarray(c, dtype=np.float64), t.shape)[cand]
+        tc = t[cand]
+        with np.errstate(invalid="ignore"):                             # inf - inf for infinite operands
+            bv = tc - pc                                                 # TwoSum (Knuth): tc + e = pc + cc
+            av = tc - bv
+            e = (pc - av) + (cc - bv)
+            fix = np.isfinite(tc) & (e != 0)
+        if fix.any():
+            tc[fix] = np.nextafter(tc[fix], np.copysign(np.inf, e[fix]))
+            t[cand] = tc
+    return t
+
+
 def _fma(a: Any, b: Any, c: Any) -> np.ndarray:
-    """fmaf(a, b, c) on float32 operands: the product is exact in float64, one rounding to float32 after the
-    add (a float64 rounding of the sum first can only matter at an exact float32 tie: ~2^-29 of cases)."""
-    return (np.multiply(a, b, dtype=np.float64) + c).astype(np.float32)
+    """fmaf(a, b, c) on float32 operands with one rounding, as ggml's `_mm256_fmadd_ps` / `_mm512_fmadd_ps` and
+    the compilers' contracted a*b + c compute it (`_fma64`, then float32). Scalars give a 0-d array."""
+    return _fma64(a, b, c).astype(np.float32)
+
+
+def _fma_into(a: Any, b: Any, c: np.ndarray) -> None:
+    """c = `_fma`(a, b, c) in place (c float32, a*b broadcasting to c's shape)."""
+    np.copyto(c, _fma64(a, b, c), casting="same_kind")
 
 
 def _reduce16(a: np.ndarray) -> np.ndarray:
@@ -383,7 +419,7 @@ def dot_q8_1(part: Q8_1DotPart, x: np.ndarray) -> np.ndarray:
     (x86): per block b and lane l (4 elements) the exact integer dot xy; acc_l = fma(d_w*d_x, xy, acc_l) over
     the blocks; summs = fma(m_w, s_x, summs); y = hsum_float_8(acc) + summs. Returns [M, n_out] float32.
 
-    The fmas are replayed in float64 (exact product, one rounding to float32), over output tiles small
+    The fmas are correctly rounded (`_fma_into`), over output tiles small
     enough for the temporaries to stay in cache."""
     q, d, d16 = _q8_blocks(x)                                            # q [M, nb, 32]
     s = (d * q.sum(axis=-1)).astype(np.float16).astype(np.float32)      # [M, nb]
@@ -391,11 +427,8 @@ def dot_q8_1(part: Q8_1DotPart, x: np.ndarray) -> np.ndarray:
     n_out = part.n_out
     qg = np.ascontiguousarray(q.reshape(rows, nb * 8, 4).transpose(1, 0, 2))   # [nb*8, M, 4]
     summs = np.zeros((rows, n_out), np.float32)                          # m_w * s_x chain, all outputs
-    stmp = np.empty((rows, n_out), np.float64)
     for b in range(nb):
-        np.multiply.outer(s[:, b], part.m[b], out=stmp, dtype=np.float64)
-        np.add(stmp, summs, out=stmp)
-        np.copyto(summs, stmp, casting="same_kind")
+        _fma_into(s[:, b, None], part.m[b][None, :], summs)
     xy_all = np.matmul(qg, part.qw).reshape(nb, 8, rows, n_out)         # exact integers (|xy| < 2^14)
     out = np.empty((rows, n_out), np.float32)
     width = max(64, min(n_out, (_TILE_ELEMENTS // (8 * rows)) // 64 * 64))
@@ -404,12 +437,9 @@ def dot_q8_1(part: Q8_1DotPart, x: np.ndarray) -> np.ndarray:
         w = o1 - o0
         xy = xy_all[..., o0:o1]
         acc = np.zeros((8, rows, w), np.float32)
-        tmp = np.empty((8, rows, w), np.float64)
         d0d1 = d16.T[:, :, None] * part.d[:, None, o0:o1]                # [nb, M, w] float32 (exact: fp16 x fp16)
         for b in range(nb):
-            np.multiply(xy[b], d0d1[b], out=tmp, dtype=np.float64)       # exact
-            np.add(tmp, acc, out=tmp)
-            np.copyto(acc, tmp, casting="same_kind")                     # one rounding: the fma
+            _fma_into(xy[b], d0d1[b], acc)                               # acc = fma(d0d1, xy, acc)
         h = acc[4:] + acc[:4]
         h = h[:2] + h[2:]
         out[:, o0:o1] = (h[0] + h[1]) + summs[:, o0:o1]

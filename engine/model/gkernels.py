@@ -6,8 +6,8 @@ Rules that keep the bits:
 
 - no `fastmath`: LLVM must not contract a * b + c into an fma, reassociate a sum or assume away inf / NaN;
 - float32 values stay float32 (numba types float32 op float32 as float32; constants are typed `F32(...)`);
-- an fma of float32 operands is replayed as the numpy code does, `F32(F64(a) * F64(b) + F64(c))`: the product
-  is exact in float64, the sum is rounded to float64 and then to float32 (`ggml._fma`);
+- an fma of float32 operands is `llvm.fma.f32` (`_fma`, one rounding: vfmadd on CPUs with FMA, the C library's
+  fmaf elsewhere), the correctly rounded result the numpy code's exact emulation gives (`ggml._fma`);
 - sums whose order matters are written in ggml's order (16-lane reductions as `_mm512_reduce_add_ps`, double
   sums sequential); sums of exact integers or of exact f16 x f16 products may be written in any order the
   vectorizer likes only where every partial sum is exact (integer dot products below 2^24).
@@ -20,7 +20,8 @@ are `nogil`: the engine's own threads (`Matmul._run`) call them on disjoint outp
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import intrinsic
 
 I32 = np.int32
 I64 = np.int64
@@ -45,10 +46,29 @@ _INF = F32(np.inf)
 
 # --- scalar helpers ------------------------------------------------------------------------------------------
 
+@intrinsic
+def _llvm_fma(typingctx, a, b, c):
+    """llvm.fma.f32(a, b, c): a*b + c rounded once (IEEE fusedMultiplyAdd); the loop vectorizer keeps it an fma."""
+    if not all(isinstance(t, types.Float) and t.bitwidth == 32 for t in (a, b, c)):
+        return None                                      # float32 operands only: no silent casts
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.fma(*args)
+    return sig, codegen
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _fma(a, b, c):
-    """ggml._fma on float32 operands: exact float64 product, float64 sum, rounded to float32."""
-    return F32(F64(a) * F64(b) + F64(c))
+    """ggml._fma: fmaf(a, b, c) on float32 operands, one rounding."""
+    return _llvm_fma(a, b, c)
+
+
+@njit(cache=True, nogil=True)
+def fma_array(a, b, c, out):
+    """`_fma` element-wise (tests)."""
+    for i in range(out.size):
+        out[i] = _fma(a[i], b[i], c[i])
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -170,11 +190,11 @@ def q8_values(qx, d16, out):
 #
 # Per row r, output o and block b: lane l (elements 4l..4l+3 of the block) has the exact integer dot
 # xy = sum q_w * q_x (|xy| < 2^14, exact in float32 whatever the order), then acc_l = fma(d_x * d_w, xy, acc_l)
-# replayed as F32(F64(xy) * F64(d_x * d_w) + F64(acc_l)), summs = fma(s_x, m_w, summs) likewise, and at the end
+# with one rounding (`_fma`; d_x * d_w is exact in float32), summs = fma(s_x, m_w, summs) likewise, and at the end
 # y = ((acc4 + acc0) + (acc6 + acc2)) + ((acc5 + acc1) + (acc7 + acc3)) + summs: ggml.dot_q8_1's operations.
 #
 # These kernels alone are compiled with fastmath={"contract"}: LLVM may then fuse a multiply and an add into an
-# fma. Every such pair here has an exact product (small integers in float32, float32 x float32 in float64), and
+# fma. Every such pair here has an exact product (small integers in float32), and
 # fma(a, b, c) = round(a*b + c) = round(round(a*b) + c) when a*b is exact: the bits cannot change. No other
 # fast-math flag (no reassociation) is given, and the other kernels get none (there a fused product would
 # round differently).
@@ -183,7 +203,7 @@ def q8_values(qx, d16, out):
 # 8 lane accumulators of all outputs in a scratch [8, w] (as `qkernels`; tiles of a few outputs read short
 # pieces at a stride of n_out bytes, which measured 2x slower from DRAM). Two rows and more (prefill): tiles of
 # _TILE outputs whose weights stay in cache while every row passes; two rows share each weight's decoding, the
-# lane sums go to a scratch and a second loop applies the float64 fma steps.
+# lane sums go to a scratch and a second loop applies the fma steps.
 
 _CONTRACT = {"contract"}
 
@@ -201,25 +221,26 @@ def _finish(acc, summ, y, r, t0, w):
 
 @njit(cache=True, nogil=True, inline="always", fastmath=_CONTRACT)
 def _block_scales(sx, dx, mw, dw, summ, dd, r, b, t0, w):
-    """summs = fma(s_x, m_w, summs) over the outputs t0..t0+w-1 of block b, and dd = F64(d_x * d_w) for them."""
-    sv = F64(sx[r, b])
+    """summs = fma(s_x, m_w, summs) over the outputs t0..t0+w-1 of block b, and dd = d_x * d_w for them (float32,
+    exact: fp16 x fp16)."""
+    sv = sx[r, b]
     dxv = dx[r, b]
     mb = mw[b, t0:t0 + w]
     db = dw[b, t0:t0 + w]
     for o in range(w):
-        summ[o] = F32(sv * F64(mb[o]) + F64(summ[o]))
+        summ[o] = _fma(sv, mb[o], summ[o])
     for o in range(w):
-        dd[o] = F64(dxv * db[o])
+        dd[o] = dxv * db[o]
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=_CONTRACT)
 def _fma_lanes(xy, dd, acc, w):
-    """acc[l, o] = fma(dd[o], xy[l, o], acc[l, o]) for the 8 lanes, replayed in float64."""
+    """acc[l, o] = fma(dd[o], xy[l, o], acc[l, o]) for the 8 lanes."""
     for lane in range(8):
         al = acc[lane]
         xl = xy[lane]
         for o in range(w):
-            al[o] = F32(F64(xl[o]) * dd[o] + F64(al[o]))
+            al[o] = _fma(xl[o], dd[o], al[o])
 
 
 @njit(cache=True, nogil=True, fastmath=_CONTRACT)
@@ -229,7 +250,7 @@ def _nib_row(qw, dw, mw, qx, dx, sx, y, r, o0, o1):
     w = o1 - o0
     acc = np.zeros((8, w), F32)
     summ = np.zeros(w, F32)
-    dd = np.empty(w, F64)
+    dd = np.empty(w, F32)
     for b in range(nb):
         _block_scales(sx, dx, mw, dw, summ, dd, r, b, o0, w)
         qb = qw[b]
@@ -259,8 +280,8 @@ def _nib_row(qw, dw, mw, qx, dx, sx, y, r, o0, o1):
                 hi = (F32(I32(v0 >> I32(4))) * c0 + F32(I32(v1 >> I32(4))) * c1
                       + F32(I32(v2 >> I32(4))) * c2 + F32(I32(v3 >> I32(4))) * c3)
                 e = dd[o]
-                al[o] = F32(F64(lo) * e + F64(al[o]))
-                ah[o] = F32(F64(hi) * e + F64(ah[o]))
+                al[o] = _fma(lo, e, al[o])
+                ah[o] = _fma(hi, e, ah[o])
     _finish(acc, summ, y, r, o0, w)
 
 
@@ -364,7 +385,7 @@ def _byte_row(qw, dw, mw, qx, dx, sx, y, r, o0, o1):
     w = o1 - o0
     acc = np.zeros((8, w), F32)
     summ = np.zeros(w, F32)
-    dd = np.empty(w, F64)
+    dd = np.empty(w, F32)
     for b in range(nb):
         _block_scales(sx, dx, mw, dw, summ, dd, r, b, o0, w)
         qb = qw[b]
@@ -382,7 +403,7 @@ def _byte_row(qw, dw, mw, qx, dx, sx, y, r, o0, o1):
             for o in range(w):
                 xy = (F32(I32(q0[o])) * x0 + F32(I32(q1[o])) * x1
                       + F32(I32(q2[o])) * x2 + F32(I32(q3[o])) * x3)
-                al[o] = F32(F64(xy) * dd[o] + F64(al[o]))
+                al[o] = _fma(xy, dd[o], al[o])
     _finish(acc, summ, y, r, o0, w)
 
 
@@ -393,7 +414,7 @@ def _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, nib):
     m = qx.shape[0]
     acc = np.empty((2, 8, _TILE), F32)
     summ = np.empty((2, _TILE), F32)
-    dd = np.empty(_TILE, F64)
+    dd = np.empty(_TILE, F32)
     xy = np.empty((2, 8, _TILE), F32)
     for t0 in range(o0, o1, _TILE):
         w = min(o1, t0 + _TILE) - t0

@@ -3,7 +3,7 @@ llama.cpp (llama-cpp-python 0.3.36, x86 AVX-512 build, SmolLM2 Q4_1), and the mo
 
 from __future__ import annotations
 
-from fractions import Fraction
+import math
 
 import numpy as np
 import pytest
@@ -14,12 +14,54 @@ from engine.model import BatchChunk, load
 from engine.model import ggml as G
 from engine.model.tiny import tiny_tensors
 from tests import numerics_bounds as nb
+from tests.engine.fma_cases import double_rounded, fma_exact, fma_inputs, near_midpoint_inputs
 
 PROMPT = [5, 77, 12, 200, 3, 9, 150, 33, 281, 64, 7, 120]
 
 
 def f32(h: str) -> np.float32:
     return np.float32(float.fromhex(h))
+
+
+# --- fma: one rounding, as _mm256_fmadd_ps ----------------------------------------------------------------------
+
+def test_fma_is_correctly_rounded():
+    """G._fma against exact rational arithmetic, bit for bit (signs of zero included), on near-midpoint,
+    exact-tie, cancelling, wide-exponent, subnormal, signed-zero and overflowing operands."""
+    a, b, c = fma_inputs(np.random.default_rng(7))
+    want = np.array([fma_exact(x, y, z) for x, y, z in zip(a, b, c)], np.float32)
+    with np.errstate(over="ignore"):
+        got = G._fma(a, b, c)
+    assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    one = G._fma(np.float32(3.0), np.float32(0.5), np.float32(-0.25))           # scalars: a 0-d result
+    assert one.shape == () and float(one) == 1.25
+
+
+@pytest.mark.parametrize("subnormal", [False, True], ids=["normal", "subnormal"])
+def test_fma_inputs_near_midpoints_tell_one_rounding_from_two(subnormal):
+    """The near-midpoint operands are where a float64 sum rounded again to float32 (the double rounding this
+    mode used before) goes the other way: each one a test that the double rounding fails."""
+    a, b, c = near_midpoint_inputs(np.random.default_rng(8), 1000, subnormal=subnormal)
+    want = np.array([fma_exact(x, y, z) for x, y, z in zip(a, b, c)], np.float32)
+    assert np.array_equal(G._fma(a, b, c), want)
+    wrong = double_rounded(a, b, c) != want
+    assert wrong.sum() >= (900 if not subnormal else 500), wrong.sum()
+    # the crafted tie of the kernel test: 1 + (2^-24 + 2^-54) is just past the midpoint of 1 and 1 + 2^-23
+    x, y, z = np.float32(6605), np.float32(162565 * 2.0 ** -54), np.float32(1.0)
+    assert G._fma(x, y, z) == np.float32(1 + 2 ** -23) and double_rounded(
+        np.array([x]), np.array([y]), np.array([z]))[0] == np.float32(1.0)
+
+
+@pytest.mark.skipif(not hasattr(math, "fma"), reason="math.fma needs Python 3.13")
+def test_fma_matches_math_fma():
+    """An independent oracle: math.fma is the float64 fma, and rounding it to float32 is the float32 fma
+    wherever it is not a float32 midpoint (28 low fraction bits zero), i.e. everywhere a second rounding
+    cannot go wrong."""
+    a, b, c = fma_inputs(np.random.default_rng(9))
+    r = np.array([math.fma(float(x), float(y), float(z)) for x, y, z in zip(a, b, c)])
+    safe = (r.view(np.int64) & ((1 << 28) - 1)) != 0
+    with np.errstate(over="ignore"):
+        assert np.array_equal(G._fma(a, b, c)[safe], r[safe].astype(np.float32))
 
 
 # --- activation quantizers against scalar references ---------------------------------------------------------
@@ -100,7 +142,7 @@ def test_block_params_reproduce_the_dequantized_weight(type_name):
 
 
 def _fma32(a: float, b: float, c: float) -> np.float32:
-    return np.float32(float(Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))))
+    return fma_exact(np.float32(a), np.float32(b), np.float32(c))
 
 
 def scalar_vec_dot_q4_1_q8_1(q_w, d_w, m_w, x) -> np.float32:
@@ -179,7 +221,7 @@ def test_swiglu_matches_llama_cpp_bit_for_bit():
 
 
 def test_expf_is_close_to_exp_and_saturates():
-    """G.expf is element-wise IEEE arithmetic (each fma replayed in float64, then rounded; no libm, no
+    """G.expf is element-wise IEEE arithmetic (correctly rounded fmas; no libm, no
     SIMD-dependent ufunc), so its bits are the same on every machine; rtol 4e-7 (6.7 u) is ggml's polynomial's accuracy
     over this range, measured once, not a machine-dependent margin."""
     x = np.linspace(-87, 88, 20001, dtype=np.float32)                 # normal float32 results

@@ -14,6 +14,7 @@ from gguf import quants as gguf_quants
 from engine.model import BatchChunk, load
 from engine.model import ggml as G
 from engine.model import numerics as N
+from tests.engine.fma_cases import fma_inputs
 
 K = G.kernels()
 pytestmark = pytest.mark.skipif(K is None, reason="numba cannot be loaded")
@@ -50,6 +51,42 @@ def test_f16_rounding_matches_numpy():
     nan = np.array([np.nan], np.float32)
     K.f16_round_array(nan, nan)
     assert np.isnan(nan[0])
+
+
+def test_fma_matches_numpy():
+    """llvm.fma.f32 against ggml._fma (exact, tested against rational arithmetic in test_ggml.py): near-midpoint,
+    tie, subnormal, signed-zero and overflowing operands, bit for bit."""
+    a, b, c = fma_inputs(np.random.default_rng(11))
+    got = np.empty_like(a)
+    K.fma_array(a, b, c, got)
+    with np.errstate(over="ignore"):
+        want = G._fma(a, b, c)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("nib", [True, False], ids=["q4_1", "q5_1"])
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_dot_kernels_round_each_fma_once(nib, m):
+    """A lane chain built to end on a float32 tie: block 0 leaves acc = 1, block 1 adds xy * d_x * d_w =
+    6605 * (162565 * 2^-30) * 2^-24 = 2^-24 + 2^-54, just past the midpoint of 1 and 1 + 2^-23. One rounding
+    (ggml's fmadd) gives 1 + 2^-23; the float64 sum rounded again to float32 would give 1 (ties to even).
+    Every output, on the one-row and the tiled kernels (300 outputs: a tile and a tail)."""
+    n_out, nb_ = 300, 2
+    qw = np.zeros((nb_, 16 if nib else 32, n_out), np.uint8 if nib else np.int8)
+    qw[0, 0] = 1                                              # element 0 of blocks 0 and 1 (lane 0)
+    qw[1, 0] = 1
+    dw = np.ones((nb_, n_out), np.float32)
+    dw[1] = 2.0 ** -24
+    mw = np.zeros((nb_, n_out), np.float32)
+    qx = np.zeros((m, 32 * nb_), np.float32)
+    qx[:, 0] = 1.0
+    qx[:, 32] = 6605.0
+    dx = np.ones((m, nb_), np.float32)
+    dx[:, 1] = 162565 * 2.0 ** -30
+    sx = np.zeros((m, nb_), np.float32)
+    y = np.full((m, n_out), np.nan, np.float32)
+    (K.dot_nib if nib else K.dot_byte)(qw, dw, mw, qx, dx, sx, y, 0, n_out)
+    assert np.all(y == np.float32(1 + 2 ** -23)), np.unique(y)
 
 
 def test_expf_matches_numpy():
