@@ -316,17 +316,7 @@ class Simulation:
                 if t_ff == now:
                     t_ff = self._try_fast_forward(now)
                 if t_ff > now:
-                    finished = core.pop_finished()
-                    if core.deferred:
-                        self._backlog_ns += t_ff - now
-                        self._backlog_done += len(finished)
-                    now = t_ff
-                    if env.peek() <= now or (finished and self._has_waiters(finished)):
-                        yield env.timeout(now - env.now)
-                    if finished:
-                        self._finish_tasks(finished)
-                    if not self._n_steps % self._tl_stride:
-                        self._sample_timeline(now)
+                    now = yield from self._end_stretch(now, t_ff)
                     continue
             st = step(core, backend, now_s, end_s)
             now += round(st.result.elapsed_s * NS)
@@ -345,17 +335,23 @@ class Simulation:
             if ff and not self._inbox:
                 t_ff = self._try_fast_forward(now)
                 if t_ff > now:
-                    finished = core.pop_finished()
-                    if core.deferred:
-                        self._backlog_ns += t_ff - now
-                        self._backlog_done += len(finished)
-                    now = t_ff
-                    if env.peek() <= now or (finished and self._has_waiters(finished)):
-                        yield env.timeout(now - env.now)
-                    if finished:
-                        self._finish_tasks(finished)
-                    if not self._n_steps % self._tl_stride:
-                        self._sample_timeline(now)
+                    now = yield from self._end_stretch(now, t_ff)
+
+    def _end_stretch(self, now: int, t_ff: int):
+        """After a fast-forwarded stretch from `now` to `t_ff` (ns): backlog accounting, SimPy's clock caught up
+        when another process could act, finished tasks handed back, the timeline sampled; returns `t_ff`."""
+        core, env = self.core, self.env
+        finished = core.pop_finished()
+        if core.deferred:
+            self._backlog_ns += t_ff - now
+            self._backlog_done += len(finished)
+        if env.peek() <= t_ff or (finished and self._has_waiters(finished)):
+            yield env.timeout(t_ff - env.now)
+        if finished:
+            self._finish_tasks(finished)
+        if not self._n_steps % self._tl_stride:
+            self._sample_timeline(t_ff)
+        return t_ff
 
     @staticmethod
     def _has_waiters(finished: list[Task]) -> bool:
