@@ -161,7 +161,8 @@ def _errors(measured: np.ndarray, predicted: np.ndarray) -> dict[str, float]:
             "median_err": float(np.median(rel)), "busy_err": float(predicted.sum() / measured.sum() - 1.0)}
 
 
-def step_errors(steps: pd.DataFrame, latency: Any, n_bins: int = 10) -> dict[str, Any]:
+def step_errors(steps: pd.DataFrame, latency: Any, n_bins: int = 10,
+                predicted: np.ndarray | None = None) -> dict[str, Any]:
     """The latency model's error on the real run's own steps.
 
     Over the charged steps with a measured time > 0: `all` and per `kind` the median |predicted/measured − 1|,
@@ -171,9 +172,11 @@ def step_errors(steps: pd.DataFrame, latency: Any, n_bins: int = 10) -> dict[str
     did not move gives a flat list) and `drift_range` = max/min − 1 of it. `others_cores`: mean and max over the
     run of the CPU other processes used (None without /proc/stat). `shape_err`: the median |ratio / (centred
     rolling median of the ratio over `window_steps` steps) − 1| — the model's error across step shapes once the
-    machine's speed of the moment is taken out (how well it would do on a machine of steady speed)."""
+    machine's speed of the moment is taken out (how well it would do on a machine of steady speed).
+    `predicted`: `predict_steps(steps, latency)` when the caller has it already (priced once)."""
     measured = steps["elapsed_s"].to_numpy(float)
-    predicted = predict_steps(steps, latency)
+    if predicted is None:
+        predicted = predict_steps(steps, latency)
     ok = steps["charged"].to_numpy(bool) & (measured > 0) & (predicted > 0)
     out: dict[str, Any] = {"n_steps": len(steps), "n_compared": int(ok.sum())}
     if not ok.any():

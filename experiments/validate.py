@@ -528,11 +528,12 @@ def run_validate(args: argparse.Namespace) -> int:
     steps = read_steps(real.path)
     step_report = None
     if steps is not None:
-        summary["real_step_errors"] = step_report = step_errors(steps, latency)
+        predicted = predict_steps(steps, latency)
+        summary["real_step_errors"] = step_report = step_errors(steps, latency, predicted=predicted)
         for warning in step_warnings(step_report):
             print(f"slotlab validate: warning: {warning}", file=sys.stderr)
         if not args.no_plots:
-            plot_step_ratio(steps, predict_steps(steps, latency), out / FILES["steps"], title)
+            plot_step_ratio(steps, predicted, out / FILES["steps"], title)
     _write_comparison(out, per, errors, summary, real.requests, sim.requests, None if args.no_plots else title)
     if args.quiet:
         _print_quiet(errors, summary, out, "requests")
