@@ -3,6 +3,11 @@ bound, aggregate decode tok/s with several sequences batched. Prints figures; as
 
     .venv/bin/python benchmarks/bench_engine.py --threads 2
     .venv/bin/python benchmarks/bench_engine.py --threads 2 --repeat 3 --llamacpp-python /path/to/python
+    .venv/bin/python benchmarks/bench_engine.py --threads 2 --llama-bin /work/ref/bin
+
+`--llama-bin DIR` runs llama.cpp's own `llama-bench` (pp of the same prompt length, tg of the same number of
+steps) and `llama-batched-bench` (S_TG at the same sequence counts and n_past) from DIR, before and after this
+engine's runs, with the same threads, and prints this engine's figures as ratios to theirs.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ from threadpoolctl import threadpool_info, threadpool_limits
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.model import Model, default_model_path, load  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import llamacpp_tools  # noqa: E402
 
 LLAMA_CPP_DECODE_TOK_S = 106.0     # llama-server, 1 client, this machine (issue figure)
 LLAMA_CPP_SGEMM_GFLOPS = 245.0     # f32 sgemm on 2 threads, this machine (issue figure)
@@ -162,6 +170,40 @@ def run_llamacpp(python: str, model: str, threads: int, prompt: int, n_past: int
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def run_llama_bin(args: argparse.Namespace, path: str, seqs: list[int]) -> dict:
+    """llama-bench (pp from an empty context, tg after n_past tokens, one sequence) and llama-batched-bench
+    (S_TG at each sequence count, n_past-token prompts) once."""
+    bench = llamacpp_tools.llama_bench(args.llama_bin, path, args.threads, args.prompt, args.steps, args.reps,
+                                       n_depth=args.n_past)
+    batched = llamacpp_tools.batched_bench(args.llama_bin, path, args.threads, args.n_past, args.steps, seqs)
+    return {"pp": bench["pp"]["avg_ts"], "tg": bench["tg"]["avg_ts"],
+            "s_tg": {n: row["speed_tg"] for n, row in batched.items()}, "load": os.getloadavg()[0]}
+
+
+def report_llama_bin(runs: list[dict], ours_prefill: float, ours_decode: dict, fig: dict, threads: int) -> None:
+    """This engine's figures against the best of the llama.cpp runs before and after it."""
+    pp, tg = max(r["pp"] for r in runs), max(r["tg"] for r in runs)
+    print(f"llama.cpp tools, {threads} threads, same file, runs before/after (load average "
+          + " / ".join(f"{r['load']:.2f}" for r in runs) + ")")
+    print("          llama-bench pp: " + " / ".join(f"{r['pp']:.0f}" for r in runs) + " tok/s; this engine's "
+          f"prefill {ours_prefill:.0f} tok/s = {ours_prefill / pp:.2f}x (target >= 1.5x)")
+    print("          llama-bench tg: " + " / ".join(f"{r['tg']:.1f}" for r in runs) + " tok/s")
+    fig["prefill / llama-bench pp"] = ours_prefill / pp
+    for n_seq, (best, med) in ours_decode.items():
+        s_tg = max(r["s_tg"].get(n_seq, 0.0) for r in runs)
+        line = f"          {n_seq:2d} seq: this engine best {best:.1f} / median {med:.1f} tok/s"
+        if n_seq == 1:
+            fig["1 seq / llama-bench tg (best)"] = best / tg
+            fig["1 seq / llama-bench tg (median)"] = med / tg
+            line += f" = {best / tg:.2f}x / {med / tg:.2f}x llama-bench tg (target >= 1.0x)"
+        if s_tg > 0:
+            fig[f"{n_seq} seq / batched-bench S_TG (best)"] = best / s_tg
+            fig[f"{n_seq} seq / batched-bench S_TG (median)"] = med / s_tg
+            line += (f"; batched-bench S_TG " + " / ".join(f"{r['s_tg'].get(n_seq, 0.0):.1f}" for r in runs)
+                     + f" -> {best / s_tg:.2f}x / {med / s_tg:.2f}x" + (" (target >= 2x)" if n_seq == 16 else ""))
+        print(line)
+
+
 def run_once(args: argparse.Namespace, model: Model, path: str) -> dict[str, float]:
     """One paired measurement (machine, llama.cpp before, this engine, llama.cpp after); prints it and
     returns its figures for the summary."""
@@ -178,6 +220,10 @@ def run_once(args: argparse.Namespace, model: Model, path: str) -> dict[str, flo
     print(f"          bytes streamed per decode step {stream / 1e6:.0f} MB -> bound {bound_s * 1e3:.1f} ms "
           f"({1 / bound_s:.0f} tok/s) at {bandwidth:.1f} GB/s")
 
+    seqs = [int(s) for s in args.seqs.split(",")]
+    bin_runs = [run_llama_bin(args, path, seqs)] if args.llama_bin else []
+    if bin_runs:
+        settle()
     ref_runs = []
     if args.llamacpp_python:
         ref_runs.append(run_llamacpp(args.llamacpp_python, path, args.threads, args.prompt, args.n_past,
@@ -191,7 +237,7 @@ def run_once(args: argparse.Namespace, model: Model, path: str) -> dict[str, flo
           f"(median {args.prompt / med:.0f} tok/s); dense {flops / best / 1e9:.0f} GFLOP/s")
 
     ours_decode = {}
-    for n_seq in [int(s) for s in args.seqs.split(",")]:
+    for n_seq in seqs:
         times = bench_decode(model, n_seq, args.n_past, args.steps)[2:]     # drop warm-up steps
         best, med = best_and_median(times)
         ours_decode[n_seq] = (n_seq / best, n_seq / med)
@@ -219,6 +265,9 @@ def run_once(args: argparse.Namespace, model: Model, path: str) -> dict[str, flo
                      f"best step {best / issue_bound_s:.2f}x, median {med / issue_bound_s:.2f}x")
         print(line)
     print(f"          load average after the run {os.getloadavg()[0]:.2f}")
+    if args.llama_bin:
+        bin_runs.append(run_llama_bin(args, path, seqs))
+        report_llama_bin(bin_runs, ours_prefill, ours_decode, fig, args.threads)
     if args.llamacpp_python:
         ref_runs.append(run_llamacpp(args.llamacpp_python, path, args.threads, args.prompt, args.n_past,
                                      args.steps, args.reps))
@@ -268,9 +317,18 @@ def main() -> None:
     ap.add_argument("--llamacpp-python", default=None, metavar="PYTHON",
                     help="interpreter with llama-cpp-python: also measure llama.cpp's prefill and single-sequence "
                          "decode on the same file and threads, before and after this engine's runs")
+    ap.add_argument("--llama-bin", default=None, metavar="DIR",
+                    help="directory with llama.cpp's llama-bench and llama-batched-bench (docs/validation.md): also "
+                         "measure pp, tg and S_TG on the same file and threads, before and after this engine's runs")
     args = ap.parse_args()
     if args.repeat < 1:
         ap.error("--repeat must be at least 1")
+    if args.llama_bin:
+        try:
+            for tool in (llamacpp_tools.BENCH, llamacpp_tools.BATCHED):
+                llamacpp_tools.tool_path(args.llama_bin, tool)
+        except llamacpp_tools.ToolError as e:
+            ap.error(str(e))
 
     path = args.model or default_model_path()
     if path is None:

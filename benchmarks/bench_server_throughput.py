@@ -15,6 +15,7 @@ import argparse
 import os
 import platform
 import random
+import shlex
 import statistics
 import sys
 import tempfile
@@ -71,6 +72,17 @@ def wait_quiet(max_load: float, timeout_s: float) -> float:
     return os.getloadavg()[0]
 
 
+def proc_memory_mb(pid: int) -> dict[str, float]:
+    """Resident memory of a process now (VmRSS) and at its peak (VmHWM), MB, from /proc/<pid>/status."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key = line.split(":")[0]
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(line.split()[1]) / 1024
+    return out
+
+
 def bench_server(server: Server, flags: list[str], args: argparse.Namespace) -> dict:
     load_before = wait_quiet(args.max_load, args.wait_quiet) if args.wait_quiet > 0 else os.getloadavg()[0]
     server.start(flags)
@@ -79,6 +91,7 @@ def bench_server(server: Server, flags: list[str], args: argparse.Namespace) -> 
         info = build_info(server)
         rng = random.Random(args.seed)
         one_round(server.url, 1, args.prompt_tokens, 8, rng)       # warm-up (first-call allocations)
+        mem_ready = proc_memory_mb(server.proc.pid)
         rows = []
         for c in args.concurrency:
             rounds = [one_round(server.url, c, args.prompt_tokens, args.n_predict, rng) for _ in range(args.rounds)]
@@ -89,8 +102,10 @@ def bench_server(server: Server, flags: list[str], args: argparse.Namespace) -> 
                          "prompt_ms_mean": statistics.median(r["prompt_ms_mean"] for r in rounds)})
             print(f"  {server.name:<13} c={c:<3} gen tok/s median {rows[-1]['gen_tok_s_median']:8.1f} "
                   f"(rounds: {', '.join(f'{x:.1f}' for x in tok_s)})", flush=True)
+        mem = proc_memory_mb(server.proc.pid)
         return {"server": server.name, "build_info": info, "rows": rows, "load_before": load_before,
-                "load_after": os.getloadavg()[0]}
+                "load_after": os.getloadavg()[0], "rss_ready_mb": mem_ready["VmRSS"], "rss_mb": mem["VmRSS"],
+                "rss_peak_mb": mem["VmHWM"]}
     finally:
         server.stop()
 
@@ -113,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
                    help="before each server, wait up to S seconds for the machine to be quiet (shared cores)")
     p.add_argument("--max-load", type=float, default=0.5, help="'quiet' = 1-minute load average below this")
+    p.add_argument("--slotlab-flags", default="", metavar="FLAGS",
+                   help="extra flags for slotlab serve only, e.g. '--numerics ggml'")
     args = p.parse_args(argv)
     args.model = args.model or smollm2_path()
     args.concurrency = [int(x) for x in args.concurrency.split(",") if x]
@@ -122,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     common = ["-m", args.model, "--threads", str(args.threads)]
     blas = {"OPENBLAS_NUM_THREADS": str(args.threads), "OMP_NUM_THREADS": str(args.threads)}
     servers = {"llama-server": Server("llama-server", [args.llama_server] + common, log_dir / "llama-server.log"),
-               "slotlab": Server("slotlab", slotlab_command() + common, log_dir / "slotlab.log", env=blas)}
+               "slotlab": Server("slotlab", slotlab_command() + common + shlex.split(args.slotlab_flags),
+                                 log_dir / "slotlab.log", env=blas)}
     names = [s for s in args.servers.split(",") if s]
     if "llama-server" in names and not os.access(args.llama_server, os.X_OK):
         print(f"llama-server not found at {args.llama_server} (see docs/validation.md)", file=sys.stderr)
@@ -135,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{'per-req tok/s':>13} {'prompt ms':>9}")
     for res in results:
         print(f"# {res['server']}: 1-min load average {res['load_before']:.2f} before, {res['load_after']:.2f} after "
-              f"(other processes on the {os.cpu_count()} cores skew these figures)")
+              f"(other processes on the {os.cpu_count()} cores skew these figures); resident memory "
+              f"{res['rss_ready_mb']:.0f} MB after warm-up, {res['rss_mb']:.0f} MB at the end, peak {res['rss_peak_mb']:.0f} MB")
         for row in res["rows"]:
             print(f"{res['server']:<13} {res['build_info']:<22} {args.threads:>7} {row['concurrency']:>7} "
                   f"{row['gen_tok_s_median']:>18.1f} {row['gen_tok_s_best']:>7.1f} {row['per_request_tok_s']:>13.1f} "
