@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -101,13 +102,94 @@ def _counter(source: Any, name: str, default: int = 0) -> int:
     return int(getattr(source, name, default))
 
 
+# --- errors by kind ------------------------------------------------------------------------------------
+# The serving core's error messages (engine/core/server.py; upstream's texts, tools/server/server-context.cpp),
+# each with what a reader of a run needs: what happened and which knob moves it.
+_EXCEED = re.compile(r"^request \((\d+) tokens\) exceeds the available context size \((\d+) tokens\)")
+ERROR_KINDS = ("exceed_context", "kv_full", "context_shift_disabled", "context_shift_shared", "other")
+_ERROR_TEXTS = {
+    "kv_full": ("Context size has been exceeded.",
+                "ran out of KV cells while generating (the shared KV of -c cells was full even after halving the "
+                "batch): raise -c, lower -np, or drop -kvu so that each slot has its own cells"),
+    "context_shift_disabled": ("context shift is disabled",
+                               "reached the end of the slot context while generating, with context shift off: pass "
+                               "--context-shift, a smaller n_predict, or a larger slot context"),
+    "context_shift_shared": ("context shift cannot be used for shared prompt",
+                             "reached the end of the slot context while sharing a prompt (n > 1), where upstream "
+                             "cannot shift: a larger slot context or a smaller n_predict"),
+}
+
+
+def error_kind(message: str | None) -> str:
+    """The kind of one request's error message (see ERROR_KINDS); "other" for a message not listed."""
+    if message is None:
+        return "other"
+    if _EXCEED.match(message):
+        return "exceed_context"
+    for kind, (text, _) in _ERROR_TEXTS.items():
+        if message == text:
+            return kind
+    return "other"
+
+
+def _exceed_hint(cfg: Any) -> str:
+    """Why the slot context is what it is (ResolvedConfig), and which flags move it."""
+    if cfg is None:
+        return "raise -c (or lower -np when each slot has its own share)"
+    base = cfg.base
+    per_slot = cfg.n_ctx if cfg.kv_unified else cfg.n_ctx // cfg.n_slots
+    if base.n_ctx_train > 0 and cfg.n_ctx_slot == base.n_ctx_train and per_slot > base.n_ctx_train:
+        return (f"n_ctx_train {base.n_ctx_train} caps it (llama-server caps each slot at the model's training "
+                f"context); pass --n-ctx-train or a model with a longer context")
+    if not cfg.kv_unified and cfg.n_slots > 1:
+        return (f"-c {cfg.n_ctx} split over -np {cfg.n_slots} slots; raise -c, lower -np, or pass -kvu "
+                f"(one context shared by all slots)")
+    return f"raise -c (now {cfg.n_ctx})"
+
+
+def error_breakdown(requests: pd.DataFrame, cfg: Any = None) -> list[dict[str, Any]]:
+    """The failed requests grouped by kind, most frequent first: kind, count, longest prompt among them, and a
+    sentence saying what happened and which knob moves it. `cfg` is the run's ResolvedConfig (or None)."""
+    failed = requests[requests["finish"] == "error"]
+    groups: dict[str, list[int]] = {}
+    messages: dict[str, str] = {}
+    for msg, n_prompt in zip(failed["error"], failed["n_prompt"]):
+        kind = error_kind(msg)
+        groups.setdefault(kind, []).append(int(n_prompt))
+        messages.setdefault(kind, str(msg))
+    out = []
+    for kind, prompts in sorted(groups.items(), key=lambda kv: (-len(kv[1]), ERROR_KINDS.index(kv[0]))):
+        n = len(prompts)
+        if kind == "exceed_context":
+            n_ctx = int(_EXCEED.match(messages[kind]).group(2))
+            text = (f"{n:,} exceed the slot context ({n_ctx} tokens; longest prompt {max(prompts):,}): "
+                    f"{_exceed_hint(cfg)}")
+        elif kind == "other":
+            text = f"{n:,} failed with other errors (first: {messages[kind]!r})"
+        else:
+            text = f"{n:,} {_ERROR_TEXTS[kind][1]}"
+        out.append({"kind": kind, "count": n, "longest_prompt": max(prompts), "text": text})
+    return out
+
+
+def _resolved(server_config: Any) -> Any:
+    if server_config is None:
+        return None
+    try:
+        return server_config.resolve()
+    except Exception:              # a config that does not resolve never ran: no hint rather than no summary
+        return None
+
+
 def summarize(requests: pd.DataFrame, *, sim_s: float | None = None, cache_stats: Mapping[str, int] | None = None,
-              metrics: Any = None) -> dict[str, Any]:
+              metrics: Any = None, server_config: Any = None) -> dict[str, Any]:
     """The summary row of a run.
 
     Latency statistics cover finished requests (finish != "error"); TPOT only requests with > 1 output token
     (its NaNs are skipped). Throughput is over `sim_s` (simulated seconds; default: first arrival to last
-    end). Hit rate = cached / (cached + processed) prompt tokens over all requests.
+    end). Hit rate = cached / (cached + processed) prompt tokens over all requests. Errors: one count per kind
+    (`errors_<kind>`, ERROR_KINDS) and `errors_by_kind`, the sentences of `error_breakdown` joined by " | " (needs the run's
+    `server_config`, a ServerConfig, for the hints on the slot context).
     """
     ok = requests[requests["finish"] != "error"]
     row: dict[str, Any] = {
@@ -115,6 +197,11 @@ def summarize(requests: pd.DataFrame, *, sim_s: float | None = None, cache_stats
         "n_finished": int(len(ok)),
         "n_errors": int(len(requests) - len(ok)),
     }
+    breakdown = error_breakdown(requests, _resolved(server_config)) if row["n_errors"] else []
+    counts = {b["kind"]: b["count"] for b in breakdown}
+    for kind in ERROR_KINDS:
+        row[f"errors_{kind}"] = counts.get(kind, 0)
+    row["errors_by_kind"] = " | ".join(b["text"] for b in breakdown)
     for m in LATENCY_METRICS:
         st = _stats(ok[f"{m}_s"])
         row[f"{m}_mean_s"] = st["mean"]
@@ -206,7 +293,9 @@ def write_run(out_dir: str | Path, result: Any, config: Mapping[str, Any], *, cs
     requests = requests_frame(result.requests)
     timeline = timeline_frame(result.timeline)
     run = dict(result.run)
-    summary = summarize(requests, sim_s=run.get("sim_s"), cache_stats=result.cache_stats, metrics=result.metrics)
+    summary = summarize(requests, sim_s=run.get("sim_s"), cache_stats=result.cache_stats, metrics=result.metrics,
+                        server_config=config.get("server_config"))
+    run["errors"] = error_breakdown(requests, _resolved(config.get("server_config"))) if summary["n_errors"] else []
     load = run.get("load") or {}
     for key in ("arrival_rps", "service_rps", "backlog_at_last_arrival", "saturated"):
         if key in load:                    # offered load vs served (open loop; see Simulation._load)

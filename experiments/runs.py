@@ -146,6 +146,9 @@ def format_summary(s: Mapping[str, Any]) -> str:
                  f"prompt-cache hit rate: {100 * s['prompt_cache_hit_rate']:.1f}%")
     lines.append(f"cache hits: {s['cache_hits']}  evictions: {s['evictions']}  context shifts: "
                  f"{s['context_shifts']}  deferrals: {s['deferrals']}")
+    if s.get("errors_by_kind"):
+        lines.append("errors by kind:")
+        lines.extend(f"  {text}" for text in s["errors_by_kind"].split(" | "))
     return "\n".join(lines)
 
 
