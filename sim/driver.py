@@ -129,6 +129,7 @@ class Simulation:
         # the tokens) and a deferred-queue order that declares it never reads them.
         self._lazy_prompts = (self._token_arrays and recorder is None
                               and getattr(self.core.policies.queue_order, "reads_deferred_prompts", True) is False)
+        self._fast_admission = backend is None and self.backend.fast_admission
         self._undrawn: deque[Task] = deque()         # lazy prompts not drawn yet, in arrival order (some drawn since)
         self._inbox: list[Task] = []
         self._wakeup: simpy.Event | None = None
@@ -395,12 +396,14 @@ class Simulation:
         if adm is None:
             return now
         gen = adm.gen
-        dec_pos = [len(s.tokens) for s in gen]
-        dec_seqs = [s.id for s in gen]
         latency = self.latency
         backend = self.backend
         chunks = [(s.id, pos0, take) for s, pos0, take in adm.chunks]
-        times = [latency.step_time_s(backend.admission_cost(adm.ops, dec_pos, dec_seqs, chunks))]
+        if self._fast_admission:                     # priced from Σ positions (bit-equal, no StepCost)
+            times = [backend.admission_time_s(adm.ops, len(gen), adm.gen_ctx, chunks)]
+        else:
+            times = [latency.step_time_s(backend.admission_cost(adm.ops, [len(s.tokens) for s in gen],
+                                                                [s.id for s in gen], chunks))]
         k = adm.k
         if k > 1:
             # after the first step: every decoding slot one token longer, a prompt chunk's slot at its end
@@ -408,10 +411,10 @@ class Simulation:
             q = adm.q
             if q is None and len(dec) == len(gen) + 1 and not backend.wants_layout:   # the common case
                 n = len(dec)
-                times += latency.decode_only_times_s(n, n + sum(dec_pos) + len(dec_pos) + chunks[-1][1]
+                times += latency.decode_only_times_s(n, n + adm.gen_ctx + len(gen) + chunks[-1][1]
                                                      + chunks[-1][2], k - 1)
                 return self._stretch(now, k, gen, times, None, adm)
-            ctx = {sid: c + 1 for sid, c in zip(dec_seqs, dec_pos)}
+            ctx = {s.id: len(s.tokens) + 1 for s in gen}
             for sid, pos0, take in chunks:
                 ctx[sid] = pos0 + take
             if q is not None:

@@ -53,14 +53,15 @@ class Admission:
     """A stretch `ServerCore.admission_horizon` found: its first step runs `chunks` ((slot, pos0, take) in
     prompt order, after the KV operations `ops`) with a decode token of each slot of `gen`; the slots of
     `done` finish their prompts in it and sample; the k - 1 steps after it decode every slot of `dec`
-    (gen and done, in slot order) and, when `q` is not None, add a chunk of `q_take` tokens of q's prompt."""
+    (gen and done, in slot order) and, when `q` is not None, add a chunk of `q_take` tokens of q's prompt.
+    `gen_ctx`: Σ len(tokens) over `gen` before the first step (its decode tokens' positions)."""
 
-    __slots__ = ("k", "gen", "chunks", "done", "dec", "q", "q_take", "ops")
+    __slots__ = ("k", "gen", "chunks", "done", "dec", "q", "q_take", "ops", "gen_ctx")
 
     def __init__(self, k: int, gen: list[Slot], chunks: list[tuple[Slot, int, int]], done: list[Slot],
-                 dec: list[Slot], q: Slot | None, q_take: int, ops: list) -> None:
-        self.k, self.gen, self.chunks, self.done, self.dec, self.q, self.q_take, self.ops = (
-            k, gen, chunks, done, dec, q, q_take, ops)
+                 dec: list[Slot], q: Slot | None, q_take: int, ops: list, gen_ctx: int = 0) -> None:
+        self.k, self.gen, self.chunks, self.done, self.dec, self.q, self.q_take, self.ops, self.gen_ctx = (
+            k, gen, chunks, done, dec, q, q_take, ops, gen_ctx)
 
 
 class ServerCore:
@@ -748,7 +749,9 @@ class ServerCore:
         if self._pending_fatal is not None or not self._n_busy:
             return None
         gen = []
+        busy = []                          # every busy slot, in slot order
         pending = 0
+        dec_ctx = 0                        # Σ len(tokens) of the generating slots
         k = 1 << 62                        # the bound of _decode_bound(gen), computed in the same pass
         for s in self.slots:
             st = s.state
@@ -756,7 +759,8 @@ class ServerCore:
                 continue
             t = s.task
             if st == GENERATING:
-                n = s.n_ctx - len(s.tokens) - 1
+                n_tok = len(s.tokens)
+                n = s.n_ctx - n_tok - 1
                 if t.text_hook is not None or n <= 0:
                     return None            # a text hook, or a context shift first
                 if n < k:
@@ -766,6 +770,7 @@ class ServerCore:
                     n = npm - len(t.generated)
                     if n < k:
                         k = n
+                dec_ctx += n_tok
                 gen.append(s)
             elif st == STARTED or st == PROCESSING_PROMPT:
                 if t.text_hook is not None or t.n_cmpl != 1 or t.id_parent != -1:
@@ -773,6 +778,7 @@ class ServerCore:
                 pending += 1
             else:
                 return None
+            busy.append(s)
         if not pending:
             return None
         bb = self.policies.batch_builder
@@ -829,7 +835,12 @@ class ServerCore:
                 return None
         # per-slot KV: the first step fits as is (fits_as_is: every slot within its n_ctx cells), since each
         # decoding slot has len + 1 < n_ctx (no shift due), a prompt ends at n < n_ctx, the others unchanged
-        dec = sorted([*gen, *done], key=_slot_id) if done else gen
+        if not done:
+            dec = gen
+        elif len(done) == pending:         # every busy slot decodes after the first step: all of them, in order
+            dec = busy
+        else:
+            dec = sorted([*gen, *done], key=_slot_id)
         n_dec1 = len(dec)
         q_take = 0
         if q is None:
@@ -853,7 +864,7 @@ class ServerCore:
                         k = min(k, 1 + (kv.capacity - i) // q_take)
         if k < 1:
             return None
-        return Admission(k, gen, chunks, done, dec, q, q_take, self._ops)
+        return Admission(k, gen, chunks, done, dec, q, q_take, self._ops, dec_ctx)
 
     def fast_forward(self, gen: list[Slot], tokens: dict[int, list[int]], end_times_s: list[float],
                      arrivals: dict[int, list[Task]] | None = None,
