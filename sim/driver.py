@@ -468,16 +468,15 @@ class Simulation:
             if self._arr_i == len(self._arrivals):   # deferred at once: all of them wait
                 self._backlog_at_last_arrival = (len(core.deferred) + len(core.queue)
                                                  + sum(len(v) for v in arrivals.values()))
-        tokens = {}
-        for s in (gen if admit is None else admit.dec):          # SimBackend.tokens_for, its common case inlined
-            task = s.task
-            reply = task.user.reply
-            n = len(task.generated)
-            tokens[s.id] = reply[n:n + kk] if n + kk <= len(reply) else SimBackend.tokens_for(task, kk)
         eog = self.config.eog_ids
-        if eog and self._reply_eog and any(tok in eog for toks in tokens.values() for tok in toks[:-1]):
-            self._arr_i -= sum(len(v) for v in arrivals.values())
-            return now                               # an EOS inside the stretch: step normally
+        if eog and self._reply_eog:
+            # replies that may hold an EOG id: look at the stretch's tokens first
+            tokens = {s.id: SimBackend.tokens_for(s.task, kk) for s in (gen if admit is None else admit.dec)}
+            if any(tok in eog for toks in tokens.values() for tok in toks[:-1]):
+                self._arr_i -= sum(len(v) for v in arrivals.values())
+                return now                           # an EOS inside the stretch: step normally
+        else:
+            tokens = SimBackend.tokens_for           # the core takes each slot's tokens as it extends the slot
         self._clock_ns = ends[-1]
         core.fast_forward(gen, tokens, [e / NS for e in ends], arrivals, prompt, admit, _s(now))
         self._n_steps += kk

@@ -22,7 +22,7 @@ Deliberate differences from upstream (also in docs/core.md):
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from operator import attrgetter
 from typing import Any
 
@@ -216,7 +216,7 @@ class ServerCore:
             for child_task, cs in zip(task.children, children):
                 self._launch(cs, child_task, now_s, WAIT_OTHER)
         self._launch(slot, task, now_s, STARTED)
-        if self.base.cache_idle_slots and self.cache is not None:
+        if self.base.cache_idle_slots and self.cache is not None and self._n_busy < len(self.slots):
             for s in self.slots:
                 if s.state:                         # not IDLE
                     continue
@@ -866,7 +866,8 @@ class ServerCore:
             return None
         return Admission(k, gen, chunks, done, dec, q, q_take, self._ops, dec_ctx)
 
-    def fast_forward(self, gen: list[Slot], tokens: dict[int, list[int]], end_times_s: list[float],
+    def fast_forward(self, gen: list[Slot], tokens: dict[int, list[int]] | Callable[[Task, int], Sequence[int]],
+                     end_times_s: list[float],
                      arrivals: dict[int, list[Task]] | None = None,
                      prompt: tuple[Slot, int] | None = None,
                      admit: Admission | None = None, t_start_s: float | None = None) -> list[TokenEvent]:
@@ -878,7 +879,8 @@ class ServerCore:
         start, with `gen` = admit.gen) the first step runs admit's prompt chunks with the decodes of `gen`
         (its leading KV operations already decided), and the steps after it decode admit.dec (and add
         admit.q's chunks). `tokens[slot]` holds the k tokens sampled for each decoding slot (admit.dec with
-        `admit`; no EOG before the last). The last step's commit runs the stop checks and releases, as
+        `admit`; no EOG before the last), or `tokens(task, k)` returns them. The last step's commit runs the
+        stop checks and releases, as
         `commit` would. `arrivals[j]`: tasks submitted at the start of step j; only allowed while every slot
         is busy, when `process_new_tasks` can do nothing but defer them (so they do not change the stretch).
         `t_start_s`: the first step's start (default: the last commit's time; with `admit`, the `now_s` of
@@ -930,9 +932,10 @@ class ServerCore:
         eog = self._eog
         ctx_stop = not self.base.ctx_shift
         stops = []                           # slots whose last token's stop checks may hold
+        by_id = type(tokens) is dict
         for s in gen:
             task = s.task
-            new = tokens[s.id]
+            new = tokens[s.id] if by_id else tokens(task, k)
             toks = s.tokens
             toks.append(s.sampled)
             toks.extend(new)
