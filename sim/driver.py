@@ -70,6 +70,10 @@ class SimResult:
     sessions_ended_early: list[str] = field(default_factory=list)
 
 
+_NS_TIMES = float(NS).__mul__   # t -> t * NS (a float times the int NS: the int converted, then multiplied)
+_NS_INTO = NS.__rtruediv__   # ns -> ns / NS
+
+
 def _s(ns: int) -> float:
     return ns / NS
 
@@ -298,7 +302,7 @@ class Simulation:
                 if env.peek() <= now:
                     yield Late(env)                 # let client events of this very instant run first
             now_s = _s(now)
-            if self._arr_i < len(self._arrivals):
+            if self._arr_i < len(self._arrivals) and self._arrivals[self._arr_i][0] <= now:
                 self._inbox.extend(self._take_arrivals(now))
                 if self._arr_i == len(self._arrivals):
                     self._backlog_at_last_arrival = len(core.deferred) + len(core.queue) + len(self._inbox)
@@ -441,8 +445,7 @@ class Simulation:
         t_arr = self._next_arrival_ns()
         # step durations in ns exactly as single steps round them (round-half-even, as Python's round)
         if k <= SMALL_STRETCH:
-            dts = [round(t * NS) for t in times]
-            ends = list(accumulate(dts, initial=now))
+            ends = list(accumulate(map(round, map(_NS_TIMES, times)), initial=now))   # round(t * NS) each
             starts = ends[:-1]                       # [k] start of each step
             del ends[0]                              # [k] end of each step
             kk = bisect_left(starts, t_client) if t_client < math.inf else k
@@ -478,7 +481,7 @@ class Simulation:
         else:
             tokens = SimBackend.tokens_for           # the core takes each slot's tokens as it extends the slot
         self._clock_ns = ends[-1]
-        core.fast_forward(gen, tokens, [e / NS for e in ends], arrivals, prompt, admit, _s(now))
+        core.fast_forward(gen, tokens, list(map(_NS_INTO, ends)), arrivals, prompt, admit, _s(now))
         self._n_steps += kk
         self._n_ff_steps += kk
         return ends[-1]

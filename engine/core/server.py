@@ -47,6 +47,7 @@ IDLE, STARTED, PROCESSING_PROMPT, DONE_PROMPT, GENERATING, WAIT_OTHER = (
 MSG_CTX_EXCEEDED = "Context size has been exceeded."
 _tuple_new = tuple.__new__      # builds a NamedTuple from a full field tuple without its Python-level __new__
 _slot_id = attrgetter("id")
+_tokens_of = attrgetter("tokens")
 
 
 class Admission:
@@ -575,7 +576,7 @@ class ServerCore:
                 continue                       # no stop condition can hold: skip the full check
             if self._process_token(s, task, tok):
                 self._release(s, now_s)
-        n_max = max([len(s.tokens) for s in slots])
+        n_max = max(map(len, map(_tokens_of, slots)))
         if n_max > m.n_tokens_max:
             m.n_tokens_max = n_max
         if self._pending_fatal is plan:
@@ -825,6 +826,8 @@ class ServerCore:
                     k = kp
             else:
                 q = s
+            if len(chunks) == pending:
+                break                      # every pending prompt has its chunk: the other slots have none
         if n_dec + n_prompt > n_batch:
             return None
         kv = self.kv
@@ -978,7 +981,7 @@ class ServerCore:
             task = s.task
             if self._process_token(s, task, s.sampled):
                 self._release(s, t_end)
-        n_max = max([len(s.tokens) for s in self.slots])
+        n_max = max(map(len, map(_tokens_of, self.slots)))
         if n_max > m.n_tokens_max:
             m.n_tokens_max = n_max
         events, self._events = self._events, []
