@@ -634,6 +634,46 @@ class ServerCore:
                     k = n
         return k
 
+    def _census(self) -> tuple[list[Slot], list[Slot], int, int, int] | None:
+        """One pass over the slots for the decode and admission stretches: (generating slots, busy slots (both
+        in slot order), prompts pending (STARTED or PROCESSING_PROMPT), k, Σ len(tokens) of the generating
+        slots), where k bounds the plain decode steps the generating slots can take as `_decode_bound` does.
+        None when a busy slot rules out any stretch: a text hook, a context shift due, a pending prompt of
+        an n_cmpl task, or another state (DONE_PROMPT, WAIT_OTHER)."""
+        gen = []
+        busy = []
+        pending = 0
+        gen_ctx = 0
+        k = 1 << 62                        # the bound of _decode_bound(gen), computed in the same pass
+        for s in self.slots:
+            st = s.state
+            if st == IDLE:
+                continue
+            t = s.task
+            if st == GENERATING:
+                # step j runs with len = n_left + j before it: see _decode_bound
+                n_tok = len(s.tokens)
+                n = s.n_ctx - n_tok - 1
+                if t.text_hook is not None or n <= 0:
+                    return None            # a text hook, or a context shift first
+                if n < k:
+                    k = n
+                npm = t.n_predict_max
+                if npm != -1:
+                    n = npm - len(t.generated)   # the stop lands in the last step's commit
+                    if n < k:
+                        k = n
+                gen_ctx += n_tok
+                gen.append(s)
+            elif st == STARTED or st == PROCESSING_PROMPT:
+                if t.text_hook is not None or t.n_cmpl != 1 or t.id_parent != -1:
+                    return None
+                pending += 1
+            else:
+                return None
+            busy.append(s)
+        return gen, busy, pending, k, gen_ctx
+
     def decode_horizon(self) -> tuple[int, list[Slot]]:
         """How many upcoming steps are certain to be plain decode steps: no queued task, no pending KV op,
         every busy slot GENERATING with no text hook, no context shift or KV-capacity event, and no stop
@@ -641,24 +681,10 @@ class ServerCore:
         it knows the tokens. Returns (k, generating slots); k = 0 when the next step must run normally."""
         if self._blocked():
             return 0, []
-        gen = []
-        k = 1 << 62                          # the bound of _decode_bound, computed in the same pass
-        for s in self.slots:
-            st = s.state
-            if st == IDLE:
-                continue
-            task = s.task
-            if st != GENERATING or task.text_hook is not None:
-                return 0, []
-            gen.append(s)
-            n = s.n_ctx - len(s.tokens) - 1
-            if n < k:
-                k = n
-            n_predict = task.n_predict_max
-            if n_predict != -1:
-                n = n_predict - len(task.generated)
-                if n < k:
-                    k = n
+        c = self._census()
+        if c is None or c[2]:                # a slot that blocks any stretch, or a prompt pending
+            return 0, []
+        gen, _, _, k, _ = c
         if not gen or len(gen) > self.cfg.n_batch:
             return 0, []
         if not self.policies.batch_builder.include_decodes(len(gen), 0):
@@ -749,37 +775,10 @@ class ServerCore:
             self._process_single_task(self.queue.popleft(), now_s)
         if self._pending_fatal is not None or not self._n_busy:
             return None
-        gen = []
-        busy = []                          # every busy slot, in slot order
-        pending = 0
-        dec_ctx = 0                        # Σ len(tokens) of the generating slots
-        k = 1 << 62                        # the bound of _decode_bound(gen), computed in the same pass
-        for s in self.slots:
-            st = s.state
-            if st == IDLE:
-                continue
-            t = s.task
-            if st == GENERATING:
-                n_tok = len(s.tokens)
-                n = s.n_ctx - n_tok - 1
-                if t.text_hook is not None or n <= 0:
-                    return None            # a text hook, or a context shift first
-                if n < k:
-                    k = n
-                npm = t.n_predict_max
-                if npm != -1:
-                    n = npm - len(t.generated)
-                    if n < k:
-                        k = n
-                dec_ctx += n_tok
-                gen.append(s)
-            elif st == STARTED or st == PROCESSING_PROMPT:
-                if t.text_hook is not None or t.n_cmpl != 1 or t.id_parent != -1:
-                    return None
-                pending += 1
-            else:
-                return None
-            busy.append(s)
+        c = self._census()
+        if c is None:
+            return None
+        gen, busy, pending, k, dec_ctx = c
         if not pending:
             return None
         bb = self.policies.batch_builder
