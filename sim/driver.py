@@ -70,10 +70,6 @@ class SimResult:
     sessions_ended_early: list[str] = field(default_factory=list)
 
 
-_NS_TIMES = float(NS).__mul__   # t -> t * NS (a float times the int NS: the int converted, then multiplied)
-_NS_INTO = NS.__rtruediv__   # ns -> ns / NS
-
-
 def _s(ns: int) -> float:
     return ns / NS
 
@@ -445,7 +441,7 @@ class Simulation:
         t_arr = self._next_arrival_ns()
         # step durations in ns exactly as single steps round them (round-half-even, as Python's round)
         if k <= SMALL_STRETCH:
-            ends = list(accumulate(map(round, map(_NS_TIMES, times)), initial=now))   # round(t * NS) each
+            ends = list(accumulate([round(t * NS) for t in times], initial=now))
             starts = ends[:-1]                       # [k] start of each step
             del ends[0]                              # [k] end of each step
             kk = bisect_left(starts, t_client) if t_client < math.inf else k
@@ -471,17 +467,18 @@ class Simulation:
             if self._arr_i == len(self._arrivals):   # deferred at once: all of them wait
                 self._backlog_at_last_arrival = (len(core.deferred) + len(core.queue)
                                                  + sum(len(v) for v in arrivals.values()))
+        tokens = {}
+        for s in (gen if admit is None else admit.dec):          # SimBackend.tokens_for, its common case inlined
+            task = s.task
+            reply = task.user.reply
+            n = len(task.generated)
+            tokens[s.id] = reply[n:n + kk] if n + kk <= len(reply) else SimBackend.tokens_for(task, kk)
         eog = self.config.eog_ids
-        if eog and self._reply_eog:
-            # replies that may hold an EOG id: look at the stretch's tokens first
-            tokens = {s.id: SimBackend.tokens_for(s.task, kk) for s in (gen if admit is None else admit.dec)}
-            if any(tok in eog for toks in tokens.values() for tok in toks[:-1]):
-                self._arr_i -= sum(len(v) for v in arrivals.values())
-                return now                           # an EOS inside the stretch: step normally
-        else:
-            tokens = SimBackend.tokens_for           # the core takes each slot's tokens as it extends the slot
+        if eog and self._reply_eog and any(tok in eog for toks in tokens.values() for tok in toks[:-1]):
+            self._arr_i -= sum(len(v) for v in arrivals.values())
+            return now                               # an EOS inside the stretch: step normally
         self._clock_ns = ends[-1]
-        core.fast_forward(gen, tokens, list(map(_NS_INTO, ends)), arrivals, prompt, admit, _s(now))
+        core.fast_forward(gen, tokens, [e / NS for e in ends], arrivals, prompt, admit, _s(now))
         self._n_steps += kk
         self._n_ff_steps += kk
         return ends[-1]

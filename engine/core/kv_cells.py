@@ -23,15 +23,11 @@ have side effects (which idle slot to clear, what a call emits) stay with the co
 from __future__ import annotations
 
 from collections import deque
-from operator import attrgetter
 from collections.abc import Sequence
 from typing import Protocol
 
 from engine.core.slot import Slot
 from engine.core.types import Chunk
-
-
-_tokens_of = attrgetter("tokens")
 
 
 class ViewSink(Protocol):
@@ -68,7 +64,7 @@ class KVCells:
 
     def used(self) -> int:
         """Cells in use: every slot's tokens, counting cells shared by seq_cp once."""
-        return sum(map(len, map(_tokens_of, self.slots))) - self.n_shared()
+        return sum([len(s.tokens) for s in self.slots]) - self.n_shared()
 
     def room_to_restore(self, slot: Slot) -> int:
         """Unified KV: cells a prompt-cache entry restored into `slot` may take (restoring first drops the
@@ -101,7 +97,7 @@ class KVCells:
     # --- one batch ------------------------------------------------------------------------------------------
     def fits_as_is(self) -> bool:
         """The batch already appended to the slots' tokens fits in one call."""
-        lens = map(len, map(_tokens_of, self.slots))
+        lens = [len(s.tokens) for s in self.slots]
         return (sum(lens) - self.n_shared() if self.unified else max(lens)) <= self.capacity
 
     def split(self, chunks: list[Chunk], added: list[int], n_batch_max: int, sink: ViewSink) -> tuple[bool, int]:

@@ -22,7 +22,7 @@ Deliberate differences from upstream (also in docs/core.md):
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from operator import attrgetter
 from typing import Any
 
@@ -47,7 +47,6 @@ IDLE, STARTED, PROCESSING_PROMPT, DONE_PROMPT, GENERATING, WAIT_OTHER = (
 MSG_CTX_EXCEEDED = "Context size has been exceeded."
 _tuple_new = tuple.__new__      # builds a NamedTuple from a full field tuple without its Python-level __new__
 _slot_id = attrgetter("id")
-_tokens_of = attrgetter("tokens")
 
 
 class Admission:
@@ -576,7 +575,7 @@ class ServerCore:
                 continue                       # no stop condition can hold: skip the full check
             if self._process_token(s, task, tok):
                 self._release(s, now_s)
-        n_max = max(map(len, map(_tokens_of, slots)))
+        n_max = max([len(s.tokens) for s in slots])
         if n_max > m.n_tokens_max:
             m.n_tokens_max = n_max
         if self._pending_fatal is plan:
@@ -868,8 +867,7 @@ class ServerCore:
             return None
         return Admission(k, gen, chunks, done, dec, q, q_take, self._ops, dec_ctx)
 
-    def fast_forward(self, gen: list[Slot], tokens: dict[int, list[int]] | Callable[[Task, int], Sequence[int]],
-                     end_times_s: list[float],
+    def fast_forward(self, gen: list[Slot], tokens: dict[int, list[int]], end_times_s: list[float],
                      arrivals: dict[int, list[Task]] | None = None,
                      prompt: tuple[Slot, int] | None = None,
                      admit: Admission | None = None, t_start_s: float | None = None) -> list[TokenEvent]:
@@ -881,8 +879,7 @@ class ServerCore:
         start, with `gen` = admit.gen) the first step runs admit's prompt chunks with the decodes of `gen`
         (its leading KV operations already decided), and the steps after it decode admit.dec (and add
         admit.q's chunks). `tokens[slot]` holds the k tokens sampled for each decoding slot (admit.dec with
-        `admit`; no EOG before the last), or `tokens(task, k)` returns them. The last step's commit runs the
-        stop checks and releases, as
+        `admit`; no EOG before the last). The last step's commit runs the stop checks and releases, as
         `commit` would. `arrivals[j]`: tasks submitted at the start of step j; only allowed while every slot
         is busy, when `process_new_tasks` can do nothing but defer them (so they do not change the stretch).
         `t_start_s`: the first step's start (default: the last commit's time; with `admit`, the `now_s` of
@@ -934,10 +931,9 @@ class ServerCore:
         eog = self._eog
         ctx_stop = not self.base.ctx_shift
         stops = []                           # slots whose last token's stop checks may hold
-        by_id = type(tokens) is dict
         for s in gen:
             task = s.task
-            new = tokens[s.id] if by_id else tokens(task, k)
+            new = tokens[s.id]
             toks = s.tokens
             toks.append(s.sampled)
             toks.extend(new)
@@ -980,7 +976,7 @@ class ServerCore:
             task = s.task
             if self._process_token(s, task, s.sampled):
                 self._release(s, t_end)
-        n_max = max(map(len, map(_tokens_of, self.slots)))
+        n_max = max([len(s.tokens) for s in self.slots])
         if n_max > m.n_tokens_max:
             m.n_tokens_max = n_max
         events, self._events = self._events, []
