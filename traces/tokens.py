@@ -273,7 +273,8 @@ class PromptMaterializer:
         (s + j + 1) * golden + (key - s * golden) modulo 2**64: the position table read at the batch offset
         plus one per-prompt constant, so no per-token index arithmetic is needed."""
         ns = np.array([r.n_prompt for _, r in plain], dtype=np.int64)
-        keys = _as_u64(tuple(extend_key(self._unique_key, r.index) for _, r in plain))
+        # extend_key(unique_key, index) of every request at once (uint64 arithmetic wraps as extend_key masks)
+        keys = _mix64_np((np.uint64(self._unique_key) ^ _as_u64(tuple([r.index for _, r in plain]))) + _UGOLDEN)
         ends = np.cumsum(ns)
         total = int(ends[-1])
         starts = (ends - ns).view(np.uint64)
