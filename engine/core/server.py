@@ -633,14 +633,13 @@ class ServerCore:
                     k = n
         return k
 
-    def _census(self) -> tuple[list[Slot], list[Slot], int, int, int] | None:
-        """One pass over the slots for the decode and admission stretches: (generating slots, busy slots (both
-        in slot order), prompts pending (STARTED or PROCESSING_PROMPT), k, Σ len(tokens) of the generating
-        slots), where k bounds the plain decode steps the generating slots can take as `_decode_bound` does.
+    def _census(self) -> tuple[list[Slot], int, int, int] | None:
+        """One pass over the slots for the decode and admission stretches: (generating slots in slot order,
+        prompts pending (STARTED or PROCESSING_PROMPT), k, Σ len(tokens) of the generating slots), where k
+        bounds the plain decode steps the generating slots can take as `_decode_bound` does.
         None when a busy slot rules out any stretch: a text hook, a context shift due, a pending prompt of
         an n_cmpl task, or another state (DONE_PROMPT, WAIT_OTHER)."""
         gen = []
-        busy = []
         pending = 0
         gen_ctx = 0
         k = 1 << 62                        # the bound of _decode_bound(gen), computed in the same pass
@@ -670,8 +669,7 @@ class ServerCore:
                 pending += 1
             else:
                 return None
-            busy.append(s)
-        return gen, busy, pending, k, gen_ctx
+        return gen, pending, k, gen_ctx
 
     def decode_horizon(self) -> tuple[int, list[Slot]]:
         """How many upcoming steps are certain to be plain decode steps: no queued task, no pending KV op,
@@ -681,9 +679,9 @@ class ServerCore:
         if self._blocked():
             return 0, []
         c = self._census()
-        if c is None or c[2]:                # a slot that blocks any stretch, or a prompt pending
+        if c is None or c[1]:                # a slot that blocks any stretch, or a prompt pending
             return 0, []
-        gen, _, _, k, _ = c
+        gen, _, k, _ = c
         if not gen or len(gen) > self.cfg.n_batch:
             return 0, []
         if not self.policies.batch_builder.include_decodes(len(gen), 0):
@@ -777,7 +775,7 @@ class ServerCore:
         c = self._census()
         if c is None:
             return None
-        gen, busy, pending, k, dec_ctx = c
+        gen, pending, k, dec_ctx = c
         if not pending:
             return None
         bb = self.policies.batch_builder
@@ -839,7 +837,7 @@ class ServerCore:
         if not done:
             dec = gen
         elif len(done) == pending:         # every busy slot decodes after the first step: all of them, in order
-            dec = busy
+            dec = [s for s in self.slots if s.state]
         else:
             dec = sorted([*gen, *done], key=_slot_id)
         n_dec1 = len(dec)
