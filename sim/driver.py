@@ -529,7 +529,9 @@ class Simulation:
         self._timeline.append({
             "t_s": _s(now_ns), "busy_slots": core.n_processing, "deferred": len(core.deferred),
             "queued": len(core.queue) + len(self._inbox),
-            "cache_bytes": cache.size_bytes() if cache else 0, "cache_entries": len(cache) if cache else 0,
+            # (an empty cache holds 0 bytes; `if cache` would call PromptCache.__len__ twice)
+            "cache_bytes": cache.size_bytes() if cache is not None else 0,
+            "cache_entries": len(cache.entries) if cache is not None else 0,
             "cum_prompt_cached": m.n_prompt_tokens_cached_total,
             "cum_prompt_processed": m.n_prompt_tokens_processed_total,
         })
