@@ -38,12 +38,19 @@ class LcpLru:
         reason = "id_slot"
         update_cache = False
         f_sim_best = 0.0
+        lru = None                       # _lru(slots), found in the same pass when similarity matching is on
         if similarity != 0.0:
             tokens = task.tokens
             n = len(tokens)
             id_slot = task.id_slot
+            t_last = -1.0
             for s in slots:
-                if s.state or not s.tokens:                      # processing (IDLE is 0) or empty
+                if s.state:                                      # processing (IDLE is 0)
+                    continue
+                if lru is None or s.t_last_used_s <= t_last:     # as _lru: ties go to the last idle slot
+                    t_last = s.t_last_used_s
+                    lru = s
+                if not s.tokens:
                     continue
                 if id_slot != -1 and s.id != id_slot:            # raw id, as upstream
                     continue
@@ -56,7 +63,7 @@ class LcpLru:
                 f_keep = f_sim_best * n / len(ret.tokens) if ret.tokens else 0.0
                 update_cache = f_keep < 0.5
         if ret is None:
-            ret = _lru(slots)
+            ret = lru if similarity != 0.0 else _lru(slots)
             if ret is None:
                 return None
             reason, update_cache = "lru", True

@@ -102,23 +102,9 @@ class SimBackend:
         each slot of `decode_seqs` (context lengths `decode_pos`, in that order) followed by the prompt chunks
         `prompts` ((seq, pos0, n_tokens >= 1), in order): `ServerCore.admission_horizon`'s first step,
         priced without building its chunks."""
-        copy_tokens = shift_tokens = save_tokens = 0
-        for p in ops:
-            k = p.kind
-            if k == "cache_save":
-                copy_tokens += p.n_tokens
-                save_tokens += p.n_tokens
-            elif k == "cache_load":
-                copy_tokens += p.n_tokens
-            elif k == "seq_add":
-                shift_tokens += max(0, p.p1 - p.p0)
+        copy_tokens, shift_tokens, save_tokens = _op_tokens(ops)
         n_dec = len(decode_pos)
-        attn = kv_read = sum(decode_pos) + n_dec       # a decode token at pos0 attends (and reads) pos0 + 1 cells
-        n_prefill = 0
-        for _seq, pos0, n in prompts:
-            n_prefill += n
-            attn += n * pos0 + n * (n + 1) // 2
-            kv_read += pos0 + n
+        n_prefill, attn, kv_read = _admission_counts(sum(decode_pos) + n_dec, prompts)
         bpt = self.kv_bytes_per_token
         n_seqs = n_dec + len(prompts)
         if self.wants_layout:
@@ -126,6 +112,20 @@ class SimBackend:
             return StepCost(n_prefill, n_dec, n_seqs, attn, 1, copy_tokens * bpt, shift_tokens, kv_read, (call,),
                             save_tokens * bpt)
         return StepCost(n_prefill, n_dec, n_seqs, attn, 1, copy_tokens * bpt, shift_tokens, kv_read)
+
+    def admission_time_s(self, ops, n_decode: int, decode_ctx: int, prompts: list[tuple[int, int, int]]) -> float:
+        """`latency.step_time_s(admission_cost(ops, decode_pos, ..., prompts))` from the decode count and
+        Σ decode_pos (`decode_ctx`) alone: bit-equal through the model's `one_call_step_time_s` (same terms,
+        same order). Only for a model without the layout and with that method (`fast_admission`)."""
+        copy_tokens, shift_tokens, _ = _op_tokens(ops)
+        n_prefill, attn, kv_read = _admission_counts(decode_ctx + n_decode, prompts)
+        return self._one_call_step_time_s(n_prefill, n_decode, attn, kv_read, copy_tokens * self.kv_bytes_per_token,
+                                          shift_tokens)
+
+    @property
+    def fast_admission(self) -> bool:
+        """`admission_time_s` can price an admission step (no layout; the model has `one_call_step_time_s`)."""
+        return self._one_call_step_time_s is not None
 
     def execute(self, plan: BatchPlan) -> StepResult:
         tasks = plan.tasks
@@ -202,3 +202,31 @@ class SimBackend:
         if n + k <= len(reply):
             return reply[n:n + k]
         return [reply[(n + i) % len(reply)] for i in range(k)]
+
+
+def _op_tokens(ops) -> tuple[int, int, int]:
+    """Tokens copied to/from the RAM cache, re-rotated by shifts, and saved (the first two as `cost()` counts
+    them) by the KV operations `ops`."""
+    copy_tokens = shift_tokens = save_tokens = 0
+    for p in ops:
+        k = p.kind
+        if k == "cache_save":
+            copy_tokens += p.n_tokens
+            save_tokens += p.n_tokens
+        elif k == "cache_load":
+            copy_tokens += p.n_tokens
+        elif k == "seq_add":
+            shift_tokens += max(0, p.p1 - p.p0)
+    return copy_tokens, shift_tokens, save_tokens
+
+
+def _admission_counts(dec: int, prompts) -> tuple[int, int, int]:
+    """(n_prefill, attn_ctx, kv_read) of one call: decode tokens attending `dec` cells in all (Σ pos0 + 1),
+    then the prompt chunks (seq, pos0, n)."""
+    attn = kv_read = dec
+    n_prefill = 0
+    for _seq, pos0, n in prompts:
+        n_prefill += n
+        attn += n * pos0 + n * (n + 1) // 2
+        kv_read += pos0 + n
+    return n_prefill, attn, kv_read

@@ -129,6 +129,7 @@ class Simulation:
         # the tokens) and a deferred-queue order that declares it never reads them.
         self._lazy_prompts = (self._token_arrays and recorder is None
                               and getattr(self.core.policies.queue_order, "reads_deferred_prompts", True) is False)
+        self._fast_admission = backend is None and self.backend.fast_admission
         self._undrawn: deque[Task] = deque()         # lazy prompts not drawn yet, in arrival order (some drawn since)
         self._inbox: list[Task] = []
         self._wakeup: simpy.Event | None = None
@@ -297,7 +298,7 @@ class Simulation:
                 if env.peek() <= now:
                     yield Late(env)                 # let client events of this very instant run first
             now_s = _s(now)
-            if self._arr_i < len(self._arrivals):
+            if self._arr_i < len(self._arrivals) and self._arrivals[self._arr_i][0] <= now:
                 self._inbox.extend(self._take_arrivals(now))
                 if self._arr_i == len(self._arrivals):
                     self._backlog_at_last_arrival = len(core.deferred) + len(core.queue) + len(self._inbox)
@@ -395,12 +396,14 @@ class Simulation:
         if adm is None:
             return now
         gen = adm.gen
-        dec_pos = [len(s.tokens) for s in gen]
-        dec_seqs = [s.id for s in gen]
         latency = self.latency
         backend = self.backend
         chunks = [(s.id, pos0, take) for s, pos0, take in adm.chunks]
-        times = [latency.step_time_s(backend.admission_cost(adm.ops, dec_pos, dec_seqs, chunks))]
+        if self._fast_admission:                     # priced from Σ positions (bit-equal, no StepCost)
+            times = [backend.admission_time_s(adm.ops, len(gen), adm.gen_ctx, chunks)]
+        else:
+            times = [latency.step_time_s(backend.admission_cost(adm.ops, [len(s.tokens) for s in gen],
+                                                                [s.id for s in gen], chunks))]
         k = adm.k
         if k > 1:
             # after the first step: every decoding slot one token longer, a prompt chunk's slot at its end
@@ -408,10 +411,10 @@ class Simulation:
             q = adm.q
             if q is None and len(dec) == len(gen) + 1 and not backend.wants_layout:   # the common case
                 n = len(dec)
-                times += latency.decode_only_times_s(n, n + sum(dec_pos) + len(dec_pos) + chunks[-1][1]
+                times += latency.decode_only_times_s(n, n + adm.gen_ctx + len(gen) + chunks[-1][1]
                                                      + chunks[-1][2], k - 1)
                 return self._stretch(now, k, gen, times, None, adm)
-            ctx = {sid: c + 1 for sid, c in zip(dec_seqs, dec_pos)}
+            ctx = {s.id: len(s.tokens) + 1 for s in gen}
             for sid, pos0, take in chunks:
                 ctx[sid] = pos0 + take
             if q is not None:
@@ -438,8 +441,7 @@ class Simulation:
         t_arr = self._next_arrival_ns()
         # step durations in ns exactly as single steps round them (round-half-even, as Python's round)
         if k <= SMALL_STRETCH:
-            dts = [round(t * NS) for t in times]
-            ends = list(accumulate(dts, initial=now))
+            ends = list(accumulate([round(t * NS) for t in times], initial=now))
             starts = ends[:-1]                       # [k] start of each step
             del ends[0]                              # [k] end of each step
             kk = bisect_left(starts, t_client) if t_client < math.inf else k
@@ -527,7 +529,9 @@ class Simulation:
         self._timeline.append({
             "t_s": _s(now_ns), "busy_slots": core.n_processing, "deferred": len(core.deferred),
             "queued": len(core.queue) + len(self._inbox),
-            "cache_bytes": cache.size_bytes() if cache else 0, "cache_entries": len(cache) if cache else 0,
+            # (an empty cache holds 0 bytes; `if cache` would call PromptCache.__len__ twice)
+            "cache_bytes": cache.size_bytes() if cache is not None else 0,
+            "cache_entries": len(cache.entries) if cache is not None else 0,
             "cum_prompt_cached": m.n_prompt_tokens_cached_total,
             "cum_prompt_processed": m.n_prompt_tokens_processed_total,
         })

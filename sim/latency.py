@@ -266,18 +266,19 @@ class ParametricLatency:
             + self.g_call_s * max(1 - 1, 0)
         )
 
-    def one_call_step_time_s(self, n_prefill: int, n_decode: int, attn_ctx: int, kv_read: int) -> float:
-        """`step_time_s` of a one-call step with no KV copies or shifts and a counted kv_read (a prefill
-        stretch's step, `SimBackend.prefill_stretch_costs`) without building the StepCost: the same terms
-        in the same order, so the result is bit-equal."""
+    def one_call_step_time_s(self, n_prefill: int, n_decode: int, attn_ctx: int, kv_read: int,
+                             copy_bytes: int = 0, shift_tokens: int = 0) -> float:
+        """`step_time_s` of a one-call step with a counted kv_read (a prefill stretch's step,
+        `SimBackend.prefill_stretch_costs`, or an admission stretch's first step with its KV copies and
+        shifts) without building the StepCost: the same terms in the same order, so the result is bit-equal."""
         return (
             self.a_s
             + self.b_prefill_s * n_prefill
             + self.c_decode_s * n_decode
             + self.d_attn_s * attn_ctx
             + self.h_kv_read_s * float(kv_read)
-            + self.e_copy_s_per_byte * 0
-            + self.f_shift_s_per_token * 0
+            + self.e_copy_s_per_byte * copy_bytes
+            + self.f_shift_s_per_token * shift_tokens
             + self.g_call_s * max(1 - 1, 0)
         )
 

@@ -162,10 +162,20 @@ class PromptMaterializer:
         _remainder_inplace(z, self._u_allowed)
         return self._id_table().take(z.view(np.int64)).tolist()                  # [n] allowed ids
 
+    DRAW_CHUNK = 1 << 15           # counters mixed per numpy pass: 256 KB of uint64, so the ~12 passes stay in cache
+
     def _draw_array(self, z: np.ndarray) -> array:
-        """`_draw` into an array('i'): the ids go from numpy to the array in one copy."""
+        """`_draw` into an array('i'): the ids go from numpy to the array in one copy. Long counter arrays are
+        drawn DRAW_CHUNK at a time (each token is a function of its own counter only, so the ids are the same;
+        a pass over 2M counters that spill the cache costs ~6x more per token than over 32k)."""
         if self.space.vocab_size > 2 ** 31:
             raise ValueError(f"TokenSpace: vocab_size {self.space.vocab_size} does not fit array('i') token ids")
+        n = len(z)
+        if n > self.DRAW_CHUNK:
+            out = token_array()
+            for i in range(0, n, self.DRAW_CHUNK):
+                out += self._draw_array(z[i:i + self.DRAW_CHUNK])     # (a view: mixed in place, as z is)
+            return out
         _mix64_np_inplace(z)
         _remainder_inplace(z, self._u_allowed)
         idx = z.view(np.int64)
@@ -225,11 +235,18 @@ class PromptMaterializer:
         per-call overhead, paid once instead of per request, is most of the cost of a short prompt)."""
         out: list = [None] * len(reqs)
         plain = []                                   # (position in out, request) of length-only requests
+        blocked: dict[int, list] = {}                # block size -> (position in out, request) of block prompts
         for i, r in enumerate(reqs):
-            if r.prompt_tokens is None and (not r.block_hashes or r.block_size <= 0) and r.n_prompt > 0:
+            if r.prompt_tokens is not None:
+                out[i] = self.prompt_array(r)
+            elif r.block_hashes and r.block_size > 0:
+                blocked.setdefault(r.block_size, []).append((i, r))
+            elif r.n_prompt > 0:
                 plain.append((i, r))
             else:
                 out[i] = self.prompt_array(r)
+        for group in blocked.values():
+            self._block_prompts(group, out)
         if len(plain) == 1:
             i, r = plain[0]
             out[i] = self.prompt_array(r)
@@ -256,7 +273,8 @@ class PromptMaterializer:
         (s + j + 1) * golden + (key - s * golden) modulo 2**64: the position table read at the batch offset
         plus one per-prompt constant, so no per-token index arithmetic is needed."""
         ns = np.array([r.n_prompt for _, r in plain], dtype=np.int64)
-        keys = _as_u64(tuple(extend_key(self._unique_key, r.index) for _, r in plain))
+        # extend_key(unique_key, index) of every request at once (uint64 arithmetic wraps as extend_key masks)
+        keys = _mix64_np((np.uint64(self._unique_key) ^ _as_u64(tuple([r.index for _, r in plain]))) + _UGOLDEN)
         ends = np.cumsum(ns)
         total = int(ends[-1])
         starts = (ends - ns).view(np.uint64)
@@ -269,22 +287,20 @@ class PromptMaterializer:
 
     def _prompt(self, req: TraceRequest, as_array: bool):
         n = req.n_prompt
-        unique_key = extend_key(self._unique_key, req.index)    # = stream_key(seed, DOMAIN_UNIQUE, index)
-        tokens, draw = (self.tokens_array, self._draw_array) if as_array else (self.tokens, self._draw)
         if not req.block_hashes or req.block_size <= 0:
-            return tokens(unique_key, n)
+            unique_key = extend_key(self._unique_key, req.index)    # = stream_key(seed, DOMAIN_UNIQUE, index)
+            return (self.tokens_array if as_array else self.tokens)(unique_key, n)
+        if as_array:
+            out = [None]
+            self._block_prompts([(0, req)], out)
+            return out[0]
         bs = req.block_size
         n_blocks = min(len(req.block_hashes), -(-n // bs))
         n_hashed = min(n, n_blocks * bs)
         hashes = req.block_hashes[:n_blocks]
-        if as_array:
-            if bs != self._block_size_array:
-                self._blocks_array, self._block_size_array = {}, bs
-            cache = self._blocks_array
-        else:
-            if bs != self._block_size:
-                self._blocks, self._block_size = {}, bs
-            cache = self._blocks
+        if bs != self._block_size:
+            self._blocks, self._block_size = {}, bs
+        cache = self._blocks
         got = {}
         missing = []
         for h in dict.fromkeys(hashes):
@@ -294,35 +310,74 @@ class PromptMaterializer:
             else:
                 got[h] = cache[h] = blk                                           # re-inserted: most recent
         if missing:
-            # equal hashes repeat across requests (prefix sharing): draw each new block once, all in one go
-            block_keys = _mix64_np(((np.uint64(self._block_key) ^ _as_u64(tuple(missing))) + _UGOLDEN))
-            # counter of (block, position) = block key + (position + 1) * golden, as a [n_missing, bs] grid
-            z = (block_keys[:, None] + self._pos(bs)[None, :bs]).ravel()         # [n_missing * bs]
-            flat = draw(z)
-            if len(cache) * bs > (self.BLOCK_CACHE_TOKENS_ARRAY if as_array else self.BLOCK_CACHE_TOKENS):
-                for h in list(cache)[: len(cache) // 2]:                          # drop the least recent half
-                    del cache[h]
-            for i, h in enumerate(missing):
-                got[h] = cache[h] = flat[i * bs:(i + 1) * bs]
-        if as_array:
-            # the blocks (the last one cut: no tail to delete afterwards) and the unique tail
-            parts = [got[h] for h in hashes]
-            cut = n_hashed - (n_blocks - 1) * bs
-            if parts and cut < bs:
-                parts[-1] = parts[-1][:cut]
-            if n_hashed < n:
-                parts.append(tokens(unique_key, n - n_hashed, start=n_hashed))
-            out = token_array()
-            for p in parts:
-                out += p
-            return out
+            self._draw_blocks(missing, bs, cache, got, False)
         out = []
         for h in hashes:
             out += got[h]
         del out[n_hashed:]
         if n_hashed < n:
-            out += tokens(unique_key, n - n_hashed, start=n_hashed)
+            out += self.tokens(extend_key(self._unique_key, req.index), n - n_hashed, start=n_hashed)
         return out
+
+    def _draw_blocks(self, missing: list[int], bs: int, cache: dict, got: dict, as_array: bool) -> None:
+        """Draw the blocks `missing` (distinct hashes) of size bs into `got` and the block cache `cache` (its least
+        recent half dropped first when it is over its size)."""
+        # equal hashes repeat across requests (prefix sharing): draw each new block once, all in one go
+        block_keys = _mix64_np(((np.uint64(self._block_key) ^ _as_u64(tuple(missing))) + _UGOLDEN))
+        if len(cache) * bs > (self.BLOCK_CACHE_TOKENS_ARRAY if as_array else self.BLOCK_CACHE_TOKENS):
+            for h in list(cache)[: len(cache) // 2]:                              # drop the least recent half
+                del cache[h]
+        pos = self._pos(bs)[None, :bs]
+        draw = self._draw_array if as_array else self._draw
+        # groups of blocks of about DRAW_CHUNK tokens (the counters of a group stay in cache)
+        g = max(1, self.DRAW_CHUNK // bs) if as_array else len(missing)
+        for g0 in range(0, len(missing), g):
+            # counter of (block, position) = block key + (position + 1) * golden, as a [n_blocks, bs] grid
+            flat = draw((block_keys[g0:g0 + g, None] + pos).ravel())            # [n_blocks * bs]
+            for i, h in enumerate(missing[g0:g0 + g]):
+                got[h] = cache[h] = flat[i * bs:(i + 1) * bs]
+
+    def _block_prompts(self, group: list, out: list) -> None:
+        """Block-hash prompts (position in out, request; one block size) as arrays, into `out`. The blocks that
+        none of them finds in the block cache are drawn together (numpy's per-call overhead, ~30 calls for a
+        prompt's new blocks, is then paid once per group); the blocks cover each prompt in order, the last one
+        cut at `n_prompt`, and the rest comes from the request's unique stream (seed, index)."""
+        bs = group[0][1].block_size
+        if bs != self._block_size_array:
+            self._blocks_array, self._block_size_array = {}, bs
+        cache = self._blocks_array
+        got: dict = {}                   # hash -> its block, for every block of the group
+        missing = []
+        todo = []
+        for i, r in group:
+            n = r.n_prompt
+            n_blocks = min(len(r.block_hashes), -(-n // bs))
+            hashes = r.block_hashes[:n_blocks]
+            todo.append((i, r, n, n_blocks, hashes))
+            for h in hashes:
+                if h in got:
+                    continue
+                blk = cache.pop(h, None)
+                if blk is None:
+                    got[h] = None
+                    missing.append(h)
+                else:
+                    got[h] = cache[h] = blk                                       # re-inserted: most recent
+        if missing:
+            self._draw_blocks(missing, bs, cache, got, True)
+        for i, r, n, n_blocks, hashes in todo:
+            # the blocks (the last one cut: no tail to delete afterwards) and the unique tail
+            parts = [got[h] for h in hashes]
+            n_hashed = min(n, n_blocks * bs)
+            cut = n_hashed - (n_blocks - 1) * bs
+            if parts and cut < bs:
+                parts[-1] = parts[-1][:cut]
+            if n_hashed < n:
+                parts.append(self.tokens_array(extend_key(self._unique_key, r.index), n - n_hashed, start=n_hashed))
+            a = token_array()
+            for p in parts:
+                a += p
+            out[i] = a
 
 
 def materialize_prompt(req: TraceRequest, space: TokenSpace, seed: int) -> list[int]:

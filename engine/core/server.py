@@ -53,14 +53,15 @@ class Admission:
     """A stretch `ServerCore.admission_horizon` found: its first step runs `chunks` ((slot, pos0, take) in
     prompt order, after the KV operations `ops`) with a decode token of each slot of `gen`; the slots of
     `done` finish their prompts in it and sample; the k - 1 steps after it decode every slot of `dec`
-    (gen and done, in slot order) and, when `q` is not None, add a chunk of `q_take` tokens of q's prompt."""
+    (gen and done, in slot order) and, when `q` is not None, add a chunk of `q_take` tokens of q's prompt.
+    `gen_ctx`: Σ len(tokens) over `gen` before the first step (its decode tokens' positions)."""
 
-    __slots__ = ("k", "gen", "chunks", "done", "dec", "q", "q_take", "ops")
+    __slots__ = ("k", "gen", "chunks", "done", "dec", "q", "q_take", "ops", "gen_ctx")
 
     def __init__(self, k: int, gen: list[Slot], chunks: list[tuple[Slot, int, int]], done: list[Slot],
-                 dec: list[Slot], q: Slot | None, q_take: int, ops: list) -> None:
-        self.k, self.gen, self.chunks, self.done, self.dec, self.q, self.q_take, self.ops = (
-            k, gen, chunks, done, dec, q, q_take, ops)
+                 dec: list[Slot], q: Slot | None, q_take: int, ops: list, gen_ctx: int = 0) -> None:
+        self.k, self.gen, self.chunks, self.done, self.dec, self.q, self.q_take, self.ops, self.gen_ctx = (
+            k, gen, chunks, done, dec, q, q_take, ops, gen_ctx)
 
 
 class ServerCore:
@@ -215,7 +216,7 @@ class ServerCore:
             for child_task, cs in zip(task.children, children):
                 self._launch(cs, child_task, now_s, WAIT_OTHER)
         self._launch(slot, task, now_s, STARTED)
-        if self.base.cache_idle_slots and self.cache is not None:
+        if self.base.cache_idle_slots and self.cache is not None and self._n_busy < len(self.slots):
             for s in self.slots:
                 if s.state:                         # not IDLE
                     continue
@@ -632,6 +633,44 @@ class ServerCore:
                     k = n
         return k
 
+    def _census(self) -> tuple[list[Slot], int, int, int] | None:
+        """One pass over the slots for the decode and admission stretches: (generating slots in slot order,
+        prompts pending (STARTED or PROCESSING_PROMPT), k, Σ len(tokens) of the generating slots), where k
+        bounds the plain decode steps the generating slots can take as `_decode_bound` does.
+        None when a busy slot rules out any stretch: a text hook, a context shift due, a pending prompt of
+        an n_cmpl task, or another state (DONE_PROMPT, WAIT_OTHER)."""
+        gen = []
+        pending = 0
+        gen_ctx = 0
+        k = 1 << 62                        # the bound of _decode_bound(gen), computed in the same pass
+        for s in self.slots:
+            st = s.state
+            if st == IDLE:
+                continue
+            t = s.task
+            if st == GENERATING:
+                # step j runs with len = n_left + j before it: see _decode_bound
+                n_tok = len(s.tokens)
+                n = s.n_ctx - n_tok - 1
+                if t.text_hook is not None or n <= 0:
+                    return None            # a text hook, or a context shift first
+                if n < k:
+                    k = n
+                npm = t.n_predict_max
+                if npm != -1:
+                    n = npm - len(t.generated)   # the stop lands in the last step's commit
+                    if n < k:
+                        k = n
+                gen_ctx += n_tok
+                gen.append(s)
+            elif st == STARTED or st == PROCESSING_PROMPT:
+                if t.text_hook is not None or t.n_cmpl != 1 or t.id_parent != -1:
+                    return None
+                pending += 1
+            else:
+                return None
+        return gen, pending, k, gen_ctx
+
     def decode_horizon(self) -> tuple[int, list[Slot]]:
         """How many upcoming steps are certain to be plain decode steps: no queued task, no pending KV op,
         every busy slot GENERATING with no text hook, no context shift or KV-capacity event, and no stop
@@ -639,24 +678,10 @@ class ServerCore:
         it knows the tokens. Returns (k, generating slots); k = 0 when the next step must run normally."""
         if self._blocked():
             return 0, []
-        gen = []
-        k = 1 << 62                          # the bound of _decode_bound, computed in the same pass
-        for s in self.slots:
-            st = s.state
-            if st == IDLE:
-                continue
-            task = s.task
-            if st != GENERATING or task.text_hook is not None:
-                return 0, []
-            gen.append(s)
-            n = s.n_ctx - len(s.tokens) - 1
-            if n < k:
-                k = n
-            n_predict = task.n_predict_max
-            if n_predict != -1:
-                n = n_predict - len(task.generated)
-                if n < k:
-                    k = n
+        c = self._census()
+        if c is None or c[1]:                # a slot that blocks any stretch, or a prompt pending
+            return 0, []
+        gen, _, k, _ = c
         if not gen or len(gen) > self.cfg.n_batch:
             return 0, []
         if not self.policies.batch_builder.include_decodes(len(gen), 0):
@@ -747,32 +772,10 @@ class ServerCore:
             self._process_single_task(self.queue.popleft(), now_s)
         if self._pending_fatal is not None or not self._n_busy:
             return None
-        gen = []
-        pending = 0
-        k = 1 << 62                        # the bound of _decode_bound(gen), computed in the same pass
-        for s in self.slots:
-            st = s.state
-            if st == IDLE:
-                continue
-            t = s.task
-            if st == GENERATING:
-                n = s.n_ctx - len(s.tokens) - 1
-                if t.text_hook is not None or n <= 0:
-                    return None            # a text hook, or a context shift first
-                if n < k:
-                    k = n
-                npm = t.n_predict_max
-                if npm != -1:
-                    n = npm - len(t.generated)
-                    if n < k:
-                        k = n
-                gen.append(s)
-            elif st == STARTED or st == PROCESSING_PROMPT:
-                if t.text_hook is not None or t.n_cmpl != 1 or t.id_parent != -1:
-                    return None
-                pending += 1
-            else:
-                return None
+        c = self._census()
+        if c is None:
+            return None
+        gen, pending, k, dec_ctx = c
         if not pending:
             return None
         bb = self.policies.batch_builder
@@ -819,6 +822,8 @@ class ServerCore:
                     k = kp
             else:
                 q = s
+            if len(chunks) == pending:
+                break                      # every pending prompt has its chunk: the other slots have none
         if n_dec + n_prompt > n_batch:
             return None
         kv = self.kv
@@ -829,7 +834,12 @@ class ServerCore:
                 return None
         # per-slot KV: the first step fits as is (fits_as_is: every slot within its n_ctx cells), since each
         # decoding slot has len + 1 < n_ctx (no shift due), a prompt ends at n < n_ctx, the others unchanged
-        dec = sorted([*gen, *done], key=_slot_id) if done else gen
+        if not done:
+            dec = gen
+        elif len(done) == pending:         # every busy slot decodes after the first step: all of them, in order
+            dec = [s for s in self.slots if s.state]
+        else:
+            dec = sorted([*gen, *done], key=_slot_id)
         n_dec1 = len(dec)
         q_take = 0
         if q is None:
@@ -853,7 +863,7 @@ class ServerCore:
                         k = min(k, 1 + (kv.capacity - i) // q_take)
         if k < 1:
             return None
-        return Admission(k, gen, chunks, done, dec, q, q_take, self._ops)
+        return Admission(k, gen, chunks, done, dec, q, q_take, self._ops, dec_ctx)
 
     def fast_forward(self, gen: list[Slot], tokens: dict[int, list[int]], end_times_s: list[float],
                      arrivals: dict[int, list[Task]] | None = None,

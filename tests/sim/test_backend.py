@@ -70,6 +70,24 @@ def test_admission_cost_is_the_cost_of_its_plan(dec_pos, prompts, ops, layout):
     assert got == be.cost(plan)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 5000), max_size=20),
+       st.lists(st.tuples(st.integers(0, 5000), st.integers(1, 300)), min_size=1, max_size=4),
+       st.lists(op, max_size=4), st.floats(0, 1e-2), st.floats(0, 1e-4), st.floats(0, 1e-2), st.floats(0, 1e-7),
+       st.floats(0, 1e-9), st.floats(0, 1e-6), st.floats(0, 1e-7))
+def test_admission_time_is_the_time_of_its_cost(dec_pos, prompts, ops, a, b, c, d, e, f, h):
+    """The admission step priced from its counts (the decode positions' sum, no StepCost) charges, bit for
+    bit, what the model charges for `admission_cost`, KV copies and shifts included."""
+    lat = ParametricLatency(a, b, c, d, e_copy_s_per_byte=e, f_shift_s_per_token=f, h_kv_read_s=h)
+    be = SimBackend(lat, 100)
+    assert be.fast_admission
+    seqs = list(range(len(prompts), len(prompts) + len(dec_pos)))
+    chunks = [(i, pos0, n) for i, (pos0, n) in enumerate(prompts)]
+    want = lat.step_time_s(be.admission_cost(ops, dec_pos, seqs, chunks))
+    assert be.admission_time_s(ops, len(dec_pos), sum(dec_pos), chunks) == want
+    assert not SimBackend(_Layout(a, b, c, d), 100).fast_admission
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(0, 100_000), max_size=20), st.integers(0, 100_000), st.integers(1, 2048),
        st.integers(0, 40), st.floats(0, 1e-2), st.floats(0, 1e-4), st.floats(0, 1e-2), st.floats(0, 1e-7),

@@ -123,6 +123,24 @@ def test_prompt_arrays_of_many_requests_equal_one_by_one(reserved, seed, reqs):
     assert [list(a) for a in got] == [list(one.prompt_array(r)) for r in batch]
 
 
+class _SmallDraws(PromptMaterializer):
+    DRAW_CHUNK = 16                # counters mixed 16 at a time, block prompts' new blocks in groups of 16 // bs
+
+
+@settings(max_examples=60, deadline=None)
+@given(reserved=st.frozensets(st.integers(0, 63), max_size=60), seed=st.integers(0, 2**32),
+       reqs=st.lists(st.tuples(st.integers(0, 300), st.lists(st.integers(0, 9), max_size=12),
+                               st.sampled_from([0, 4, 8, 32])), max_size=12))
+def test_block_prompts_drawn_together_equal_the_list_prompts(reserved, seed, reqs):
+    """Block prompts of several block sizes drawn as one batch (their new blocks in small groups, counters in
+    small chunks) are the ids the list path draws one request at a time."""
+    space = TokenSpace(vocab_size=64, reserved=reserved)
+    batch = [req(index=i * 3, n_prompt=n, block_hashes=tuple(blocks) if bs else (), block_size=bs)
+             for i, (n, blocks, bs) in enumerate(reqs)]
+    got = _SmallDraws(space, seed).prompt_arrays(batch)
+    assert [list(a) for a in got] == [PromptMaterializer(space, seed).prompt(r) for r in batch]
+
+
 class _SmallBatches(PromptMaterializer):
     BATCH_TOKENS = 100             # prompt_arrays draws the length-only prompts in several numpy passes
 
