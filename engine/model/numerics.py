@@ -162,14 +162,15 @@ class GgmlNumerics(Numerics):
 
 
 class QuantNumerics(F32Numerics):
-    """f32 mode's arithmetic with the matrices kept in their quant blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the
-    token embedding included) and multiplied by compiled kernels (`engine.model.quant`); the attention scale
+    """f32 mode's arithmetic with the matrices kept in their quant blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/
+    Q5_K/Q6_K, the token embedding included) and multiplied by compiled kernels (`engine.model.quant`); the attention scale
     is folded into the Q rows' block scales. Needs numba: without it `resolve` gives f32 mode (one warning)."""
 
     name = "q"
 
     def tensor_extra(self, t: Any) -> Any:
-        if t.tensor_type in quant.QUANT_TYPES and len(t.shape) == 2 and int(t.shape[0]) % 32 == 0:
+        if (t.tensor_type in quant.QUANT_TYPES and len(t.shape) == 2
+                and int(t.shape[0]) % (256 if t.tensor_type in quant.K_TYPES else 32) == 0):
             return quant.QPart.from_tensor(t.data, t.tensor_type, (int(t.shape[1]), int(t.shape[0])))
         return None
 

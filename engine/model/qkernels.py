@@ -4,11 +4,14 @@ Weights are repacked at load, bit for bit, into a layout the compiled loops stre
 outputs ("transposed blocks", like `Linear.t` but quantized): for every block b of `bs` inputs and element j
 of the block, the quants of all outputs are contiguous.
 
-- nibble kernels (4-bit types: Q4_0, Q4_1): `q [nb, 16, n_out] uint8`, low nibble = element j of the 32-block,
-  high nibble = element j + 16 (GGUF's own pairing); W[o, 32b + j] = d[b, o] * q + m[b, o].
-- byte kernels (Q8_0, Q5_0, Q5_1): `q [nb, bs, n_out] int8`; W[o, bs*b + j] = d[b, o] * q + m[b, o].
+- nibble kernels (4-bit types: Q4_0, Q4_1, Q4_K): `q [nb, 16, n_out] uint8`, low nibble = element j of the
+  32-block, high nibble = element j + 16 (GGUF's own pairing for Q4_0/Q4_1; Q4_K's nibbles are re-paired at
+  load); W[o, 32b + j] = d[b, o] * q + m[b, o].
+- byte kernels (Q8_0, Q5_0, Q5_1, Q5_K with bs = 32; Q6_K with bs = 16, its scales' granularity):
+  `q [nb, bs, n_out] int8`; W[o, bs*b + j] = d[b, o] * q + m[b, o].
 
-d and m are float32 (Q4_0 / Q5_0 keep their offset in m = -8d / -16d: exact in float32). The products are
+d and m are float32 (Q4_0 / Q5_0 keep their offset in m = -8d / -16d: exact in float32; a K-quant
+sub-block's d = d·sc and m = -dmin·mn are exact products of an fp16 and a 6- or 8-bit integer). The products are
 float32 with float32 accumulation: x is not re-quantized (measured: the 8-bit activation path is slower here,
 see docs/engine.md). Loops are written for LLVM's loop vectorizer: integer operations cast back to int32 at
 every step (numba widens them to int64 otherwise, and the int64 -> float conversions do not vectorize), and

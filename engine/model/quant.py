@@ -1,9 +1,10 @@
 """The "q" numerics mode: weights kept in their GGUF quant blocks, products by compiled kernels (`qkernels`).
 
-Every Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 matrix is decoded at load into its integer quants and per-block scale
-d and offset m (W = d * q + m per block of 32, exactly the values `gguf.quants.dequantize` gives) and
-repacked, without rounding anything, into the kernels' transposed block layout (`QPart`); the float32 copy
-is never made. Other types (F32, F16, BF16, the K-quants) stay float32 `Linear`s, multiplied by BLAS.
+Every Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K matrix is decoded at load into its integer
+quants and per-block scale d and offset m (W = d * q + m per block of 32 inputs -- a K-quant super-block's
+sub-blocks, Q6_K's of 16 --, exactly the values `gguf.quants.dequantize` gives) and repacked, without
+rounding anything, into the kernels' transposed block layout (`QPart`); the float32 copy is never made.
+Other types (F32, F16, BF16, Q2_K, Q3_K) stay float32 `Linear`s, multiplied by BLAS.
 
 Products with 1..`NIB_ROWS_MAX` (4-bit) / `BYTE_ROWS_MAX` (8-bit) rows run the fused dequantize-and-dot kernels on numba's threads (exactly
 `n_threads` of them); more rows (prefill) dequantize a tile of outputs to float32 and hand it to BLAS on the
@@ -43,8 +44,9 @@ _CHUNKS_PER_THREAD = 1         # output ranges per numba thread in the fused ker
 # 2-core machine, under load 3.5-5.5, 2-thread decode measured 3x slower than f32 mode that way)
 USE_NUMBA_THREADS = False
 _SPLIT_MIN_MACS = 1 << 18      # smaller fused products run on the caller alone
-NIB_TYPES = frozenset({T.Q4_0, T.Q4_1})
-BYTE_TYPES = frozenset({T.Q8_0, T.Q5_0, T.Q5_1})
+NIB_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K})
+BYTE_TYPES = frozenset({T.Q8_0, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K})
+K_TYPES = frozenset({T.Q4_K, T.Q5_K, T.Q6_K})  # 256-weight super-blocks, decoded to 32- (Q6_K: 16-) weight blocks
 QUANT_TYPES = NIB_TYPES | BYTE_TYPES
 
 _kernels: Any = None
@@ -85,17 +87,25 @@ def _f16(raw: np.ndarray) -> np.ndarray:
     return raw.copy().view(np.float16).astype(np.float32)[..., 0]
 
 
+def _no_m(d: np.ndarray) -> np.ndarray:
+    """m of a type without offset: -0.0, so d * q + m is d * q bit for bit, a -0 included (x + -0 = x)."""
+    return np.full_like(d, -0.0)
+
+
 def decode_blocks(data: np.ndarray, qtype: GGMLQuantizationType,
                   shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
     """A tensor's raw GGUF blocks [ne1, row bytes] -> (q [ne1, ne0] integer quants (uint8 for 4-bit types,
-    int8 otherwise), d [ne1, nb], m [ne1, nb] float32, has_m) with W = d * q + m per block of 32."""
+    int8 otherwise), d [ne1, ne0 / bs], m [ne1, ne0 / bs] float32, has_m) with W = d * q + m per block of
+    bs = `block_size(qtype)` inputs (32; Q6_K 16)."""
+    if qtype in K_TYPES:
+        return _decode_k(data, qtype, shape)
     ne1, ne0 = shape
     block, size = GGML_QUANT_SIZES[qtype]
     nb = ne0 // block
     blk = np.asarray(data, dtype=np.uint8).reshape(ne1, nb, size)
     d = _f16(blk[..., 0:2])
     if qtype == T.Q8_0:
-        return np.ascontiguousarray(blk[..., 2:].view(np.int8)).reshape(ne1, ne0), d, np.zeros_like(d), False
+        return np.ascontiguousarray(blk[..., 2:].view(np.int8)).reshape(ne1, ne0), d, _no_m(d), False
     if qtype in (T.Q4_0, T.Q4_1):
         qs = blk[..., 2:] if qtype == T.Q4_0 else blk[..., 4:]                    # [ne1, nb, 16]
         q = np.concatenate([qs & 15, qs >> 4], axis=-1)                           # elements j, j + 16
@@ -108,16 +118,73 @@ def decode_blocks(data: np.ndarray, qtype: GGMLQuantizationType,
         bits = (qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1              # [ne1, nb, 32]
         q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int16) | (bits.astype(np.int16) << 4)
         if qtype == T.Q5_0:
-            return (q - 16).astype(np.int8).reshape(ne1, ne0), d, np.zeros_like(d), False
+            return (q - 16).astype(np.int8).reshape(ne1, ne0), d, _no_m(d), False
         return q.astype(np.int8).reshape(ne1, ne0), d, _f16(blk[..., 2:4]), True
     raise ValueError(f"{qtype.name} has no quant kernel")
 
 
+def block_size(qtype: GGMLQuantizationType) -> int:
+    """Inputs per (d, m) pair once decoded: 32, or 16 for Q6_K (its int8 scales are per 16 weights)."""
+    return 16 if qtype == T.Q6_K else 32
+
+
+def _scale_min_k4(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 scale bytes [..., 12] -> the 8 sub-blocks' 6-bit scales and mins [..., 8] (uint8), as
+    llama.cpp's get_scale_min_k4 (ggml-quants.c): sub-block j < 4 in the low 6 bits of bytes j (scale) and
+    j + 4 (min); j >= 4 in the nibbles of byte j + 4 (low: scale, high: min) with bits 4-5 from the top two
+    bits of bytes j - 4 (scale) and j (min)."""
+    lo, mid, top = sc[..., 0:4], sc[..., 4:8], sc[..., 8:12]
+    scale = np.concatenate([lo & 63, (top & 15) | ((lo >> 6) << 4)], axis=-1)
+    mins = np.concatenate([mid & 63, (top >> 4) | ((mid >> 6) << 4)], axis=-1)
+    return scale, mins
+
+
+def _decode_k(data: np.ndarray, qtype: GGMLQuantizationType,
+              shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+    """K-quant super-blocks (256 weights) -> `decode_blocks`' form, per 32-weight sub-block (Q6_K: 16).
+
+    Q4_K / Q5_K (dequantize_row_q4_K / _q5_K): W = (d sc) q - (dmin mn) with d, dmin fp16, sc, mn 6-bit, q
+    4-bit (Q5_K: + 16 x a bit of qh): block d = d sc, m = -(dmin mn), both exact in float32 (11 + 6 bits), and
+    d q exact too (<= 22 bits), so d q + m rounds once, like the reference's d q - dmin mn. Each 64 weights
+    are 32 bytes of qs: low nibbles the first 32, high nibbles the next; Q5_K's 5th bit of sub-block s is bit
+    s of qh[l]. Q6_K (dequantize_row_q6_K): W = (d sc) q with sc int8 per 16 weights and q = 4 bits of ql
+    | 2 bits of qh << 4, minus 32; d sc (<= 18 significant bits) times q (<= 5) is exact, so m = 0."""
+    ne1, ne0 = shape
+    size = GGML_QUANT_SIZES[qtype][1]
+    ns = ne0 // 256
+    blk = np.asarray(data, dtype=np.uint8).reshape(ne1, ns, size)
+    if qtype == T.Q6_K:
+        ql = blk[..., 0:128].reshape(ne1, ns, 2, 64)
+        qh = blk[..., 128:192].reshape(ne1, ns, 2, 1, 32)
+        sc = blk[..., 192:208].view(np.int8).astype(np.float32)                  # [ne1, ns, 16]
+        d = _f16(blk[..., 208:210])                                              # [ne1, ns]
+        low = np.concatenate([ql & 15, ql >> 4], axis=-1)                        # [ne1, ns, 2, 128]
+        high = (qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3             # [ne1, ns, 2, 4, 32]
+        q = (low | (high.reshape(ne1, ns, 2, 128) << 4)).astype(np.int8) - np.int8(32)
+        ds = (d[..., None] * sc).reshape(ne1, ns * 16)
+        return q.reshape(ne1, ne0), ds, _no_m(ds), False
+    d = _f16(blk[..., 0:2])
+    dmin = _f16(blk[..., 2:4])
+    scale, mins = _scale_min_k4(blk[..., 4:16])
+    ds = (d[..., None] * scale.astype(np.float32)).reshape(ne1, ns * 8)
+    ms = -(dmin[..., None] * mins.astype(np.float32)).reshape(ne1, ns * 8)
+    off = 16 if qtype == T.Q4_K else 48
+    qs = blk[..., off:off + 128].reshape(ne1, ns, 4, 1, 32)
+    q = (qs >> np.array([0, 4], np.uint8)[:, None]) & 15                          # [ne1, ns, 4, 2, 32]
+    if qtype == T.Q4_K:
+        return np.ascontiguousarray(q).reshape(ne1, ne0), ds, ms, True
+    qh = blk[..., 16:48].reshape(ne1, ns, 1, 32)
+    hi = (qh >> np.arange(8, dtype=np.uint8)[:, None]) & 1                        # [ne1, ns, 8, 32]
+    q = q.reshape(ne1, ns, 8, 32) | (hi << 4)
+    return q.astype(np.int8).reshape(ne1, ne0), ds, ms, True
+
+
 @dataclass(frozen=True, slots=True)
 class QPart:
-    """Output columns kept quantized, in the kernels' layout (see `qkernels`): W[o, 32b + j] = d[b, o] * q + m[b, o].
+    """Output columns kept quantized, in the kernels' layout (see `qkernels`): W[o, bs b + j] = d[b, o] * q + m[b, o].
 
-    nib: q [nb, 16, n_out] uint8 (low nibble element j, high nibble element j + 16); byte: q [nb, 32, n_out] int8."""
+    nib: q [nb, 16, n_out] uint8 (low nibble element j, high nibble element j + 16; bs = 32); byte:
+    q [nb, bs, n_out] int8 (bs = 32, or 16 for Q6_K)."""
 
     nib: bool
     q: np.ndarray
@@ -127,10 +194,13 @@ class QPart:
 
     @classmethod
     def from_quants(cls, q: np.ndarray, d: np.ndarray, m: np.ndarray, has_m: bool, nib: bool) -> QPart:
-        """From `decode_blocks` output (q [n_out, n_in], d/m [n_out, nb])."""
+        """From `decode_blocks` output (q [n_out, n_in], d/m [n_out, nb]; bs = n_in / nb, 32 when nib)."""
         n_out, n_in = q.shape
-        nb = n_in // 32
-        qb = q.reshape(n_out, nb, 32)
+        nb = d.shape[1]
+        bs = n_in // nb
+        if nib and bs != 32:
+            raise ValueError("nibble parts have blocks of 32")
+        qb = q.reshape(n_out, nb, bs)
         if nib:
             packed = (qb[..., :16] | (qb[..., 16:] << 4)).astype(np.uint8)          # [n_out, nb, 16]
         else:
@@ -145,8 +215,13 @@ class QPart:
         return cls.from_quants(q, d, m, has_m, qtype in NIB_TYPES)
 
     @property
+    def block(self) -> int:
+        """Inputs per (d, m) pair."""
+        return 32 if self.nib else self.q.shape[1]
+
+    @property
     def n_in(self) -> int:
-        return self.q.shape[0] * 32
+        return self.q.shape[0] * self.block
 
     @property
     def n_out(self) -> int:
@@ -154,7 +229,13 @@ class QPart:
 
     @property
     def nbytes(self) -> int:
+        """Bytes a product reads (m only when it is used)."""
         return self.q.nbytes + self.d.nbytes + (self.m.nbytes if self.has_m else 0)
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes held (m is allocated, zeros, when not has_m)."""
+        return self.q.nbytes + self.d.nbytes + self.m.nbytes
 
     def scaled(self, s: np.float32) -> QPart:
         """W * s (d and m times s: exact when s is a power of two, as 1/sqrt(head_dim) = 1/8 for SmolLM2)."""
@@ -169,11 +250,11 @@ class QPart:
             return out.T
         nb = self.q.shape[0]
         q = (np.concatenate([self.q & 15, self.q >> 4], axis=1) if self.nib else self.q).astype(np.float32)
-        return (q * self.d[:, None, :] + self.m[:, None, :]).reshape(nb * 32, -1).T
+        return (q * self.d[:, None, :] + self.m[:, None, :]).reshape(nb * self.block, -1).T
 
 
 def concat_parts(parts: list[QPart]) -> QPart:
-    """Parts of the same kind fused along the outputs."""
+    """Parts of the same kind (nib or byte, block size) fused along the outputs."""
     if len(parts) == 1:
         return parts[0]
     return QPart(nib=parts[0].nib, q=np.concatenate([p.q for p in parts], axis=2),
@@ -195,7 +276,7 @@ class QuantLinear:
 
     @property
     def resident_bytes(self) -> int:
-        return sum(p.nbytes if isinstance(p, QPart) else p.resident_bytes for p in self.parts)
+        return sum(p.resident_bytes for p in self.parts)
 
     @property
     def weight(self) -> np.ndarray:
@@ -208,7 +289,7 @@ def quant_linear(pieces: list[tuple[np.ndarray | None, GGMLQuantizationType, Any
     share a part."""
     groups: list[tuple[str, list]] = []
     for w, _, extra in pieces:
-        kind = ("nib" if extra.nib else "byte") if isinstance(extra, QPart) else "f32"
+        kind = (extra.nib, extra.block) if isinstance(extra, QPart) else "f32"
         item = extra if isinstance(extra, QPart) else w
         if groups and groups[-1][0] == kind:
             groups[-1][1].append(item)
@@ -236,7 +317,7 @@ class QuantEmbedding:
 
     @property
     def nbytes(self) -> int:
-        return self.part.nbytes
+        return self.part.resident_bytes
 
     def __getitem__(self, ids: Any) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
@@ -282,7 +363,7 @@ class QuantMatmul(Matmul):
         m = x.shape[0]
         y = np.empty((m, p.n_out), np.float32)
         if m <= (NIB_ROWS_MAX if p.nib else BYTE_ROWS_MAX):
-            xs = x.reshape(m, -1, 32).sum(axis=2) if p.has_m else x[:, :1]          # [M, nb] block sums
+            xs = x.reshape(m, -1, p.block).sum(axis=2) if p.has_m else x[:, :1]     # [M, nb] block sums
             if USE_NUMBA_THREADS:
                 n_chunks = self.numba_threads * _CHUNKS_PER_THREAD
                 with _launch_lock:

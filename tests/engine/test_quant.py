@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
 
 from engine.model import load
 from engine.model import quant
@@ -17,25 +19,110 @@ from tests.engine.forward_check import checked_forward
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason="numba cannot be loaded")
 
+T = GGMLQuantizationType
 TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 U = np.finfo(np.float32).eps / 2
+# byte offsets of the fp16 super-block scales: d, dmin (Q4_K, Q5_K); d (Q6_K)
+K_SCALES = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+
+
+def _kw(tensor_type: str) -> dict:
+    """tiny_gguf arguments: K-quant rows must be multiples of 256 (smaller ones would fall back to F16)."""
+    return {"tensor_type": tensor_type} | ({"n_embd": 256, "n_ff": 256} if tensor_type in K_TYPES else {})
 
 
 def _bound(part: quant.QPart, x: np.ndarray) -> np.ndarray:
     """gamma_K * sum_i (|d q_i| + |m|) |x_i| per output, K = n_in + 8 (float64)."""
-    nb = part.q.shape[0]
+    nb, bs = part.q.shape[0], part.block
     q = (np.concatenate([part.q & 15, part.q >> 4], axis=1) if part.nib else part.q).astype(np.float64)
-    dq = np.abs(q * part.d[:, None, :].astype(np.float64)).reshape(nb * 32, -1)     # [n_in, n_out]
-    mm = np.repeat(np.abs(part.m.astype(np.float64)) if part.has_m else 0 * part.d, 32, axis=0)
+    dq = np.abs(q * part.d[:, None, :].astype(np.float64)).reshape(nb * bs, -1)     # [n_in, n_out]
+    mm = np.repeat(np.abs(part.m.astype(np.float64)) if part.has_m else 0 * part.d, bs, axis=0)
     k = part.n_in + 8
     return k * U / (1 - k * U) * (np.abs(x.astype(np.float64)) @ (dq + mm))
 
 
-@pytest.mark.parametrize("tensor_type", TYPES)
+def _k_blocks(qtype: GGMLQuantizationType, ne1: int, ne0: int, rng: np.random.Generator) -> np.ndarray:
+    """Random raw K-quant rows [ne1, row bytes]: every byte random, the fp16 scales any finite value (either
+    sign, zero, subnormal, up to 65504)."""
+    size = GGML_QUANT_SIZES[qtype][1]
+    blk = rng.integers(0, 256, (ne1, ne0 // 256, size), dtype=np.uint8)
+    for off in K_SCALES[qtype]:
+        h = rng.integers(0, 1 << 16, (ne1, ne0 // 256), dtype=np.uint16)
+        h = np.where((h & 0x7C00) == 0x7C00, h & 0x83FF, h).astype(np.uint16)      # inf / NaN -> finite
+        blk[..., off:off + 2] = h[..., None].view(np.uint8)
+    return blk.reshape(ne1, -1)
+
+
+def _f16(b: np.ndarray, off: int) -> float:
+    return float(b[off:off + 2].copy().view(np.float16)[0])
+
+
+def _scale_min(j: int, sc: np.ndarray) -> tuple[int, int]:
+    if j < 4:
+        return int(sc[j]) & 63, int(sc[j + 4]) & 63
+    return (int(sc[j + 4]) & 15) | ((int(sc[j - 4]) >> 6) << 4), (int(sc[j + 4]) >> 4) | ((int(sc[j]) >> 6) << 4)
+
+
+def _scalar_row(b: np.ndarray, qtype: GGMLQuantizationType) -> list[float]:
+    """One super-block dequantized by a direct transcription of llama.cpp's loops (dequantize_row_q4_K /
+    _q5_K / _q6_K, ggml-quants.c), float32 step by step: an oracle independent of gguf-py's numpy code."""
+    f = np.float32
+    y: list[float] = []
+    if qtype == T.Q6_K:
+        d = f(_f16(b, 208))
+        sc = b[192:208].view(np.int8)
+        y = [0.0] * 256
+        for n in range(2):
+            ql, qh = b[64 * n:64 * n + 64], b[128 + 32 * n:128 + 32 * n + 32]
+            for lo in range(32):
+                qs = [(ql[lo] & 15) | (((qh[lo] >> 0) & 3) << 4), (ql[lo + 32] & 15) | (((qh[lo] >> 2) & 3) << 4),
+                      (ql[lo] >> 4) | (((qh[lo] >> 4) & 3) << 4), (ql[lo + 32] >> 4) | (((qh[lo] >> 6) & 3) << 4)]
+                for k in range(4):
+                    y[128 * n + 32 * k + lo] = float(d * f(sc[8 * n + lo // 16 + 2 * k]) * f(int(qs[k]) - 32))
+        return y
+    d, dmin = f(_f16(b, 0)), f(_f16(b, 2))
+    qs = b[16:144] if qtype == T.Q4_K else b[48:176]
+    qh = b[16:48]
+    for c in range(4):
+        for half in range(2):
+            s, mn = _scale_min(2 * c + half, b[4:16])
+            d1, m1 = d * f(s), dmin * f(mn)
+            for lo in range(32):
+                q = (int(qs[32 * c + lo]) >> (4 * half)) & 15
+                if qtype == T.Q5_K and qh[lo] & (1 << (2 * c + half)):
+                    q += 16
+                y.append(float(d1 * f(q) - m1))
+    return y
+
+
+@pytest.mark.parametrize("tensor_type", K_TYPES)
+def test_k_quant_blocks_decode_exactly(tensor_type):
+    """Q4_K / Q5_K / Q6_K super-blocks of random bytes decode, through the kernels' layout, to exactly
+    gguf.quants.dequantize's values (signs of zeros included), and to a scalar transcription of llama.cpp's
+    loops; embedding rows too."""
+    qtype = T[tensor_type]
+    rng = np.random.default_rng(11)
+    data = _k_blocks(qtype, 7, 768, rng)
+    ref = gguf_quants.dequantize(data, qtype)
+    part = quant.QPart.from_tensor(data, qtype, (7, 768))
+    assert (part.nib, part.block, part.n_in, part.n_out) == (qtype == T.Q4_K, 16 if qtype == T.Q6_K else 32, 768, 7)
+    got = part.dense()
+    np.testing.assert_array_equal(got, ref)
+    assert (np.signbit(got) == np.signbit(ref)).all()
+    size = GGML_QUANT_SIZES[qtype][1]
+    for r, sb in ((0, 0), (3, 2), (6, 1)):
+        scalar = np.array(_scalar_row(data[r, sb * size:(sb + 1) * size], qtype), np.float32)
+        np.testing.assert_array_equal(got[r, 256 * sb:256 * (sb + 1)], scalar)
+    ids = [6, 0, 3, 3]
+    np.testing.assert_array_equal(quant.QuantEmbedding(part)[ids], ref[ids])
+
+
+@pytest.mark.parametrize("tensor_type", TYPES + K_TYPES)
 def test_blocks_decode_exactly_as_gguf(tiny_model, tiny_gguf, tensor_type):
     """Every matrix kept quantized equals the f32 mode's dequantized one bit for bit (Q rows scaled by 1/8 in
     both: a power of two)."""
-    path = tiny_gguf(tensor_type=tensor_type)
+    path = tiny_gguf(**_kw(tensor_type))
     f, q = load(path, n_threads=1), load(path, n_threads=1, numerics="q")
     assert q.numerics == "q"
     for lf, lq in zip(f.weights.layers[0].linears, q.weights.layers[0].linears):
@@ -45,14 +132,15 @@ def test_blocks_decode_exactly_as_gguf(tiny_model, tiny_gguf, tensor_type):
     np.testing.assert_array_equal(q.weights.tok_embd[ids], f.weights.tok_embd[ids])
 
 
-@pytest.mark.parametrize("tensor_type", ("Q4_1", "Q8_0", "Q5_0"))
+@pytest.mark.parametrize("tensor_type", ("Q4_1", "Q8_0", "Q5_0") + K_TYPES)
 @pytest.mark.parametrize("n_threads", (1, 2))
 def test_product_within_float32_bound(tiny_gguf, tensor_type, n_threads):
     """Fused kernels (1..16 rows, odd counts) and the tile + BLAS path (more rows) against the float64 product."""
-    q = load(tiny_gguf(tensor_type=tensor_type), n_threads=n_threads, numerics="q")
+    q = load(tiny_gguf(**_kw(tensor_type)), n_threads=n_threads, numerics="q")
     rng = np.random.default_rng(3)
-    for lin in q.weights.layers[0].linears:
+    for lin in q.weights.layers[0].linears + (q.weights.output,):
         [part] = lin.parts
+        assert isinstance(part, quant.QPart)
         w = part.dense().astype(np.float64)                                         # [n_out, n_in]
         for m in (1, 3, 7, 16, 33):
             x = rng.standard_normal((m, lin.n_in)).astype(np.float32)
@@ -61,10 +149,92 @@ def test_product_within_float32_bound(tiny_gguf, tensor_type, n_threads):
             assert (err <= _bound(part, x)).all(), (tensor_type, m, err.max())
 
 
-def test_q_mode_forward_invariants(tiny_model, tiny_gguf):
+@pytest.mark.parametrize("n_threads", (1, 2))
+def test_mixed_types_fuse_by_layout(n_threads):
+    """A fused matrix of K-quant and other pieces (as in a Q4_K_M file, whose V rows are Q6_K): pieces of one
+    layout (nibble / byte, block size) share a part, the others get their own, and the product over all parts
+    is the float64 product of the reference weights, within the bound of each part."""
+    rng = np.random.default_rng(5)
+    n_in = 512
+    pieces, refs = [], []
+    for name, n_out in (("Q4_K", 40), ("Q4_1", 24), ("Q5_K", 16), ("Q8_0", 8), ("Q6_K", 33), ("Q6_K", 7)):
+        qtype = T[name]
+        if qtype in quant.K_TYPES:
+            data = _k_blocks(qtype, n_out, n_in, rng)
+            # finite but sane scales for a product test: replace the random fp16 ones by magnitudes ~1e-3
+            for off in K_SCALES[qtype]:
+                data.reshape(n_out, -1, GGML_QUANT_SIZES[qtype][1])[..., off:off + 2] = np.frombuffer(
+                    np.float16(1e-3).tobytes(), np.uint8)
+        else:
+            data = gguf_quants.quantize(rng.standard_normal((n_out, n_in)).astype(np.float32), qtype)
+        refs.append(gguf_quants.dequantize(data, qtype).astype(np.float64))
+        pieces.append((None, qtype, quant.QPart.from_tensor(data, qtype, (n_out, n_in))))
+    lin = quant.quant_linear(pieces)
+    assert [(p.nib, p.block, p.n_out) for p in lin.parts] == [
+        (True, 32, 64), (False, 32, 24), (False, 16, 40)]
+    w = np.concatenate(refs)
+    np.testing.assert_array_equal(lin.weight, w)
+    mm = quant.QuantMatmul(n_threads)
+    for m in (1, 3, 7, 16, 33):
+        x = rng.standard_normal((m, n_in)).astype(np.float32)
+        err = np.abs(mm(lin, x) - x.astype(np.float64) @ w.T)
+        bound = np.concatenate([_bound(p, x) for p in lin.parts], axis=1)
+        assert (err <= bound).all(), (m, err.max())
+
+
+def _held(weights) -> int:
+    """Bytes of the distinct arrays the weights reference (found by walking them, each array once)."""
+    seen: dict[int, int] = {}
+
+    def add(obj) -> None:
+        if isinstance(obj, np.ndarray):
+            base = obj if obj.base is None else obj.base
+            seen[id(base)] = obj.nbytes
+        elif isinstance(obj, quant.QPart):
+            for a in (obj.q, obj.d, obj.m):
+                add(a)
+        elif isinstance(obj, quant.QuantLinear):
+            for p in obj.parts:
+                add(p)
+        elif isinstance(obj, quant.QuantEmbedding):
+            add(obj.part)
+        elif obj is not None:
+            add(obj.t)
+            add(obj.blocks)
+
+    for lw in weights.layers:
+        for a in (lw.attn_norm, lw.ffn_norm, lw.bqkv) + lw.linears:
+            add(a)
+    for a in (weights.tok_embd, weights.output_norm, weights.output):
+        add(a)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("tensor_type, bits", [("Q4_K", 6), ("Q5_K", 10), ("Q6_K", 12), ("Q4_1", 6)])
+def test_memory_held_is_reported(tiny_gguf, tensor_type, bits):
+    """n_resident_bytes is the bytes of the distinct arrays held (the tied head shares the embedding's part:
+    once), each quantized weight costing its layout's bits (Q4_K: 4-bit q + float32 d, m per 32 = 6 bits;
+    Q5_K: int8 q + d, m per 32 = 10; Q6_K: int8 q + d, m per 16 = 12, of which m is never read); a decode
+    step streams every part's q and d, and m where used."""
+    path = tiny_gguf(**_kw(tensor_type))
+    q, f = load(path, n_threads=1, numerics="q"), load(path, n_threads=1)
+    w = q.weights
+    assert w.output.parts[0] is w.tok_embd.part                                     # tied: one table
+    assert w.n_resident_bytes == _held(w)
+    parts = [p for lw in w.layers for lin in lw.linears for p in lin.parts] + list(w.output.parts)
+    n_weights = sum(p.n_in * p.n_out for p in parts)
+    assert sum(p.resident_bytes for p in parts) * 8 == n_weights * bits
+    norms = w.output_norm.nbytes + sum(lw.attn_norm.nbytes + lw.ffn_norm.nbytes for lw in w.layers)
+    used_m = [p.m.nbytes for p in parts if p.has_m]
+    assert w.n_stream_bytes == norms + sum(p.q.nbytes + p.d.nbytes for p in parts) + sum(used_m)
+    assert w.n_resident_bytes < f.weights.n_resident_bytes / 4
+
+
+@pytest.mark.parametrize("tensor_type", ("Q4_1",) + K_TYPES)
+def test_q_mode_forward_invariants(tiny_model, tiny_gguf, tensor_type):
     """The q forward (one chunk; a prefill then cached one-token steps: the fused kernels) and the f32
     forward of the same file are each the model, every op within its float32 bound (`forward_check`)."""
-    path = tiny_gguf(tensor_type="Q4_1")
+    path = tiny_gguf(**_kw(tensor_type))
     f, q = load(path, n_threads=1), load(path, n_threads=2, numerics="q")
     ids = list(range(3, 30))
     for model in (q, f):
