@@ -4,7 +4,7 @@
         [--n-out 576] [--n-in 1536] [--rounds 5] [--threads 1] [--load-model]
 
 Each type gets a matrix W [n_out, n_in] of random blocks (K-quants: random bytes with an fp16 d, dmin of
-1e-3; the others: `gguf.quants.quantize` of normal values), decoded and repacked as the engine does at load
+1e-3; the others, F16 and BF16 too: `gguf.quants.quantize` of normal values), decoded and repacked as the engine does at load
 (`quant.QPart.from_tensor`; its time is printed as ns per weight), plus the float32 `Linear` of the same W. In
 each round every (type, rows) product runs in turn, interleaved, for ~20 ms of repetitions; the medians over
 the rounds are printed with the bytes a product streams (`QPart.nbytes`: q, d and m where used) per second and
@@ -14,7 +14,7 @@ fall back to Q5_0 / Q5_1 / Q8_0 in llama-quantize). The weights stay in cache (1
 kernel figures, not DRAM ones.
 
 `--load-model` also writes a synthetic model of SmolLM2's depth (30 layers) and FFN (1536) with n_embd 768
-(a multiple of 256; 576 is not) for each K type and times `load` in f32 and q numerics, interleaved.
+(a multiple of 256; 576 is not) for each K type and F16 and times `load` in f32 and q numerics, interleaved.
 Prints the thread settings and the load average before and after.
 """
 
@@ -66,6 +66,13 @@ def timed(fn, target_s: float = 0.02) -> float:
     return (time.perf_counter() - t0) / n
 
 
+def rows_max(part) -> int:
+    """Rows up to which `QuantMatmul` runs the part's fused kernel."""
+    if isinstance(part, quant.HalfPart):
+        return quant.HALF_ROWS_MAX
+    return quant.NIB_ROWS_MAX if part.nib else quant.BYTE_ROWS_MAX
+
+
 def kernels(args: argparse.Namespace) -> None:
     rng = np.random.default_rng(0)
     n_out, n_in = args.n_out, args.n_in
@@ -77,7 +84,8 @@ def kernels(args: argparse.Namespace) -> None:
         ts = []
         for _ in range(3):
             t0 = time.perf_counter()
-            part = quant.QPart.from_tensor(data, qtype, (n_out, n_in))
+            kind = quant.HalfPart if qtype in quant.HALF_TYPES else quant.QPart
+            part = kind.from_tensor(data, qtype, (n_out, n_in))
             ts.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         gguf_quants.dequantize(data, qtype)
@@ -99,7 +107,7 @@ def kernels(args: argparse.Namespace) -> None:
                 res.setdefault((name, m), []).append(timed(f))
     print(f"\nproducts, --threads {args.threads}, median of {args.rounds} interleaved rounds "
           f"(fused kernel up to {quant.NIB_ROWS_MAX} rows for nibble parts, {quant.BYTE_ROWS_MAX} for byte parts, "
-          f"then dequantized tile + BLAS):")
+          f"{quant.HALF_ROWS_MAX} for F16 / BF16, then dequantized tile + BLAS):")
     print("| type | " + " | ".join(f"{m} row{'s' if m > 1 else ''}" for m in args.rows) + " |")
     print("|---|" + "---|" * len(args.rows))
     for name, lin in parts.items():
@@ -107,8 +115,7 @@ def kernels(args: argparse.Namespace) -> None:
         cells = []
         for m in args.rows:
             t = statistics.median(res[(name, m)])
-            path = "" if name == "f32" else (" f" if m <= (quant.NIB_ROWS_MAX if lin.parts[0].nib else
-                                                          quant.BYTE_ROWS_MAX) else " t")
+            path = "" if name == "f32" else (" f" if m <= rows_max(lin.parts[0]) else " t")
             cells.append(f"{t * 1e3:.3f} ms{path}, {nbytes / t / 1e9:.1f} GB/s, {m * n_in * n_out / t / 1e9:.1f} GMAC/s")
         print(f"| {name} | " + " | ".join(cells) + " |")
     print("(f = fused kernel, t = tile + BLAS; GB/s = bytes of the weights a product reads / time)")
@@ -118,7 +125,7 @@ def load_times(args: argparse.Namespace) -> None:
     d = tempfile.mkdtemp(prefix="kq-bench-")
     print("\nload of a synthetic model: 30 layers, n_embd 768, n_ff 1536, 12 heads (4 KV), tiny vocabulary")
     paths = {}
-    for name in ("Q4_K", "Q5_K", "Q6_K"):
+    for name in ("Q4_K", "Q5_K", "Q6_K", "F16"):
         paths[name] = write_tiny_gguf(os.path.join(d, f"{name}.gguf"), n_layer=30, n_embd=768, n_ff=1536,
                                       n_head=12, n_head_kv=4, tensor_type=name)
     for name, path in paths.items():
@@ -140,7 +147,7 @@ def load_times(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--types", default="Q4_1,Q4_K,Q5_1,Q5_K,Q8_0,Q6_K", type=lambda s: s.split(","))
+    ap.add_argument("--types", default="Q4_1,Q4_K,Q5_1,Q5_K,Q8_0,Q6_K,F16,BF16", type=lambda s: s.split(","))
     ap.add_argument("--rows", default="1,4,16,64", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--n-out", type=int, default=576)
     ap.add_argument("--n-in", type=int, default=1536)

@@ -35,6 +35,7 @@ T = GGMLQuantizationType
 # 49152-row head) only to 4
 NIB_ROWS_MAX = 16
 BYTE_ROWS_MAX = 4
+HALF_ROWS_MAX = 16             # F16 / BF16 fused kernel: ahead of tile + BLAS to ~24 rows (measured, docs/engine.md)
 # the output range of one BLAS tile (prefill): [n_in, _TILE_COLS] float32 stays in L2 (576 x 256 x 4 = 590 KB)
 _TILE_COLS = 256
 _CHUNKS_PER_THREAD = 1         # output ranges per numba thread in the fused kernels
@@ -253,10 +254,59 @@ class QPart:
         return (q * self.d[:, None, :] + self.m[:, None, :]).reshape(nb * self.block, -1).T
 
 
-def concat_parts(parts: list[QPart]) -> QPart:
-    """Parts of the same kind (nib or byte, block size) fused along the outputs."""
+HALF_TYPES = frozenset({T.F16, T.BF16})
+
+
+@dataclass(frozen=True, slots=True)
+class HalfPart:
+    """Output columns of F16 / BF16 weights kept as they are: w [n_in, n_out] uint16 bit patterns (transposed,
+    like `Linear.t`), W[o, i] = float32(w[i, o]) * s[o] (s: a factor per output, 1 but for the Q rows)."""
+
+    w: np.ndarray            # [n_in, n_out] uint16
+    s: np.ndarray            # [n_out] float32
+    bf: bool                 # bfloat16 (else IEEE fp16)
+
+    @classmethod
+    def from_tensor(cls, data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> HalfPart:
+        ne1, ne0 = shape
+        bits = np.asarray(data).view(np.uint16).reshape(ne1, ne0)
+        return cls(w=np.ascontiguousarray(bits.T), s=np.ones(ne1, np.float32), bf=qtype == T.BF16)
+
+    @property
+    def n_in(self) -> int:
+        return self.w.shape[0]
+
+    @property
+    def n_out(self) -> int:
+        return self.w.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.w.nbytes + self.s.nbytes
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.nbytes
+
+    def scaled(self, s: np.float32) -> HalfPart:
+        """W * s: each weight's fl(w s) in the tiles, as f32 mode's scaled rows; the fused kernel scales the
+        sums instead (exact when s is a power of two)."""
+        return replace(self, s=self.s * s)
+
+    def dense(self) -> np.ndarray:
+        """W [n_out, n_in] float32 (tests, references)."""
+        out = np.empty((self.n_in, self.n_out), np.float32)
+        kernels().dequant_half(self.w, self.s, 0, self.n_out, out, self.bf)
+        return out.T
+
+
+def concat_parts(parts: list[QPart | HalfPart]) -> QPart | HalfPart:
+    """Parts of the same kind (nib or byte, block size; F16 or BF16) fused along the outputs."""
     if len(parts) == 1:
         return parts[0]
+    if isinstance(parts[0], HalfPart):
+        return HalfPart(w=np.concatenate([p.w for p in parts], axis=1), s=np.concatenate([p.s for p in parts]),
+                        bf=parts[0].bf)
     return QPart(nib=parts[0].nib, q=np.concatenate([p.q for p in parts], axis=2),
                  d=np.concatenate([p.d for p in parts], axis=1), m=np.concatenate([p.m for p in parts], axis=1),
                  has_m=any(p.has_m for p in parts))
@@ -264,15 +314,15 @@ def concat_parts(parts: list[QPart]) -> QPart:
 
 @dataclass(frozen=True, slots=True)
 class QuantLinear:
-    """A weight for "q" numerics: parts along the outputs, each a `QPart` or a float32 `Linear`."""
+    """A weight for "q" numerics: parts along the outputs, each a `QPart`, a `HalfPart` or a float32 `Linear`."""
 
-    parts: tuple[QPart | Linear, ...]
+    parts: tuple[QPart | HalfPart | Linear, ...]
     n_in: int
     n_out: int
 
     @property
     def stream_bytes(self) -> int:
-        return sum(p.nbytes if isinstance(p, QPart) else p.stream_bytes for p in self.parts)
+        return sum(p.stream_bytes if isinstance(p, Linear) else p.nbytes for p in self.parts)
 
     @property
     def resident_bytes(self) -> int:
@@ -281,7 +331,7 @@ class QuantLinear:
     @property
     def weight(self) -> np.ndarray:
         """W [n_out, n_in] float32, dequantized (tests, references; not used to compute)."""
-        return np.concatenate([p.dense() if isinstance(p, QPart) else p.weight for p in self.parts])
+        return np.concatenate([p.weight if isinstance(p, Linear) else p.dense() for p in self.parts])
 
 
 def quant_linear(pieces: list[tuple[np.ndarray | None, GGMLQuantizationType, Any]]) -> QuantLinear:
@@ -289,13 +339,14 @@ def quant_linear(pieces: list[tuple[np.ndarray | None, GGMLQuantizationType, Any
     share a part."""
     groups: list[tuple[str, list]] = []
     for w, _, extra in pieces:
-        kind = (extra.nib, extra.block) if isinstance(extra, QPart) else "f32"
-        item = extra if isinstance(extra, QPart) else w
+        kind = ((extra.nib, extra.block) if isinstance(extra, QPart) else ("half", extra.bf)
+                if isinstance(extra, HalfPart) else "f32")
+        item = w if kind == "f32" else extra
         if groups and groups[-1][0] == kind:
             groups[-1][1].append(item)
         else:
             groups.append((kind, [item]))
-    parts: list[QPart | Linear] = []
+    parts: list[QPart | HalfPart | Linear] = []
     for kind, items in groups:
         if kind == "f32":
             parts.append(Linear.from_weight(np.concatenate(items) if len(items) > 1 else items[0]))
@@ -310,7 +361,7 @@ def quant_linear(pieces: list[tuple[np.ndarray | None, GGMLQuantizationType, Any
 class QuantEmbedding:
     """The token embedding kept quantized: `emb[ids]` dequantizes those rows (float32 [len(ids), n_embd])."""
 
-    def __init__(self, part: QPart):
+    def __init__(self, part: QPart | HalfPart):
         self.part = part
         self.shape = (part.n_out, part.n_in)
         self.dtype = np.dtype(np.float32)
@@ -323,7 +374,10 @@ class QuantEmbedding:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         out = np.empty((ids.shape[0], self.part.n_in), np.float32)
         p = self.part
-        kernels().embed_rows(p.q, p.d, p.m, p.nib, ids, out)
+        if isinstance(p, HalfPart):
+            kernels().embed_half(p.w, p.s, ids, out, p.bf)
+        else:
+            kernels().embed_rows(p.q, p.d, p.m, p.nib, ids, out)
         return out
 
 
@@ -356,12 +410,18 @@ class QuantMatmul(Matmul):
             return self._part(lin.parts[0], x)
         return np.concatenate([self._part(p, x) for p in lin.parts], axis=1)
 
-    def _part(self, p: QPart | Linear, x: np.ndarray) -> np.ndarray:
+    def _part(self, p: QPart | HalfPart | Linear, x: np.ndarray) -> np.ndarray:
         if isinstance(p, Linear):
             return Matmul.__call__(self, p, x)
         k = kernels()
         m = x.shape[0]
         y = np.empty((m, p.n_out), np.float32)
+        if isinstance(p, HalfPart):
+            if m <= HALF_ROWS_MAX:
+                split = self._pool is not None and m * p.n_in * p.n_out >= _SPLIT_MIN_MACS
+                self._run(lambda a, b: k.range_half(p.w, p.s, x, y, a, b, p.bf), p.n_out, 16, split)
+                return y
+            return self._tiles(lambda c0, c1, t: k.dequant_half(p.w, p.s, c0, c1, t, p.bf), p, x, y)
         if m <= (NIB_ROWS_MAX if p.nib else BYTE_ROWS_MAX):
             xs = x.reshape(m, -1, p.block).sum(axis=2) if p.has_m else x[:, :1]     # [M, nb] block sums
             if USE_NUMBA_THREADS:
@@ -380,13 +440,17 @@ class QuantMatmul(Matmul):
                 self._run(lambda a, b: k.range_byte(p.q, p.d, p.m, x, xs, y, a, b, p.has_m), p.n_out, 16, split)
             return y
         deq = k.dequant_nib if p.nib else k.dequant_byte
+        return self._tiles(lambda c0, c1, t: deq(p.q, p.d, p.m, c0, c1, t), p, x, y)
 
+    def _tiles(self, deq: Any, p: QPart | HalfPart, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """y = x @ W.T by float32 tiles of `_TILE_COLS` outputs (`deq(c0, c1, tile)` fills W[c0:c1].T) and BLAS,
+        output ranges over the engine's threads."""
         def cols(a: int, b: int) -> None:
             tile = np.empty((p.n_in, _TILE_COLS), np.float32)
             for c0 in range(a, b, _TILE_COLS):
                 c1 = min(b, c0 + _TILE_COLS)
                 t = tile[:, :c1 - c0]
-                deq(p.q, p.d, p.m, c0, c1, t)
+                deq(c0, c1, t)
                 np.matmul(x, t, out=y[:, c0:c1])
         self._run(cols, p.n_out, _TILE_COLS, self._pool is not None)
         return y

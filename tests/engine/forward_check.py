@@ -85,8 +85,10 @@ def _abs_weight(lin, w: np.ndarray | None) -> tuple[np.ndarray | None, int]:
             dq = np.abs(q * p.d[:, None, :].astype(np.float64)).reshape(nb_ * p.block, -1)     # [n_in, n_out]
             m = np.repeat(np.abs(p.m.astype(np.float64)), p.block, axis=0) if p.has_m else 0.0
             rows.append((dq + m).T)
-        else:
+        elif hasattr(p, "t"):
             rows.append(np.abs(p.t.T.astype(np.float64)))
+        else:                                                   # "q" numerics' F16 / BF16 parts
+            rows.append(np.abs(p.dense().astype(np.float64)))
     return np.concatenate(rows), 8
 
 

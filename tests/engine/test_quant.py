@@ -32,8 +32,12 @@ def _kw(tensor_type: str) -> dict:
     return {"tensor_type": tensor_type} | ({"n_embd": 256, "n_ff": 256} if tensor_type in K_TYPES else {})
 
 
-def _bound(part: quant.QPart, x: np.ndarray) -> np.ndarray:
-    """gamma_K * sum_i (|d q_i| + |m|) |x_i| per output, K = n_in + 8 (float64)."""
+def _bound(part: quant.QPart | quant.HalfPart, x: np.ndarray) -> np.ndarray:
+    """gamma_K * sum_i (|d q_i| + |m|) |x_i| per output, K = n_in + 8 (float64); 16-bit parts:
+    gamma_K * sum_i |w_i| |x_i|, K = n_in + 1 (the sum's roundings and the scale applied to it)."""
+    if isinstance(part, quant.HalfPart):
+        k = part.n_in + 1
+        return k * U / (1 - k * U) * (np.abs(x.astype(np.float64)) @ np.abs(part.dense().astype(np.float64)).T)
     nb, bs = part.q.shape[0], part.block
     q = (np.concatenate([part.q & 15, part.q >> 4], axis=1) if part.nib else part.q).astype(np.float64)
     dq = np.abs(q * part.d[:, None, :].astype(np.float64)).reshape(nb * bs, -1)     # [n_in, n_out]
@@ -118,7 +122,53 @@ def test_k_quant_blocks_decode_exactly(tensor_type):
     np.testing.assert_array_equal(quant.QuantEmbedding(part)[ids], ref[ids])
 
 
-@pytest.mark.parametrize("tensor_type", TYPES + K_TYPES)
+@pytest.mark.parametrize("tensor_type", ("F16", "BF16"))
+def test_half_weights_read_exactly(tensor_type):
+    """Every 16-bit pattern (zeros of both signs, subnormals, infinities, NaNs) kept in a F16 / BF16 part reads
+    as gguf.quants.dequantize's float32, through the tile dequantizer, the embedding lookup and a fused
+    product with one-hot rows; scaled by 1/8 (the Q rows), as fl(w / 8)."""
+    qtype = T[tensor_type]
+    bits = np.arange(1 << 16, dtype=np.uint16).reshape(256, 256)                    # [ne1, ne0]
+    data = bits.view(np.float16) if qtype == T.F16 else bits.view(np.uint8)
+    ref = gguf_quants.dequantize(data, qtype).reshape(256, 256)
+    part = quant.HalfPart.from_tensor(data, qtype, (256, 256))
+
+    def same(a: np.ndarray, b: np.ndarray) -> None:
+        nan = np.isnan(b)
+        assert (np.isnan(a) == nan).all()
+        np.testing.assert_array_equal(a[~nan].view(np.uint32), b[~nan].view(np.uint32))
+
+    same(part.dense(), ref)
+    ids = [0, 255, 128, 124, 7]
+    same(quant.QuantEmbedding(part)[ids], ref[ids])
+    rows = np.flatnonzero(np.isfinite(ref).all(axis=1))                              # rows with no inf / NaN
+    eighth = part.scaled(np.float32(0.125))
+    with np.errstate(invalid="ignore"):
+        ref8 = ref * np.float32(0.125)
+    same(eighth.dense(), ref8)
+    mm = quant.QuantMatmul(1)
+    cols = [0, 5, 77, 255]
+    one_hot = np.eye(256, dtype=np.float32)[cols]                                    # x = e_i: y[o] = W[o, i]
+    for p, w in ((part, ref), (eighth, ref8)):
+        # a sum starts from +0, so a -0 weight reads back as +0 here: values compared, not bits
+        np.testing.assert_array_equal(mm(quant.quant_linear([(None, qtype, p)]), one_hot)[:, rows], w[rows][:, cols].T)
+
+
+@pytest.mark.parametrize("portable", (True, False))
+def test_f16_conversions_exact(portable):
+    """Both fp16 -> float32 conversions of the kernels (the portable integer one, and the one used on this
+    target: F16C's where numba's target has it) give numpy's cast of every bit pattern, bit for bit (NaNs as
+    NaNs)."""
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    out = np.empty(bits.shape, np.float32)
+    quant.kernels().f16_bits_to_f32(bits, out, portable)
+    ref = bits.view(np.float16).astype(np.float32)
+    nan = np.isnan(ref)
+    assert (np.isnan(out) == nan).all()
+    np.testing.assert_array_equal(out[~nan].view(np.uint32), ref[~nan].view(np.uint32))
+
+
+@pytest.mark.parametrize("tensor_type", TYPES + K_TYPES + ("F16", "BF16"))
 def test_blocks_decode_exactly_as_gguf(tiny_model, tiny_gguf, tensor_type):
     """Every matrix kept quantized equals the f32 mode's dequantized one bit for bit (Q rows scaled by 1/8 in
     both: a power of two)."""
@@ -126,13 +176,13 @@ def test_blocks_decode_exactly_as_gguf(tiny_model, tiny_gguf, tensor_type):
     f, q = load(path, n_threads=1), load(path, n_threads=1, numerics="q")
     assert q.numerics == "q"
     for lf, lq in zip(f.weights.layers[0].linears, q.weights.layers[0].linears):
-        assert all(isinstance(p, quant.QPart) for p in lq.parts)
+        assert all(isinstance(p, (quant.QPart, quant.HalfPart)) for p in lq.parts)
         np.testing.assert_array_equal(lq.weight, lf.weight)
     ids = [3, 7, 200]
     np.testing.assert_array_equal(q.weights.tok_embd[ids], f.weights.tok_embd[ids])
 
 
-@pytest.mark.parametrize("tensor_type", ("Q4_1", "Q8_0", "Q5_0") + K_TYPES)
+@pytest.mark.parametrize("tensor_type", ("Q4_1", "Q8_0", "Q5_0") + K_TYPES + ("F16", "BF16"))
 @pytest.mark.parametrize("n_threads", (1, 2))
 def test_product_within_float32_bound(tiny_gguf, tensor_type, n_threads):
     """Fused kernels (1..16 rows, odd counts) and the tile + BLAS path (more rows) against the float64 product."""
@@ -140,7 +190,7 @@ def test_product_within_float32_bound(tiny_gguf, tensor_type, n_threads):
     rng = np.random.default_rng(3)
     for lin in q.weights.layers[0].linears + (q.weights.output,):
         [part] = lin.parts
-        assert isinstance(part, quant.QPart)
+        assert isinstance(part, quant.HalfPart if tensor_type in ("F16", "BF16") else quant.QPart)
         w = part.dense().astype(np.float64)                                         # [n_out, n_in]
         for m in (1, 3, 7, 16, 33):
             x = rng.standard_normal((m, lin.n_in)).astype(np.float32)
@@ -157,8 +207,14 @@ def test_mixed_types_fuse_by_layout(n_threads):
     rng = np.random.default_rng(5)
     n_in = 512
     pieces, refs = [], []
-    for name, n_out in (("Q4_K", 40), ("Q4_1", 24), ("Q5_K", 16), ("Q8_0", 8), ("Q6_K", 33), ("Q6_K", 7)):
+    for name, n_out in (("Q4_K", 40), ("Q4_1", 24), ("Q5_K", 16), ("Q8_0", 8), ("Q6_K", 33), ("Q6_K", 7),
+                        ("F16", 9), ("BF16", 5)):
         qtype = T[name]
+        if qtype in quant.HALF_TYPES:
+            data = gguf_quants.quantize(rng.standard_normal((n_out, n_in)).astype(np.float32) * 0.1, qtype)
+            refs.append(gguf_quants.dequantize(data, qtype).reshape(n_out, n_in).astype(np.float64))
+            pieces.append((None, qtype, quant.HalfPart.from_tensor(data, qtype, (n_out, n_in))))
+            continue
         if qtype in quant.K_TYPES:
             data = _k_blocks(qtype, n_out, n_in, rng)
             # finite but sane scales for a product test: replace the random fp16 ones by magnitudes ~1e-3
@@ -170,8 +226,9 @@ def test_mixed_types_fuse_by_layout(n_threads):
         refs.append(gguf_quants.dequantize(data, qtype).astype(np.float64))
         pieces.append((None, qtype, quant.QPart.from_tensor(data, qtype, (n_out, n_in))))
     lin = quant.quant_linear(pieces)
-    assert [(p.nib, p.block, p.n_out) for p in lin.parts] == [
+    assert [(p.nib, p.block, p.n_out) for p in lin.parts[:3]] == [
         (True, 32, 64), (False, 32, 24), (False, 16, 40)]
+    assert [(type(p), p.bf, p.n_out) for p in lin.parts[3:]] == [(quant.HalfPart, False, 9), (quant.HalfPart, True, 5)]
     w = np.concatenate(refs)
     np.testing.assert_array_equal(lin.weight, w)
     mm = quant.QuantMatmul(n_threads)
@@ -193,6 +250,9 @@ def _held(weights) -> int:
         elif isinstance(obj, quant.QPart):
             for a in (obj.q, obj.d, obj.m):
                 add(a)
+        elif isinstance(obj, quant.HalfPart):
+            add(obj.w)
+            add(obj.s)
         elif isinstance(obj, quant.QuantLinear):
             for p in obj.parts:
                 add(p)
@@ -210,12 +270,13 @@ def _held(weights) -> int:
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("tensor_type, bits", [("Q4_K", 6), ("Q5_K", 10), ("Q6_K", 12), ("Q4_1", 6)])
+@pytest.mark.parametrize("tensor_type, bits", [("Q4_K", 6), ("Q5_K", 10), ("Q6_K", 12), ("Q4_1", 6),
+                                               ("F16", 16), ("BF16", 16)])
 def test_memory_held_is_reported(tiny_gguf, tensor_type, bits):
     """n_resident_bytes is the bytes of the distinct arrays held (the tied head shares the embedding's part:
     once), each quantized weight costing its layout's bits (Q4_K: 4-bit q + float32 d, m per 32 = 6 bits;
-    Q5_K: int8 q + d, m per 32 = 10; Q6_K: int8 q + d, m per 16 = 12, of which m is never read); a decode
-    step streams every part's q and d, and m where used."""
+    Q5_K: int8 q + d, m per 32 = 10; Q6_K: int8 q + d, m per 16 = 12, of which m is never read; F16 / BF16:
+    16, plus a float32 factor per output); a decode step streams every part's q and d, and m where used."""
     path = tiny_gguf(**_kw(tensor_type))
     q, f = load(path, n_threads=1, numerics="q"), load(path, n_threads=1)
     w = q.weights
@@ -223,14 +284,16 @@ def test_memory_held_is_reported(tiny_gguf, tensor_type, bits):
     assert w.n_resident_bytes == _held(w)
     parts = [p for lw in w.layers for lin in lw.linears for p in lin.parts] + list(w.output.parts)
     n_weights = sum(p.n_in * p.n_out for p in parts)
-    assert sum(p.resident_bytes for p in parts) * 8 == n_weights * bits
+    per_output = sum(p.s.nbytes for p in parts if isinstance(p, quant.HalfPart))
+    assert (sum(p.resident_bytes for p in parts) - per_output) * 8 == n_weights * bits
     norms = w.output_norm.nbytes + sum(lw.attn_norm.nbytes + lw.ffn_norm.nbytes for lw in w.layers)
-    used_m = [p.m.nbytes for p in parts if p.has_m]
-    assert w.n_stream_bytes == norms + sum(p.q.nbytes + p.d.nbytes for p in parts) + sum(used_m)
-    assert w.n_resident_bytes < f.weights.n_resident_bytes / 4
+    read = [p.w.nbytes + p.s.nbytes if isinstance(p, quant.HalfPart) else
+            p.q.nbytes + p.d.nbytes + (p.m.nbytes if p.has_m else 0) for p in parts]
+    assert w.n_stream_bytes == norms + sum(read)
+    assert w.n_resident_bytes < f.weights.n_resident_bytes / (3 if bits == 16 else 4)
 
 
-@pytest.mark.parametrize("tensor_type", ("Q4_1",) + K_TYPES)
+@pytest.mark.parametrize("tensor_type", ("Q4_1",) + K_TYPES + ("F16", "BF16"))
 def test_q_mode_forward_invariants(tiny_model, tiny_gguf, tensor_type):
     """The q forward (one chunk; a prefill then cached one-token steps: the fused kernels) and the f32
     forward of the same file are each the model, every op within its float32 bound (`forward_check`)."""
