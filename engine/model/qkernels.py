@@ -110,14 +110,14 @@ def _byte_block_rows(q, b, x, m0, g, t, o0, o1):
 
 @njit(cache=True, fastmath=True, nogil=True, inline="always")
 def _finish_block(d, m, xs, b, m0, g, t, y, o0, o1, has_m):
-    """y[m0 + r, o0:o1] += d[b] * t[r] (+ m[b] * xs[m0 + r, b])."""
+    """y[m0 + r, o0:o1] += d[b] * t[r] (+ m[b] * xs[m0 + r, b]; m is [0, n_out], not read, when not has_m)."""
     w = o1 - o0
     db = d[b, o0:o1]
-    mb = m[b, o0:o1]
     for r in range(g):
         yr = y[m0 + r, o0:o1]
         tr = t[r, :w]
         if has_m:
+            mb = m[b, o0:o1]
             s = xs[m0 + r, b]
             for o in range(w):
                 yr[o] += db[o] * tr[o] + mb[o] * s
@@ -206,22 +206,26 @@ def dequant_nib(q, d, m, o0, o1, out):
 
 
 @njit(cache=True, fastmath=True, nogil=True)
-def dequant_byte(q, d, m, o0, o1, out):
-    """out [n_in, o1 - o0] = W[o0:o1].T for byte weights."""
+def dequant_byte(q, d, m, o0, o1, out, has_m):
+    """out [n_in, o1 - o0] = W[o0:o1].T for byte weights (d q, exact, when not has_m)."""
     nb, bs, _ = q.shape
     w = o1 - o0
     for b in range(nb):
         db = d[b, o0:o1]
-        mb = m[b, o0:o1]
         for j in range(bs):
             qj = q[b, j, o0:o1]
             row = out[bs * b + j, :w]
-            for o in range(w):
-                row[o] = F32(I32(qj[o])) * db[o] + mb[o]
+            if has_m:
+                mb = m[b, o0:o1]
+                for o in range(w):
+                    row[o] = F32(I32(qj[o])) * db[o] + mb[o]
+            else:
+                for o in range(w):
+                    row[o] = F32(I32(qj[o])) * db[o]
 
 
 @njit(cache=True, fastmath=True, nogil=True)
-def embed_rows(q, d, m, kind_nib, ids, out):
+def embed_rows(q, d, m, kind_nib, has_m, ids, out):
     """out [T, n_in] = W[ids] (embedding lookup of quantized rows; few rows, strided reads are fine)."""
     nb, h, _ = q.shape
     bs = 32 if kind_nib else h
@@ -229,7 +233,7 @@ def embed_rows(q, d, m, kind_nib, ids, out):
         o = ids[t]
         for b in range(nb):
             db = d[b, o]
-            mb = m[b, o]
+            mb = m[b, o] if has_m else F32(-0.0)
             for j in range(h):
                 v = I32(q[b, j, o])
                 if kind_nib:

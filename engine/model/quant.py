@@ -89,15 +89,15 @@ def _f16(raw: np.ndarray) -> np.ndarray:
 
 
 def _no_m(d: np.ndarray) -> np.ndarray:
-    """m of a type without offset: -0.0, so d * q + m is d * q bit for bit, a -0 included (x + -0 = x)."""
-    return np.full_like(d, -0.0)
+    """m of a type without offset: none ([ne1, 0]; the kernels read no m when not has_m)."""
+    return np.empty((d.shape[0], 0), np.float32)
 
 
 def decode_blocks(data: np.ndarray, qtype: GGMLQuantizationType,
                   shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
     """A tensor's raw GGUF blocks [ne1, row bytes] -> (q [ne1, ne0] integer quants (uint8 for 4-bit types,
-    int8 otherwise), d [ne1, ne0 / bs], m [ne1, ne0 / bs] float32, has_m) with W = d * q + m per block of
-    bs = `block_size(qtype)` inputs (32; Q6_K 16)."""
+    int8 otherwise), d [ne1, ne0 / bs], m [ne1, ne0 / bs] float32 ([ne1, 0] when not has_m), has_m) with
+    W = d * q + m (or d * q) per block of bs = `block_size(qtype)` inputs (32; Q6_K 16)."""
     if qtype in K_TYPES:
         return _decode_k(data, qtype, shape)
     ne1, ne0 = shape
@@ -190,7 +190,7 @@ class QPart:
     nib: bool
     q: np.ndarray
     d: np.ndarray            # [nb, n_out] float32
-    m: np.ndarray            # [nb, n_out] float32 (zeros and unused when not has_m)
+    m: np.ndarray            # [nb, n_out] float32; [0, n_out] when not has_m
     has_m: bool
 
     @classmethod
@@ -235,7 +235,7 @@ class QPart:
 
     @property
     def resident_bytes(self) -> int:
-        """Bytes held (m is allocated, zeros, when not has_m)."""
+        """Bytes held (a fused part may hold m it does not use: the -0.0 of its pieces without m)."""
         return self.q.nbytes + self.d.nbytes + self.m.nbytes
 
     def scaled(self, s: np.float32) -> QPart:
@@ -247,11 +247,15 @@ class QPart:
         out = np.empty((self.n_in, self.n_out), np.float32)
         k = kernels()
         if k is not None:
-            (k.dequant_nib if self.nib else k.dequant_byte)(self.q, self.d, self.m, 0, self.n_out, out)
+            if self.nib:
+                k.dequant_nib(self.q, self.d, self.m, 0, self.n_out, out)
+            else:
+                k.dequant_byte(self.q, self.d, self.m, 0, self.n_out, out, self.has_m)
             return out.T
         nb = self.q.shape[0]
         q = (np.concatenate([self.q & 15, self.q >> 4], axis=1) if self.nib else self.q).astype(np.float32)
-        return (q * self.d[:, None, :] + self.m[:, None, :]).reshape(nb * self.block, -1).T
+        w = q * self.d[:, None, :] + (self.m[:, None, :] if self.has_m else np.float32(-0.0))
+        return w.reshape(nb * self.block, -1).T
 
 
 HALF_TYPES = frozenset({T.F16, T.BF16})
@@ -307,9 +311,11 @@ def concat_parts(parts: list[QPart | HalfPart]) -> QPart | HalfPart:
     if isinstance(parts[0], HalfPart):
         return HalfPart(w=np.concatenate([p.w for p in parts], axis=1), s=np.concatenate([p.s for p in parts]),
                         bf=parts[0].bf)
+    has_m = any(p.has_m for p in parts)
+    # a piece without m joining pieces with one gets m = -0.0: d q + (-0.0) is d q bit for bit (x + -0 = x)
+    ms = [p.m if p.has_m or not has_m else np.full_like(p.d, -0.0) for p in parts]
     return QPart(nib=parts[0].nib, q=np.concatenate([p.q for p in parts], axis=2),
-                 d=np.concatenate([p.d for p in parts], axis=1), m=np.concatenate([p.m for p in parts], axis=1),
-                 has_m=any(p.has_m for p in parts))
+                 d=np.concatenate([p.d for p in parts], axis=1), m=np.concatenate(ms, axis=1), has_m=has_m)
 
 
 @dataclass(frozen=True, slots=True)
@@ -377,7 +383,7 @@ class QuantEmbedding:
         if isinstance(p, HalfPart):
             kernels().embed_half(p.w, p.s, ids, out, p.bf)
         else:
-            kernels().embed_rows(p.q, p.d, p.m, p.nib, ids, out)
+            kernels().embed_rows(p.q, p.d, p.m, p.nib, p.has_m, ids, out)
         return out
 
 
@@ -439,8 +445,9 @@ class QuantMatmul(Matmul):
             else:
                 self._run(lambda a, b: k.range_byte(p.q, p.d, p.m, x, xs, y, a, b, p.has_m), p.n_out, 16, split)
             return y
-        deq = k.dequant_nib if p.nib else k.dequant_byte
-        return self._tiles(lambda c0, c1, t: deq(p.q, p.d, p.m, c0, c1, t), p, x, y)
+        if p.nib:
+            return self._tiles(lambda c0, c1, t: k.dequant_nib(p.q, p.d, p.m, c0, c1, t), p, x, y)
+        return self._tiles(lambda c0, c1, t: k.dequant_byte(p.q, p.d, p.m, c0, c1, t, p.has_m), p, x, y)
 
     def _tiles(self, deq: Any, p: QPart | HalfPart, x: np.ndarray, y: np.ndarray) -> np.ndarray:
         """y = x @ W.T by float32 tiles of `_TILE_COLS` outputs (`deq(c0, c1, tile)` fills W[c0:c1].T) and BLAS,

@@ -270,12 +270,12 @@ def _held(weights) -> int:
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("tensor_type, bits", [("Q4_K", 6), ("Q5_K", 10), ("Q6_K", 12), ("Q4_1", 6),
+@pytest.mark.parametrize("tensor_type, bits", [("Q4_K", 6), ("Q5_K", 10), ("Q6_K", 10), ("Q4_1", 6), ("Q8_0", 9),
                                                ("F16", 16), ("BF16", 16)])
 def test_memory_held_is_reported(tiny_gguf, tensor_type, bits):
     """n_resident_bytes is the bytes of the distinct arrays held (the tied head shares the embedding's part:
     once), each quantized weight costing its layout's bits (Q4_K: 4-bit q + float32 d, m per 32 = 6 bits;
-    Q5_K: int8 q + d, m per 32 = 10; Q6_K: int8 q + d, m per 16 = 12, of which m is never read; F16 / BF16:
+    Q5_K: int8 q + d, m per 32 = 10; Q6_K: int8 q + d per 16 = 10; Q8_0: int8 q + d per 32 = 9; F16 / BF16:
     16, plus a float32 factor per output); a decode step streams every part's q and d, and m where used."""
     path = tiny_gguf(**_kw(tensor_type))
     q, f = load(path, n_threads=1, numerics="q"), load(path, n_threads=1)
