@@ -14,7 +14,8 @@ fall back to Q5_0 / Q5_1 / Q8_0 in llama-quantize). The weights stay in cache (1
 kernel figures, not DRAM ones.
 
 `--load-model` also writes a synthetic model of SmolLM2's depth (30 layers) and FFN (1536) with n_embd 768
-(a multiple of 256; 576 is not) for each K type and F16 and times `load` in f32 and q numerics, interleaved.
+(a multiple of 256; 576 is not) for each K type and F16 and times `load` and single-sequence decode steps
+(after a 64-token prefill, median) in f32 and q numerics, interleaved.
 Prints the thread settings and the load average before and after.
 """
 
@@ -34,7 +35,7 @@ from threadpoolctl import threadpool_info, threadpool_limits
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.model import load, quant  # noqa: E402
+from engine.model import BatchChunk, load, quant  # noqa: E402
 from engine.model.matmul import Matmul  # noqa: E402
 from engine.model.tiny import write_tiny_gguf  # noqa: E402
 from engine.model.types import Linear  # noqa: E402
@@ -121,6 +122,19 @@ def kernels(args: argparse.Namespace) -> None:
     print("(f = fused kernel, t = tile + BLAS; GB/s = bytes of the weights a product reads / time)")
 
 
+def decode_steps(model, n_prompt: int = 64, n_steps: int = 10) -> list[float]:
+    """Seconds of each single-sequence decode step after an n_prompt-token prefill (first two dropped)."""
+    ids = [3 + (7 * i) % (model.hparams.n_vocab - 3) for i in range(n_prompt + n_steps)]
+    kv = model.new_kv(1, n_prompt + n_steps + 1)
+    model.forward_batch(kv, [BatchChunk(0, ids[:n_prompt], 0, True)])
+    out = []
+    for i in range(n_steps):
+        t0 = time.perf_counter()
+        model.forward_batch(kv, [BatchChunk(0, [ids[n_prompt + i]], n_prompt + i, True)])
+        out.append(time.perf_counter() - t0)
+    return out[2:]
+
+
 def load_times(args: argparse.Namespace) -> None:
     d = tempfile.mkdtemp(prefix="kq-bench-")
     print("\nload of a synthetic model: 30 layers, n_embd 768, n_ff 1536, 12 heads (4 KV), tiny vocabulary")
@@ -130,6 +144,7 @@ def load_times(args: argparse.Namespace) -> None:
                                       n_head=12, n_head_kv=4, tensor_type=name)
     for name, path in paths.items():
         times: dict[str, list[float]] = {"f32": [], "q": []}
+        steps: dict[str, list[float]] = {"f32": [], "q": []}
         held = {}
         for _ in range(2):
             for mode in ("f32", "q"):
@@ -137,9 +152,11 @@ def load_times(args: argparse.Namespace) -> None:
                 model = load(path, n_threads=args.threads, numerics=mode)
                 times[mode].append(time.perf_counter() - t0)
                 held[mode] = (model.weights.n_resident_bytes, model.weights.n_stream_bytes)
+                steps[mode] += decode_steps(model)
                 del model
         print(f"  {name} file {os.path.getsize(path) / 1e6:.0f} MB: " + "; ".join(
-            f"{mode} {min(ts):.2f} s, held {held[mode][0] / 1e6:.0f} MB, streamed per step {held[mode][1] / 1e6:.0f} MB"
+            f"{mode} load {min(ts):.2f} s, held {held[mode][0] / 1e6:.0f} MB, streamed per step "
+            f"{held[mode][1] / 1e6:.0f} MB, decode step {statistics.median(steps[mode]) * 1e3:.1f} ms"
             for mode, ts in times.items()))
         os.unlink(path)
     os.rmdir(d)
