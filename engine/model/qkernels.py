@@ -8,7 +8,8 @@ of the block, the quants of all outputs are contiguous.
   32-block, high nibble = element j + 16 (GGUF's own pairing for Q4_0/Q4_1; Q4_K's nibbles are re-paired at
   load); W[o, 32b + j] = d[b, o] * q + m[b, o].
 - byte kernels (Q8_0, Q5_0, Q5_1, Q5_K with bs = 32; Q6_K with bs = 16, its scales' granularity):
-  `q [nb, bs, n_out] int8`; W[o, bs*b + j] = d[b, o] * q + m[b, o].
+  `q [nb, bs, n_out] int8`; W[o, bs*b + j] = d[b, o] * q + m[b, o] (d * q alone when not has_m).
+- 16-bit kernels (F16, BF16): `w [n_in, n_out] uint16` bit patterns, W[o, i] = float32(w[i, o]) * s[o].
 
 d and m are float32 (Q4_0 / Q5_0 keep their offset in m = -8d / -16d: exact in float32; a K-quant
 sub-block's d = d·sc and m = -dmin·mn are exact products of an fp16 and a 6- or 8-bit integer). The products are

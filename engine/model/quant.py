@@ -3,8 +3,9 @@
 Every Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K matrix is decoded at load into its integer
 quants and per-block scale d and offset m (W = d * q + m per block of 32 inputs -- a K-quant super-block's
 sub-blocks, Q6_K's of 16 --, exactly the values `gguf.quants.dequantize` gives) and repacked, without
-rounding anything, into the kernels' transposed block layout (`QPart`); the float32 copy is never made.
-Other types (F32, F16, BF16, Q2_K, Q3_K) stay float32 `Linear`s, multiplied by BLAS.
+rounding anything, into the kernels' transposed block layout (`QPart`); F16 / BF16 matrices keep their 16-bit
+values (`HalfPart`); the float32 copy is never made. Other types (F32, Q2_K, Q3_K) stay float32 `Linear`s,
+multiplied by BLAS.
 
 Products with 1..`NIB_ROWS_MAX` (4-bit) / `BYTE_ROWS_MAX` (8-bit) rows run the fused dequantize-and-dot kernels on numba's threads (exactly
 `n_threads` of them); more rows (prefill) dequantize a tile of outputs to float32 and hand it to BLAS on the
