@@ -293,11 +293,13 @@ def test_memory_held_is_reported(tiny_gguf, tensor_type, bits):
     assert w.n_resident_bytes < f.weights.n_resident_bytes / (3 if bits == 16 else 4)
 
 
-@pytest.mark.parametrize("tensor_type", ("Q4_1",) + K_TYPES + ("F16", "BF16"))
-def test_q_mode_forward_invariants(tiny_model, tiny_gguf, tensor_type):
+@pytest.mark.parametrize("tensor_type, extra", [(t, {}) for t in ("Q4_1",) + K_TYPES + ("F16", "BF16")] + [
+    ("Q6_K", {"arch": "qwen2", "tied": False}), ("BF16", {"arch": "qwen2", "tied": False})])
+def test_q_mode_forward_invariants(tiny_model, tiny_gguf, tensor_type, extra):
     """The q forward (one chunk; a prefill then cached one-token steps: the fused kernels) and the f32
-    forward of the same file are each the model, every op within its float32 bound (`forward_check`)."""
-    path = tiny_gguf(**_kw(tensor_type))
+    forward of the same file are each the model, every op within its float32 bound (`forward_check`); also
+    a qwen2 model (Q/K/V biases) with its own output matrix."""
+    path = tiny_gguf(**_kw(tensor_type), **extra)
     f, q = load(path, n_threads=1), load(path, n_threads=2, numerics="q")
     ids = list(range(3, 30))
     for model in (q, f):
