@@ -333,6 +333,8 @@ def f16_bits_to_f32(bits, out, portable):
         out[i] = _f16_bits_portable(bits[i]) if portable else _f16_bits_to_f32(bits[i])
 
 
+# range_half repeats the 4-row accumulation of _byte_block_rows with its own element decoding, for the reason
+# given above _range_nib: a decoder passed as an argument would be a function call per weight.
 @njit(cache=True, fastmath=True, nogil=True)
 def range_half(w, s, x, y, o0, o1, bf):
     """y[:, o0:o1] = (x @ W[o0:o1].T) * s[o0:o1] for 16-bit weights w [n_in, n_out] (bf: bfloat16, else fp16),
