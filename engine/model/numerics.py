@@ -162,28 +162,32 @@ class GgmlNumerics(Numerics):
 
 
 class QuantNumerics(F32Numerics):
-    """f32 mode's arithmetic with the matrices kept in their quant blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the
-    token embedding included) and multiplied by compiled kernels (`engine.model.quant`); the attention scale
-    is folded into the Q rows' block scales. Needs numba: without it `resolve` gives f32 mode (one warning)."""
+    """f32 mode's arithmetic with the matrices kept in their quant blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/
+    Q5_K/Q6_K; F16/BF16 as 16-bit floats; the token embedding included) and multiplied by compiled kernels
+    (`engine.model.quant`); the attention scale is folded into the Q rows' block scales (16-bit parts: a
+    factor per output). Needs numba: without it `resolve` gives f32 mode (one warning)."""
 
     name = "q"
 
     def tensor_extra(self, t: Any) -> Any:
-        if t.tensor_type in quant.QUANT_TYPES and len(t.shape) == 2 and int(t.shape[0]) % 32 == 0:
+        if (t.tensor_type in quant.QUANT_TYPES and len(t.shape) == 2
+                and int(t.shape[0]) % (256 if t.tensor_type in quant.K_TYPES else 32) == 0):
             return quant.QPart.from_tensor(t.data, t.tensor_type, (int(t.shape[1]), int(t.shape[0])))
+        if t.tensor_type in quant.HALF_TYPES and len(t.shape) == 2:
+            return quant.HalfPart.from_tensor(t.data, t.tensor_type, (int(t.shape[1]), int(t.shape[0])))
         return None
 
     def keeps_quantized(self, extra: Any) -> bool:
-        return isinstance(extra, quant.QPart)
+        return isinstance(extra, (quant.QPart, quant.HalfPart))
 
     def scale_piece(self, piece: Piece, scale: np.float32) -> Piece:
         w, qtype, extra = piece
-        if isinstance(extra, quant.QPart):
+        if self.keeps_quantized(extra):
             return None, qtype, extra.scaled(scale)
         return w * scale, qtype, extra
 
     def embedding(self, w: np.ndarray | None, extra: Any) -> Any:
-        return quant.QuantEmbedding(extra) if isinstance(extra, quant.QPart) else w
+        return quant.QuantEmbedding(extra) if self.keeps_quantized(extra) else w
 
     def linear(self, pieces: list[Piece]) -> quant.QuantLinear:
         return quant.quant_linear(pieces)

@@ -132,7 +132,7 @@ class Weights:
 
     @property
     def n_stream_bytes(self) -> int:
-        """float32 bytes one decode step reads: every layer matrix and norm, the final norm and the head."""
+        """Bytes one decode step reads: every layer matrix and norm, the final norm and the head."""
         n = self.output.stream_bytes + self.output_norm.nbytes
         for lw in self.layers:
             n += lw.attn_norm.nbytes + lw.ffn_norm.nbytes + sum(lin.stream_bytes for lin in lw.linears)
@@ -141,8 +141,11 @@ class Weights:
 
     @property
     def n_resident_bytes(self) -> int:
-        """float32 bytes held in RAM (both matmul layouts, embeddings, norms)."""
-        n = self.tok_embd.nbytes + self.output_norm.nbytes + self.output.resident_bytes
+        """Bytes held in RAM (both matmul layouts, embeddings, norms). A tied head that reads the embedding's
+        own storage (numerics "q": one quantized table for both) is counted once."""
+        part = getattr(self.tok_embd, "part", None)
+        shared = part is not None and any(p is part for p in getattr(self.output, "parts", ()))
+        n = (0 if shared else self.tok_embd.nbytes) + self.output_norm.nbytes + self.output.resident_bytes
         for lw in self.layers:
             n += lw.attn_norm.nbytes + lw.ffn_norm.nbytes + sum(lin.resident_bytes for lin in lw.linears)
             n += 0 if lw.bqkv is None else lw.bqkv.nbytes

@@ -82,11 +82,13 @@ def _abs_weight(lin, w: np.ndarray | None) -> tuple[np.ndarray | None, int]:
         if hasattr(p, "has_m"):
             nb_ = p.q.shape[0]
             q = (np.concatenate([p.q & 15, p.q >> 4], axis=1) if p.nib else p.q).astype(np.float64)
-            dq = np.abs(q * p.d[:, None, :].astype(np.float64)).reshape(nb_ * 32, -1)     # [n_in, n_out]
-            m = np.repeat(np.abs(p.m.astype(np.float64)), 32, axis=0) if p.has_m else 0.0
+            dq = np.abs(q * p.d[:, None, :].astype(np.float64)).reshape(nb_ * p.block, -1)     # [n_in, n_out]
+            m = np.repeat(np.abs(p.m.astype(np.float64)), p.block, axis=0) if p.has_m else 0.0
             rows.append((dq + m).T)
-        else:
+        elif hasattr(p, "t"):
             rows.append(np.abs(p.t.T.astype(np.float64)))
+        else:                                                   # "q" numerics' F16 / BF16 parts
+            rows.append(np.abs(p.dense().astype(np.float64)))
     return np.concatenate(rows), 8
 
 
