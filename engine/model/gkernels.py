@@ -20,7 +20,9 @@ are `nogil`: the engine's own threads (`Matmul._run`) call them on disjoint outp
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 I32 = np.int32
@@ -56,6 +58,45 @@ def _llvm_fma(typingctx, a, b, c):
     def codegen(context, builder, signature, args):
         return builder.fma(*args)
     return sig, codegen
+
+
+@intrinsic
+def _prefetch(typingctx, arr, off):
+    """llvm.prefetch(read, locality 3, data) of the byte at offset `off` of arr's buffer (C-contiguous arr): a hint
+    that never faults, so an offset past the end is harmless."""
+    if not isinstance(arr, types.Array) or not isinstance(off, types.Integer):
+        return None
+    sig = types.void(arr, off)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        i64 = ir.IntType(64)
+        i32 = ir.IntType(32)
+        o = args[1] if args[1].type.width == 64 else builder.sext(args[1], i64)
+        p = builder.inttoptr(builder.add(builder.ptrtoint(ary.data, i64), o), ir.IntType(8).as_pointer())
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [p.type, i32, i32, i32]),
+                                            "llvm.prefetch.p0")
+        builder.call(fn, [p, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _prefetch_block(qw, dw, mw, has_m, b, o0, o1):
+    """Prefetch block b's weights over outputs o0..o1-1: the quant rows (qw [nb, E, n_out], one byte each), d and
+    (has_m) m (float32 [nb, n_out]). The one-row kernels stream each block's rows once, and the hardware
+    prefetcher does not run far enough ahead on these short rows (measured: half the bandwidth without it)."""
+    if b < qw.shape[0]:
+        n_out = qw.shape[2]
+        base = b * qw.shape[1] * n_out
+        for e in range(qw.shape[1]):
+            row = base + e * n_out
+            for o in range(o0, o1, 64):
+                _prefetch(qw, row + o)
+        for o in range(4 * (b * n_out + o0), 4 * (b * n_out + o1), 64):
+            _prefetch(dw, o)
+            if has_m:
+                _prefetch(mw, o)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -206,29 +247,33 @@ def q8_values(qx, d16, out):
 # lane sums go to a scratch and a second loop applies the fma steps.
 
 _CONTRACT = {"contract"}
+_AHEAD = 2          # blocks of weights prefetched ahead by the one-row kernels
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _finish(acc, summ, y, r, t0, w):
-    """y[r, t0:t0+w] = hsum_float_8(acc) + summs, in ggml.dot_q8_1's order; acc [8, >= w], summ [>= w]."""
+def _finish(acc, summ, has_m, y, r, t0, w):
+    """y[r, t0:t0+w] = hsum_float_8(acc) + summs (has_m; else hsum_float_8(acc) alone), in ggml.dot_q8_1's /
+    ggml.dot_q8_0's order; acc [8, >= w], summ [>= w]."""
     for o in range(w):
         h0 = acc[4, o] + acc[0, o]
         h1 = acc[5, o] + acc[1, o]
         h2 = acc[6, o] + acc[2, o]
         h3 = acc[7, o] + acc[3, o]
-        y[r, t0 + o] = ((h0 + h2) + (h1 + h3)) + summ[o]
+        v = (h0 + h2) + (h1 + h3)
+        y[r, t0 + o] = v + summ[o] if has_m else v
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=_CONTRACT)
-def _block_scales(sx, dx, mw, dw, summ, dd, r, b, t0, w):
-    """summs = fma(s_x, m_w, summs) over the outputs t0..t0+w-1 of block b, and dd = d_x * d_w for them (float32,
-    exact: fp16 x fp16)."""
-    sv = sx[r, b]
+def _block_scales(sx, dx, mw, dw, has_m, summ, dd, r, b, t0, w):
+    """summs = fma(s_x, m_w, summs) (has_m) over the outputs t0..t0+w-1 of block b, and dd = d_x * d_w for them
+    (float32, exact: fp16 x fp16)."""
     dxv = dx[r, b]
-    mb = mw[b, t0:t0 + w]
     db = dw[b, t0:t0 + w]
-    for o in range(w):
-        summ[o] = _fma(sv, mb[o], summ[o])
+    if has_m:
+        sv = sx[r, b]
+        mb = mw[b, t0:t0 + w]
+        for o in range(w):
+            summ[o] = _fma(sv, mb[o], summ[o])
     for o in range(w):
         dd[o] = dxv * db[o]
 
@@ -252,7 +297,8 @@ def _nib_row(qw, dw, mw, qx, dx, sx, y, r, o0, o1):
     summ = np.zeros(w, F32)
     dd = np.empty(w, F32)
     for b in range(nb):
-        _block_scales(sx, dx, mw, dw, summ, dd, r, b, o0, w)
+        _prefetch_block(qw, dw, mw, True, b + _AHEAD, o0, o1)
+        _block_scales(sx, dx, mw, dw, True, summ, dd, r, b, o0, w)
         qb = qw[b]
         for lane in range(4):
             j = 32 * b + 4 * lane
@@ -282,7 +328,7 @@ def _nib_row(qw, dw, mw, qx, dx, sx, y, r, o0, o1):
                 e = dd[o]
                 al[o] = _fma(lo, e, al[o])
                 ah[o] = _fma(hi, e, ah[o])
-    _finish(acc, summ, y, r, o0, w)
+    _finish(acc, summ, True, y, r, o0, w)
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=_CONTRACT)
@@ -379,15 +425,16 @@ def _byte_lanes(qb, qx, r, g, b, t0, w, xy):
 
 
 @njit(cache=True, nogil=True, fastmath=_CONTRACT)
-def _byte_row(qw, dw, mw, qx, dx, sx, y, r, o0, o1):
-    """One row of `dot_byte` over the outputs o0..o1-1, each weight row streamed once."""
+def _byte_row(qw, dw, mw, qx, dx, sx, y, r, o0, o1, has_m):
+    """One row of `dot_byte` (has_m) or `dot_q8_0` over the outputs o0..o1-1, each weight row streamed once."""
     nb = qw.shape[0]
     w = o1 - o0
     acc = np.zeros((8, w), F32)
     summ = np.zeros(w, F32)
     dd = np.empty(w, F32)
     for b in range(nb):
-        _block_scales(sx, dx, mw, dw, summ, dd, r, b, o0, w)
+        _prefetch_block(qw, dw, mw, has_m, b + _AHEAD, o0, o1)
+        _block_scales(sx, dx, mw, dw, has_m, summ, dd, r, b, o0, w)
         qb = qw[b]
         for lane in range(8):
             j = 32 * b + 4 * lane
@@ -404,12 +451,13 @@ def _byte_row(qw, dw, mw, qx, dx, sx, y, r, o0, o1):
                 xy = (F32(I32(q0[o])) * x0 + F32(I32(q1[o])) * x1
                       + F32(I32(q2[o])) * x2 + F32(I32(q3[o])) * x3)
                 al[o] = _fma(xy, dd[o], al[o])
-    _finish(acc, summ, y, r, o0, w)
+    _finish(acc, summ, has_m, y, r, o0, w)
 
 
 @njit(cache=True, nogil=True, fastmath=_CONTRACT)
-def _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, nib):
-    """All rows of `dot_nib` / `dot_byte` over the outputs o0..o1-1: tiles of _TILE outputs, rows in pairs."""
+def _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, nib, has_m):
+    """All rows of `dot_nib` / `dot_byte` / `dot_q8_0` over the outputs o0..o1-1: tiles of _TILE outputs, rows in
+    pairs."""
     nb = qw.shape[0]
     m = qx.shape[0]
     acc = np.empty((2, 8, _TILE), F32)
@@ -428,10 +476,10 @@ def _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, nib):
                 else:
                     _byte_lanes(qw[b], qx, r, g, b, t0, w, xy)
                 for i in range(g):
-                    _block_scales(sx, dx, mw, dw, summ[i], dd, r + i, b, t0, w)
+                    _block_scales(sx, dx, mw, dw, has_m, summ[i], dd, r + i, b, t0, w)
                     _fma_lanes(xy[i], dd, acc[i], w)
             for i in range(g):
-                _finish(acc[i], summ[i], y, r + i, t0, w)
+                _finish(acc[i], summ[i], has_m, y, r + i, t0, w)
 
 
 @njit(cache=True, nogil=True)
@@ -442,16 +490,27 @@ def dot_nib(qw, dw, mw, qx, dx, sx, y, o0, o1):
     if qx.shape[0] == 1:
         _nib_row(qw, dw, mw, qx, dx, sx, y, 0, o0, o1)
     else:
-        _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, True)
+        _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, True, True)
 
 
 @njit(cache=True, nogil=True)
 def dot_byte(qw, dw, mw, qx, dx, sx, y, o0, o1):
     """`dot_nib` for weights with one quant per byte (Q5_1): qw [nb, 32, n_out] int8, lane l = rows 4l..4l+3."""
     if qx.shape[0] == 1:
-        _byte_row(qw, dw, mw, qx, dx, sx, y, 0, o0, o1)
+        _byte_row(qw, dw, mw, qx, dx, sx, y, 0, o0, o1, True)
     else:
-        _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, False)
+        _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, False, True)
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_0(qw, dw, qx, dx, y, o0, o1):
+    """y[:, o0:o1] of ggml.dot_q8_0 (ggml_vec_dot_q8_0_q8_0, and tinyBLAS_Q0_AVX: the same lane operations) for
+    Q8_0 weights qw [nb, 32, n_out] int8, dw [nb, n_out] float32, activations from `quantize_q8` (its s unused):
+    per block the 8 exact lane sums, acc_l = fma(xy, d_x * d_w, acc_l), y = hsum_float_8(acc); no minimums."""
+    if qx.shape[0] == 1:
+        _byte_row(qw, dw, dw, qx, dx, dx, y, 0, o0, o1, False)
+    else:
+        _rows_tiled(qw, dw, dw, qx, dx, dx, y, o0, o1, False, False)
 
 
 # --- norm, SwiGLU --------------------------------------------------------------------------------------------
@@ -704,3 +763,4 @@ def attend_block(q, kt, v, n_old, a, b, one, scale, n_gqa, out):
                 s[j] = -_INF
             _softmax_f16(s, npad)
             _weighted(s, v[kh], n_keys, npad, one, acc, fold, out[i, h])
+

@@ -317,3 +317,59 @@ def test_fp16_cells_are_read_exactly():
     assert np.array_equal(got, w, equal_nan=True) and np.array_equal(got_t, w.transpose(0, 2, 1), equal_nan=True)
     finite = np.isfinite(w)
     assert np.array_equal(got.view(np.uint32)[finite], w.view(np.uint32)[finite])          # signs of zero too
+
+
+# --- the exact Q8_0 x Q8_0 product (output heads) ------------------------------------------------------------------
+
+def _q8_0_head(n_out: int, n_in: int) -> G.QLinear:
+    w = RNG.normal(0, 0.05, (n_out, n_in)).astype(np.float32)
+    return G.exact_head(gguf_quants.quantize(w, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0, w.shape)
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("m", [1, 2, 3, 17])
+@pytest.mark.parametrize("n_in,n_out", [(32, 1), (96, 70), (576, 4099)])
+def test_q8_0_head_matches_numpy(n_threads, m, n_in, n_out):
+    """`gkernels.dot_q8_0` (one row, and row pairs over output tiles) gives `ggml.dot_q8_1`'s bits for a
+    `Q8_0DotPart`, with the outputs split over the threads; the result is the dequantized product up to the
+    float32 rounding of the lane chains (a check that it is the right product, not only the same one)."""
+    head = _q8_0_head(n_out, n_in)
+    [part] = head.parts
+    assert isinstance(part, G.Q8_0DotPart) and not part.w.has_m and part.act == "q8_0"
+    x = _activations(m, n_in)
+    ref, fast = G.GgmlMatmul(n_threads, compiled=False), G.GgmlMatmul(n_threads, compiled=True)
+    try:
+        want = ref(head, x)
+        got = fast(head, x)
+    finally:
+        ref.close()
+        fast.close()
+    assert got.shape == (m, n_out) and got.dtype == np.float32 and np.array_equal(got, want)
+    xq = G.quantize_q8_0(x).astype(np.float64)
+    wd = part.w.dense().astype(np.float64)                                       # [n_out, n_in]
+    exact = xq @ wd.T
+    # n_in/32 fmas per lane plus 3 additions, each within a relative 2^-24 of its operands' magnitudes
+    k = n_in // 32 + 3
+    bound = (k * 2.0 ** -24 / (1 - k * 2.0 ** -24)) * (np.abs(xq) @ np.abs(wd).T)
+    assert np.all(np.abs(got - exact) <= bound)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_q8_0_kernel_rounds_each_fma_once(m):
+    """The lane chain of `test_dot_kernels_round_each_fma_once` on `dot_q8_0`: 1 + 2^-24 + 2^-54 rounds once to
+    1 + 2^-23 (300 outputs: a tile and a tail; one row and the tiled rows)."""
+    n_out, nb_ = 300, 2
+    qw = np.zeros((nb_, 32, n_out), np.int8)
+    qw[0, 0] = 1
+    qw[1, 0] = 1
+    dw = np.ones((nb_, n_out), np.float32)
+    dw[1] = 2.0 ** -24
+    qx = np.zeros((m, 32 * nb_), np.float32)
+    qx[:, 0] = 1.0
+    qx[:, 32] = 6605.0
+    dx = np.ones((m, nb_), np.float32)
+    dx[:, 1] = 162565 * 2.0 ** -30
+    y = np.full((m, n_out), np.nan, np.float32)
+    K.dot_q8_0(qw, dw, qx, dx, y, 0, n_out)
+    assert np.all(y == np.float32(1 + 2 ** -23)), np.unique(y)
+
