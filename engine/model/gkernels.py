@@ -454,19 +454,109 @@ def _byte_row(qw, dw, mw, qx, dx, sx, y, r, o0, o1, has_m):
     _finish(acc, summ, has_m, y, r, o0, w)
 
 
+@njit(cache=True, nogil=True, inline="always", fastmath=_CONTRACT)
+def _quad_lane(q0, q1, q2, q3, nib, high, xr0, xr1, xr2, xr3, j, dd, a0, a1, a2, a3, w):
+    """One lane of one block for 4 rows at once, its fma step included: the 4 weight rows q0..q3 (outputs
+    0..w-1 of the tile) are decoded once (nib: the low or, `high`, the high nibbles) for the 4 rows' lane sums
+    with activations xr*[j..j+3], and a_i[o] = fma(xy_i, dd[i, o], a_i[o]) (dd = d_x * d_w of the block, made
+    once for its 8 lanes). Four accumulator rows written per loop: the vectorizer's alias checks stay few enough
+    for it to vectorize (eight did not)."""
+    x00 = xr0[j]
+    x01 = xr0[j + 1]
+    x02 = xr0[j + 2]
+    x03 = xr0[j + 3]
+    x10 = xr1[j]
+    x11 = xr1[j + 1]
+    x12 = xr1[j + 2]
+    x13 = xr1[j + 3]
+    x20 = xr2[j]
+    x21 = xr2[j + 1]
+    x22 = xr2[j + 2]
+    x23 = xr2[j + 3]
+    x30 = xr3[j]
+    x31 = xr3[j + 1]
+    x32 = xr3[j + 2]
+    x33 = xr3[j + 3]
+    for o in range(w):
+        if nib:
+            if high:
+                u0 = F32(I32(I32(q0[o]) >> I32(4)))
+                u1 = F32(I32(I32(q1[o]) >> I32(4)))
+                u2 = F32(I32(I32(q2[o]) >> I32(4)))
+                u3 = F32(I32(I32(q3[o]) >> I32(4)))
+            else:
+                u0 = F32(I32(I32(q0[o]) & I32(15)))
+                u1 = F32(I32(I32(q1[o]) & I32(15)))
+                u2 = F32(I32(I32(q2[o]) & I32(15)))
+                u3 = F32(I32(I32(q3[o]) & I32(15)))
+        else:
+            u0 = F32(I32(q0[o]))
+            u1 = F32(I32(q1[o]))
+            u2 = F32(I32(q2[o]))
+            u3 = F32(I32(q3[o]))
+        a0[o] = _fma(u0 * x00 + u1 * x01 + u2 * x02 + u3 * x03, dd[0, o], a0[o])
+        a1[o] = _fma(u0 * x10 + u1 * x11 + u2 * x12 + u3 * x13, dd[1, o], a1[o])
+        a2[o] = _fma(u0 * x20 + u1 * x21 + u2 * x22 + u3 * x23, dd[2, o], a2[o])
+        a3[o] = _fma(u0 * x30 + u1 * x31 + u2 * x32 + u3 * x33, dd[3, o], a3[o])
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=_CONTRACT)
+def _quad_block(qb, dw, mw, qx, sx, dx, has_m, nib, r, b, t0, w, acc, summ, dd):
+    """Block b of rows r..r+3 over the outputs t0..t0+w-1: summs (has_m) and the 8 lanes' fma steps into
+    acc [4, 8, >= w] (`_quad_lane`); dd [4, >= w] scratch."""
+    db = dw[b, t0:t0 + w]
+    for i in range(4):
+        e = dx[r + i, b]
+        di = dd[i]
+        for o in range(w):
+            di[o] = e * db[o]
+    if has_m:
+        mb = mw[b, t0:t0 + w]
+        for i in range(4):
+            sv = sx[r + i, b]
+            si = summ[i]
+            for o in range(w):
+                si[o] = _fma(sv, mb[o], si[o])
+    xr0 = qx[r]
+    xr1 = qx[r + 1]
+    xr2 = qx[r + 2]
+    xr3 = qx[r + 3]
+    for lane in range(4 if nib else 8):
+        q0 = qb[4 * lane, t0:t0 + w]
+        q1 = qb[4 * lane + 1, t0:t0 + w]
+        q2 = qb[4 * lane + 2, t0:t0 + w]
+        q3 = qb[4 * lane + 3, t0:t0 + w]
+        j = 32 * b + 4 * lane
+        _quad_lane(q0, q1, q2, q3, nib, False, xr0, xr1, xr2, xr3, j, dd,
+                   acc[0, lane], acc[1, lane], acc[2, lane], acc[3, lane], w)
+        if nib:
+            _quad_lane(q0, q1, q2, q3, nib, True, xr0, xr1, xr2, xr3, j + 16, dd,
+                       acc[0, lane + 4], acc[1, lane + 4], acc[2, lane + 4], acc[3, lane + 4], w)
+
+
 @njit(cache=True, nogil=True, fastmath=_CONTRACT)
 def _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, nib, has_m):
     """All rows of `dot_nib` / `dot_byte` / `dot_q8_0` over the outputs o0..o1-1: tiles of _TILE outputs, rows in
-    pairs."""
+    fours (`_quad_block`: each weight decoded once for 4 rows, the fma steps in the same loop), the last 1..3
+    rows in pairs (lane sums to a scratch, then the fma steps)."""
     nb = qw.shape[0]
     m = qx.shape[0]
-    acc = np.empty((2, 8, _TILE), F32)
-    summ = np.empty((2, _TILE), F32)
+    acc = np.empty((4, 8, _TILE), F32)
+    summ = np.empty((4, _TILE), F32)
     dd = np.empty(_TILE, F32)
+    dd4 = np.empty((4, _TILE), F32)
     xy = np.empty((2, 8, _TILE), F32)
+    m4 = m - m % 4
     for t0 in range(o0, o1, _TILE):
         w = min(o1, t0 + _TILE) - t0
-        for r in range(0, m, 2):
+        for r in range(0, m4, 4):
+            acc[:, :, :w] = F32(0.0)
+            summ[:, :w] = F32(0.0)
+            for b in range(nb):
+                _quad_block(qw[b], dw, mw, qx, sx, dx, has_m, nib, r, b, t0, w, acc, summ, dd4)
+            for i in range(4):
+                _finish(acc[i], summ[i], has_m, y, r + i, t0, w)
+        for r in range(m4, m, 2):
             g = min(2, m - r)
             acc[:, :, :w] = F32(0.0)
             summ[:, :w] = F32(0.0)

@@ -65,12 +65,13 @@ def test_fma_matches_numpy():
 
 
 @pytest.mark.parametrize("nib", [True, False], ids=["q4_1", "q5_1"])
-@pytest.mark.parametrize("m", [1, 2, 3])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7])
 def test_dot_kernels_round_each_fma_once(nib, m):
     """A lane chain built to end on a float32 tie: block 0 leaves acc = 1, block 1 adds xy * d_x * d_w =
     6605 * (162565 * 2^-30) * 2^-24 = 2^-24 + 2^-54, just past the midpoint of 1 and 1 + 2^-23. One rounding
     (ggml's fmadd) gives 1 + 2^-23; the float64 sum rounded again to float32 would give 1 (ties to even).
-    Every output, on the one-row and the tiled kernels (300 outputs: a tile and a tail)."""
+    Every output, on the one-row and the tiled kernels (300 outputs: a tile and a tail; rows in fours, pairs and
+    one alone)."""
     n_out, nb_ = 300, 2
     qw = np.zeros((nb_, 16 if nib else 32, n_out), np.uint8 if nib else np.int8)
     qw[0, 0] = 1                                              # element 0 of blocks 0 and 1 (lane 0)
@@ -148,8 +149,8 @@ def _qlinear(type_names: list[str], n_out: list[int], n_in: int) -> G.QLinear:
 
 
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q5_1"])
-@pytest.mark.parametrize("m", [1, 2, 5, 16, 17, 33])
-@pytest.mark.parametrize("n_in,n_out", [(32, 1), (96, 70), (160, 200)])
+@pytest.mark.parametrize("m", [1, 2, 4, 5, 7, 16, 17, 33])
+@pytest.mark.parametrize("n_in,n_out", [(32, 1), (96, 70), (160, 300)])
 def test_exact_dot_matches_numpy(type_name, m, n_in, n_out):
     lin = _qlinear([type_name], [n_out], n_in)
     [part] = lin.parts
@@ -327,7 +328,7 @@ def _q8_0_head(n_out: int, n_in: int) -> G.QLinear:
 
 
 @pytest.mark.parametrize("n_threads", [1, 2])
-@pytest.mark.parametrize("m", [1, 2, 3, 17])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 17])
 @pytest.mark.parametrize("n_in,n_out", [(32, 1), (96, 70), (576, 4099)])
 def test_q8_0_head_matches_numpy(n_threads, m, n_in, n_out):
     """`gkernels.dot_q8_0` (one row, and row pairs over output tiles) gives `ggml.dot_q8_1`'s bits for a
@@ -354,7 +355,7 @@ def test_q8_0_head_matches_numpy(n_threads, m, n_in, n_out):
     assert np.all(np.abs(got - exact) <= bound)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7])
 def test_q8_0_kernel_rounds_each_fma_once(m):
     """The lane chain of `test_dot_kernels_round_each_fma_once` on `dot_q8_0`: 1 + 2^-24 + 2^-54 rounds once to
     1 + 2^-23 (300 outputs: a tile and a tail; one row and the tiled rows)."""
