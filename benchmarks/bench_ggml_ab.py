@@ -9,8 +9,9 @@ PYTHONPATH set to its tree) loads SmolLM2 in ggml mode, warms the kernels' cache
 `--prompt`-token prompt in one chunk (last logit only), and decode steps with 1, 4, 16 sequences of `--n-past`
 cached tokens (the sequences copied from one prefilled state; median of `--steps` steps). `--profile`: the wall
 time spent in each `gkernels` function called from Python, summed per phase (meaningful with one thread).
-Prints every run, the medians per tree, the ratio new/base, the load averages (before / after each run) and the
-thread settings (split mode: BLAS 1 thread, `--threads` matmul threads).
+Prints every run (wall time, and the process CPU time: with one thread the work done whatever the machine's load),
+the medians per tree, the ratio new/base, the load averages (before / after each run) and the thread settings
+(split mode: BLAS 1 thread, `--threads` matmul threads).
 """
 
 from __future__ import annotations
@@ -69,9 +70,11 @@ def worker(args: argparse.Namespace) -> None:
     out: dict = {"threads": args.threads, "blas": blas, "load_before": os.getloadavg()[0], "profile": {}}
     totals.clear()
     kv = model.new_kv(1, args.prompt + 8)
+    c0 = time.process_time()
     t0 = time.perf_counter()
     model.forward_batch(kv, [BatchChunk(0, prompt, 0, True)])
     out["prefill"] = time.perf_counter() - t0
+    out["cpu_prefill"] = time.process_time() - c0
     out["profile"]["prefill"] = dict(totals)
     base_kv = model.new_kv(1, args.n_past + args.steps + 8)
     model.forward_batch(base_kv, [BatchChunk(0, past, 0, True)])
@@ -82,12 +85,14 @@ def worker(args: argparse.Namespace) -> None:
             kv.state_load(s, state)
         times = []
         totals.clear()
+        c0 = time.process_time()
         for step in range(args.steps):
             chunks = [BatchChunk(s, [int(rng.integers(100, 1000))], args.n_past + step, True) for s in range(n)]
             t0 = time.perf_counter()
             model.forward_batch(kv, chunks)
             times.append(time.perf_counter() - t0)
         out[f"decode{n}"] = statistics.median(times)
+        out[f"cpu_decode{n}"] = (time.process_time() - c0) / args.steps
         out["profile"][f"decode{n}"] = {k: v / args.steps for k, v in totals.items()}
     out["load_after"] = os.getloadavg()[0]
     print(json.dumps(out))
@@ -114,6 +119,7 @@ def main() -> int:
         raise SystemExit("--base DIR is required")
     trees = {"base": os.path.abspath(args.base), "new": HERE}
     keys = ["prefill"] + [f"decode{n}" for n in args.seqs.split(",")]
+    keys += [f"cpu_{k}" for k in keys]
     res: dict[tuple[str, int], list[dict]] = {}
     print(f"base {trees['base']}, new {trees['new']}; load average at start {os.getloadavg()}")
     for rnd in range(args.rounds):
@@ -132,8 +138,8 @@ def main() -> int:
                 fig = json.loads(r.stdout.strip().splitlines()[-1])
                 res.setdefault((name, th), []).append(fig)
                 print(f"round {rnd} --threads {th} {name}: " + ", ".join(
-                    f"{k} {fig[k] * (1 if k == 'prefill' else 1e3):.{2 if k == 'prefill' else 1}f}"
-                    f"{' s' if k == 'prefill' else ' ms'}" for k in keys)
+                    f"{k} {fig[k] * (1 if k.endswith('prefill') else 1e3):.{2 if k.endswith('prefill') else 1}f}"
+                    f"{' s' if k.endswith('prefill') else ' ms'}" for k in keys)
                     + f" (load {fig['load_before']:.2f} -> {fig['load_after']:.2f}; BLAS {fig['blas']})", flush=True)
                 if args.profile:
                     for phase, tot in fig["profile"].items():
@@ -145,7 +151,7 @@ def main() -> int:
         for k in keys:
             b = statistics.median(f[k] for f in res[("base", th)])
             n = statistics.median(f[k] for f in res[("new", th)])
-            unit, scale = ("s", 1) if k == "prefill" else ("ms", 1e3)
+            unit, scale = ("s", 1) if k.endswith("prefill") else ("ms", 1e3)
             print(f"| {th} | {k} | {b * scale:.2f} {unit} | {n * scale:.2f} {unit} | {n / b:.3f} |")
     print(f"load average at end {os.getloadavg()}")
     return 0

@@ -10,7 +10,7 @@ per pass: the weights come from memory, not from the core's caches), and the Q8_
 (28 MB of int8 quants + 3.5 MB of d; before this kernel existed the head was a float32 BLAS product over
 113 MB, measured here through the f32 `Linear` with numpy's matmul on 1 BLAS thread). Random weights and
 activations; every result is compared with the other kernel set's (bit for bit where both replay ggml).
-Prints per row count: median wall time of `--reps` passes, GB/s of weights streamed, GMAC/s.
+Prints per row count: median CPU time of the thread over `--reps` passes, GB/s of weights streamed, GMAC/s.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -34,21 +36,26 @@ LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 
 
 def load_other(tree: str):
-    """The other tree's gkernels.py as a module of its own (its numba cache is keyed by its path)."""
-    path = os.path.join(tree, "engine", "model", "gkernels.py")
+    """The other tree's gkernels.py as a module of its own, from a copy in a fresh directory: numba's cache of
+    a module loaded this way is not found again by a later process (it compiles, ~10-20 s)."""
+    path = os.path.join(tempfile.mkdtemp(prefix="gkernels_base_"), "gkernels_base.py")
+    shutil.copyfile(os.path.join(tree, "engine", "model", "gkernels.py"), path)
     spec = importlib.util.spec_from_file_location("gkernels_base", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod                 # numba's cache finds the module of a cached function by name
     spec.loader.exec_module(mod)
     return mod
 
 
 def median_time(fn, reps: int) -> float:
+    """Median CPU time of this thread over `reps` calls (one thread: not counting the time another process holds
+    the core, which the wall time on this shared machine does)."""
     fn()
     ts = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         fn()
-        ts.append(time.perf_counter() - t0)
+        ts.append(time.thread_time() - t0)
     return statistics.median(ts)
 
 
