@@ -248,6 +248,7 @@ def q8_values(qx, d16, out):
 
 _CONTRACT = {"contract"}
 _AHEAD = 2          # blocks of weights prefetched ahead by the one-row kernels
+_ROW_TILE = 1024    # outputs per pass of the one-row kernels (their 8 x _ROW_TILE accumulators stay in L1)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -578,7 +579,8 @@ def dot_nib(qw, dw, mw, qx, dx, sx, y, o0, o1):
     of the block, high nibble = element j + 16), dw, mw [nb, n_out] float32; qx [M, n_in], dx, sx [M, nb] from
     `quantize_q8`. Lanes 0..3 of a block are the low nibbles of bytes 4l..4l+3, lanes 4..7 their high nibbles."""
     if qx.shape[0] == 1:
-        _nib_row(qw, dw, mw, qx, dx, sx, y, 0, o0, o1)
+        for t0 in range(o0, o1, _ROW_TILE):
+            _nib_row(qw, dw, mw, qx, dx, sx, y, 0, t0, min(o1, t0 + _ROW_TILE))
     else:
         _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, True, True)
 
@@ -587,7 +589,8 @@ def dot_nib(qw, dw, mw, qx, dx, sx, y, o0, o1):
 def dot_byte(qw, dw, mw, qx, dx, sx, y, o0, o1):
     """`dot_nib` for weights with one quant per byte (Q5_1): qw [nb, 32, n_out] int8, lane l = rows 4l..4l+3."""
     if qx.shape[0] == 1:
-        _byte_row(qw, dw, mw, qx, dx, sx, y, 0, o0, o1, True)
+        for t0 in range(o0, o1, _ROW_TILE):
+            _byte_row(qw, dw, mw, qx, dx, sx, y, 0, t0, min(o1, t0 + _ROW_TILE), True)
     else:
         _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, False, True)
 
@@ -598,7 +601,8 @@ def dot_q8_0(qw, dw, qx, dx, y, o0, o1):
     Q8_0 weights qw [nb, 32, n_out] int8, dw [nb, n_out] float32, activations from `quantize_q8` (its s unused):
     per block the 8 exact lane sums, acc_l = fma(xy, d_x * d_w, acc_l), y = hsum_float_8(acc); no minimums."""
     if qx.shape[0] == 1:
-        _byte_row(qw, dw, dw, qx, dx, dx, y, 0, o0, o1, False)
+        for t0 in range(o0, o1, _ROW_TILE):
+            _byte_row(qw, dw, dw, qx, dx, dx, y, 0, t0, min(o1, t0 + _ROW_TILE), False)
     else:
         _rows_tiled(qw, dw, dw, qx, dx, dx, y, o0, o1, False, False)
 
