@@ -69,8 +69,9 @@ VEC_DOT_TYPE: dict[GGMLQuantizationType, str] = {
 }
 # weights whose x86 dot product with Q8_1 is replayed exactly (d*q + m blocks of 32)
 EXACT_DOT_TYPES = frozenset({T.Q4_1, T.Q5_1})
-# output heads whose x86 dot product with Q8_0 is replayed exactly (ggml_vec_dot_q8_0_q8_0; SmolLM2's tied head)
-EXACT_HEAD_TYPES = frozenset({T.Q8_0})
+# weights whose x86 dot product with Q8_0 is replayed exactly (ggml_vec_dot_q8_0_q8_0: d*q blocks of 32; layers and
+# heads, e.g. SmolLM2's tied Q8_0 head)
+EXACT_Q8_0_TYPES = frozenset({T.Q8_0})
 
 # --- the compiled kernels (numba, `gkernels`), loaded on first use ----------------------------------------------
 
@@ -395,26 +396,24 @@ class QLinear:
 
 
 def exact_part(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> QPart:
-    """A Q4_1/Q5_1 tensor's raw blocks (shape (ne1, ne0)) -> the `QPart` its exact product reads (bit for bit
-    the integer quants, d and m of `block_params`)."""
-    if qtype not in EXACT_DOT_TYPES:
-        raise ValueError(f"{qtype.name} is not a d*q + m type")
+    """A Q4_1/Q5_1/Q8_0 tensor's raw blocks (shape (ne1, ne0)) -> the `QPart` its exact product reads (bit for
+    bit the integer quants, d and m of `block_params`; Q8_0: quants and d, no m)."""
+    if qtype not in EXACT_DOT_TYPES | EXACT_Q8_0_TYPES:
+        raise ValueError(f"{qtype.name} has no exact dot product here")
     return QPart.from_tensor(data, qtype, shape)
 
 
 def exact_head(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> QLinear:
-    """A Q8_0 output head's raw blocks (shape (n_vocab, n_embd)) -> its exact `Q8_0DotPart` (int8 quants and
-    d per block of 32, the values of `gguf.quants.dequantize`)."""
-    if qtype not in EXACT_HEAD_TYPES:
+    """A Q8_0 output head's raw blocks (shape (n_vocab, n_embd)) -> its exact `Q8_0DotPart` as a `QLinear`."""
+    if qtype not in EXACT_Q8_0_TYPES:
         raise ValueError(f"{qtype.name} has no exact head kernel")
-    qp = QPart.from_tensor(data, qtype, shape)
-    return QLinear(parts=(Q8_0DotPart(w=qp, n_out=qp.n_out),), n_in=qp.n_in, n_out=qp.n_out)
+    return qlinear([(None, qtype, exact_part(data, qtype, shape))])
 
 
 def qlinear(pieces: list[tuple[np.ndarray | None, GGMLQuantizationType, Any]]) -> QLinear:
     """Fuse (w [n_out_i, n_in] dequantized -- None for exact pieces --, ggml type, `exact_part` or None) along
-    the outputs; consecutive pieces of the same kind share a part. Pieces with an `exact_part` (Q4_1/Q5_1)
-    get the exact kernel."""
+    the outputs; consecutive pieces of the same kind share a part. Pieces with an `exact_part` get the exact
+    kernel (Q4_1/Q5_1: `Q8_1DotPart`, Q8_0: `Q8_0DotPart`)."""
     groups: list[tuple[str, list]] = []
     n_in = None
     for w, qtype, part in pieces:
@@ -431,7 +430,7 @@ def qlinear(pieces: list[tuple[np.ndarray | None, GGMLQuantizationType, Any]]) -
     for kind, items in groups:
         if kind.startswith("exact"):
             qp = concat_parts(items)
-            parts.append(Q8_1DotPart(w=qp, n_out=qp.n_out))
+            parts.append((Q8_1DotPart if qp.has_m else Q8_0DotPart)(w=qp, n_out=qp.n_out))
         else:
             w = np.concatenate(items) if len(items) > 1 else items[0]
             parts.append(BlasPart(act=kind, lin=Linear.from_weight(w), n_out=w.shape[0]))

@@ -135,13 +135,13 @@ def test_q8_quantizer_rejects_a_row_length_that_is_not_a_multiple_of_32():
 # --- the exact Q4_1 / Q5_1 product and GgmlMatmul -------------------------------------------------------------------
 
 def _qlinear(type_names: list[str], n_out: list[int], n_in: int) -> G.QLinear:
-    """Random weights quantized with gguf-py, fused along the outputs (exact pieces for Q4_1/Q5_1)."""
+    """Random weights quantized with gguf-py, fused along the outputs (exact pieces for Q4_1/Q5_1/Q8_0)."""
     pieces = []
     for name, n in zip(type_names, n_out):
         qtype = GGMLQuantizationType[name]
         w = RNG.normal(0, 0.05, (n, n_in)).astype(np.float32)
         data = gguf_quants.quantize(w, qtype)
-        if qtype in G.EXACT_DOT_TYPES:
+        if qtype in G.EXACT_DOT_TYPES | G.EXACT_Q8_0_TYPES:
             pieces.append((None, qtype, G.exact_part(data, qtype, w.shape)))
         else:
             pieces.append((gguf_quants.dequantize(data, qtype).astype(np.float32), qtype, None))
@@ -163,10 +163,11 @@ def test_exact_dot_matches_numpy(type_name, m, n_in, n_out):
 @pytest.mark.parametrize("n_threads", [1, 2])
 @pytest.mark.parametrize("m", [1, 3, 40])
 def test_ggml_matmul_matches_numpy_with_threads(n_threads, m):
-    """Mixed parts (exact Q4_1, Q8_0 and F16 through BLAS, exact Q5_1), products large enough to be split over
+    """Mixed parts (exact Q4_1 and Q8_0, F16 through BLAS, exact Q5_1), products large enough to be split over
     the threads: the compiled matmul gives the numpy one's bits."""
     n_in = 576
     lin = _qlinear(["Q4_1", "Q8_0", "F16", "Q5_1"], [1000, 64, 48, 264], n_in)
+    assert [type(p).__name__ for p in lin.parts] == ["Q8_1DotPart", "Q8_0DotPart", "BlasPart", "Q8_1DotPart"]
     x = _activations(m, n_in)
     ref, fast = G.GgmlMatmul(n_threads, compiled=False), G.GgmlMatmul(n_threads, compiled=True)
     try:
