@@ -14,7 +14,8 @@ F16 KV cache) down to the summation order:
   stored fp16, q = round-half-even(x * 127/amax), s = fp16(d * sum q)). Q4_1/Q5_1 x Q8_1 is computed as
   ggml_vec_dot_q4_1_q8_1 does: per block 8 lanes of exact 4-element integer dot products, each lane
   accumulated over the blocks with fma(d_w*d_x, lane, acc) in float32, the lanes summed as hsum_float_8,
-  plus the float32 fma chain of m_w * s_x (`Q8_1DotPart`).
+  plus the float32 fma chain of m_w * s_x (`Q8_1DotPart`). Q8_0 x Q8_0 (layers, and a Q8_0 output head) as
+  ggml_vec_dot_q8_0_q8_0 / tinyBLAS_Q0_AVX: the same lanes and fmas without the minimums (`Q8_0DotPart`).
 - RoPE: theta = p * theta_scale^i by repeated float32 multiplication, cos/sin from the C library's float
   functions (glibc sinf/cosf, as ggml calls them), rotation with fma (x0*cos - x1*sin -> fma(x0, cos, -x1*sin)).
 - rms_norm: sum of float32 squares in double, scale = 1/sqrtf(mean + eps), y = x * scale * w.
@@ -24,9 +25,9 @@ F16 KV cache) down to the summation order:
   (ggml_v_expf, AVX-512), per-16 sums in double, times float(1/sum); probabilities -> f16.
 - SwiGLU: ggml_v_silu (same expf, 1 + e, division) times up.
 
-Not emulated exactly (close, but a different summation order): matmuls whose weights are not Q4_1/Q5_1
-(F32/F16/BF16/Q8_0/Q4_0/Q5_0/K-quants: activations are quantized the ggml way, the products are summed by
-BLAS), the output head (nothing is quantized after it, so only its logits move, by ~1e-5), an f32 KV store,
+Not emulated exactly (close, but a different summation order): matmuls whose weights are not Q4_1/Q5_1/Q8_0
+(F32/F16/BF16/Q4_0/Q5_0/K-quants: activations are quantized the ggml way, the products are summed by BLAS),
+output heads of those types (nothing is quantized after them, so only the logits move, by ~1e-5), an f32 KV store,
 rows whose length is not a multiple of 16 (ggml's scalar tails), and the flash-attention path. The kernels'
 order is that of this machine's build (x86 with AVX-512/AVX2; ARM or other builds sum differently).
 Every fma (a*b + c with one rounding, as _mm256_fmadd_ps) is computed exactly (`_fma`). This numpy code is

@@ -160,6 +160,16 @@ def test_exact_dot_matches_numpy(type_name, m, n_in, n_out):
     assert got.dtype == np.float32 and np.array_equal(got, want)
 
 
+def _compiled_and_numpy(lin: G.QLinear, x: np.ndarray, n_threads: int) -> tuple[np.ndarray, np.ndarray]:
+    """lin's product with x by the compiled `GgmlMatmul` and by the numpy one, on n_threads threads each."""
+    ref, fast = G.GgmlMatmul(n_threads, compiled=False), G.GgmlMatmul(n_threads, compiled=True)
+    try:
+        return fast(lin, x), ref(lin, x)
+    finally:
+        ref.close()
+        fast.close()
+
+
 @pytest.mark.parametrize("n_threads", [1, 2])
 @pytest.mark.parametrize("m", [1, 3, 40])
 def test_ggml_matmul_matches_numpy_with_threads(n_threads, m):
@@ -168,14 +178,7 @@ def test_ggml_matmul_matches_numpy_with_threads(n_threads, m):
     n_in = 576
     lin = _qlinear(["Q4_1", "Q8_0", "F16", "Q5_1"], [1000, 64, 48, 264], n_in)
     assert [type(p).__name__ for p in lin.parts] == ["Q8_1DotPart", "Q8_0DotPart", "BlasPart", "Q8_1DotPart"]
-    x = _activations(m, n_in)
-    ref, fast = G.GgmlMatmul(n_threads, compiled=False), G.GgmlMatmul(n_threads, compiled=True)
-    try:
-        want = ref(lin, x)
-        got = fast(lin, x)
-    finally:
-        ref.close()
-        fast.close()
+    got, want = _compiled_and_numpy(lin, _activations(m, n_in), n_threads)
     assert got.shape == (m, lin.n_out) and np.array_equal(got, want)
 
 
@@ -332,20 +335,14 @@ def _q8_0_head(n_out: int, n_in: int) -> G.QLinear:
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 17])
 @pytest.mark.parametrize("n_in,n_out", [(32, 1), (96, 70), (576, 4099)])
 def test_q8_0_head_matches_numpy(n_threads, m, n_in, n_out):
-    """`gkernels.dot_q8_0` (one row, and row pairs over output tiles) gives `ggml.dot_q8_1`'s bits for a
+    """`gkernels.dot_q8_0` (one row; rows in fours and pairs over output tiles) gives `ggml.dot_q8_1`'s bits for a
     `Q8_0DotPart`, with the outputs split over the threads; the result is the dequantized product up to the
     float32 rounding of the lane chains (a check that it is the right product, not only the same one)."""
     head = _q8_0_head(n_out, n_in)
     [part] = head.parts
     assert isinstance(part, G.Q8_0DotPart) and not part.w.has_m and part.act == "q8_0"
     x = _activations(m, n_in)
-    ref, fast = G.GgmlMatmul(n_threads, compiled=False), G.GgmlMatmul(n_threads, compiled=True)
-    try:
-        want = ref(head, x)
-        got = fast(head, x)
-    finally:
-        ref.close()
-        fast.close()
+    got, want = _compiled_and_numpy(head, x, n_threads)
     assert got.shape == (m, n_out) and got.dtype == np.float32 and np.array_equal(got, want)
     xq = G.quantize_q8_0(x).astype(np.float64)
     wd = part.w.dense().astype(np.float64)                                       # [n_out, n_in]
