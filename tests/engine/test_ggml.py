@@ -379,3 +379,25 @@ def test_smollm2_ggml_mode_reproduces_llama_cpp(smollm2_path):
     np.testing.assert_array_equal(logits.max(1), want)
     f32_model = load(smollm2_path, n_threads=1)
     assert np.abs(f32_model.forward_logits(SMOLLM2_IDS).max(1) - want).max() > 1e-2   # what f32 mode does
+
+
+def test_ggml_decode_steps_of_several_sequences_match_one_thread(tiny_gguf):
+    """One-token chunks of several sequences, attended one by one and spread over the threads: the same logits
+    and KV cells, bit for bit, as on one thread and as each sequence stepped alone (a Q8_0 model: its head is
+    exact too, where a BLAS head's order would depend on the row count)."""
+    path = tiny_gguf(tensor_type="Q8_0")
+    prompts = [PROMPT, PROMPT[:7], [9, 8, 7, 6, 5]]
+    runs = []
+    for n_threads, together in ((1, True), (2, True), (2, False)):
+        model = load(path, n_threads=n_threads, numerics="ggml")
+        kv = model.new_kv(len(prompts), 32)
+        for s, p in enumerate(prompts):
+            model.forward_batch(kv, [BatchChunk(s, p, 0, False)])
+        steps = [BatchChunk(s, [40 + s], len(p), True) for s, p in enumerate(prompts)]
+        out = (model.forward_batch(kv, steps) if together
+               else [model.forward_batch(kv, [c])[0] for c in steps])
+        runs.append((out, [kv.state_save(s) for s in range(len(prompts))]))
+    for out, states in runs[1:]:
+        for got, want in zip(out, runs[0][0]):
+            np.testing.assert_array_equal(got, want)
+        assert states == runs[0][1]
