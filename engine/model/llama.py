@@ -121,19 +121,8 @@ class _Cells:
         attn = np.empty((self.n_tokens, self.n_attn), np.float32)            # [T, n_head * head_dim]
         if self.dec is not None:
             self.dec.attend(self.kv, il, q, attn, mm)
-        ones = [c for c in self.alone if c[2] - c[1] == 1]
-        if len(ones) < 2:
-            ones = []
         for s, a, b, n_old in self.alone:
-            if b - a > 1 or not ones:
-                attn[a:b] = self.attend_one(q[a:b], s.k[il], s.v[il], n_old, mm)
-
-        def one(s: SeqKV, a: int, n_old: int) -> None:
-            attn[a:a + 1] = self.attend_one(q[a:a + 1], s.k[il], s.v[il], n_old, None)
-        # one-token chunks attended one by one (no decode_batch, e.g. numerics "ggml"): each is a single task
-        # with no parallelism of its own, so they are spread over the matmul's threads, one chunk per task
-        if ones:
-            mm.parallel([lambda c=c: one(c[0], c[1], c[3]) for c in ones])
+            attn[a:b] = self.attend_one(q[a:b], s.k[il], s.v[il], n_old, mm)
         return attn
 
 
