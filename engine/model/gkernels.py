@@ -472,6 +472,12 @@ def _byte_row(qw, dw, mw, qx, dx, sx, y, r, o0, o1, has_m):
     _finish(acc, summ, has_m, y, r, o0, w)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _four(xr, j):
+    """xr[j..j+3] as four scalars."""
+    return xr[j], xr[j + 1], xr[j + 2], xr[j + 3]
+
+
 @njit(cache=True, nogil=True, inline="always", fastmath=_CONTRACT)
 def _quad_lane(q0, q1, q2, q3, nib, high, xr0, xr1, xr2, xr3, j, dd, a0, a1, a2, a3, w):
     """One lane of one block for 4 rows at once, its fma step included: the 4 weight rows q0..q3 (outputs
@@ -479,22 +485,10 @@ def _quad_lane(q0, q1, q2, q3, nib, high, xr0, xr1, xr2, xr3, j, dd, a0, a1, a2,
     with activations xr*[j..j+3], and a_i[o] = fma(xy_i, dd[i, o], a_i[o]) (dd = d_x * d_w of the block, made
     once for its 8 lanes). Four accumulator rows written per loop: the vectorizer's alias checks stay few enough
     for it to vectorize (eight did not)."""
-    x00 = xr0[j]
-    x01 = xr0[j + 1]
-    x02 = xr0[j + 2]
-    x03 = xr0[j + 3]
-    x10 = xr1[j]
-    x11 = xr1[j + 1]
-    x12 = xr1[j + 2]
-    x13 = xr1[j + 3]
-    x20 = xr2[j]
-    x21 = xr2[j + 1]
-    x22 = xr2[j + 2]
-    x23 = xr2[j + 3]
-    x30 = xr3[j]
-    x31 = xr3[j + 1]
-    x32 = xr3[j + 2]
-    x33 = xr3[j + 3]
+    x00, x01, x02, x03 = _four(xr0, j)                   # scalars before the loop (loop-invariant)
+    x10, x11, x12, x13 = _four(xr1, j)
+    x20, x21, x22, x23 = _four(xr2, j)
+    x30, x31, x32, x33 = _four(xr3, j)
     for o in range(w):
         if nib:
             if high:
