@@ -14,7 +14,8 @@ F16 KV cache) down to the summation order:
   stored fp16, q = round-half-even(x * 127/amax), s = fp16(d * sum q)). Q4_1/Q5_1 x Q8_1 is computed as
   ggml_vec_dot_q4_1_q8_1 does: per block 8 lanes of exact 4-element integer dot products, each lane
   accumulated over the blocks with fma(d_w*d_x, lane, acc) in float32, the lanes summed as hsum_float_8,
-  plus the float32 fma chain of m_w * s_x (`Q8_1DotPart`).
+  plus the float32 fma chain of m_w * s_x (`Q8_1DotPart`). Q8_0 x Q8_0 (layers, and a Q8_0 output head) as
+  ggml_vec_dot_q8_0_q8_0 / tinyBLAS_Q0_AVX: the same lanes and fmas without the minimums (`Q8_0DotPart`).
 - RoPE: theta = p * theta_scale^i by repeated float32 multiplication, cos/sin from the C library's float
   functions (glibc sinf/cosf, as ggml calls them), rotation with fma (x0*cos - x1*sin -> fma(x0, cos, -x1*sin)).
 - rms_norm: sum of float32 squares in double, scale = 1/sqrtf(mean + eps), y = x * scale * w.
@@ -24,9 +25,9 @@ F16 KV cache) down to the summation order:
   (ggml_v_expf, AVX-512), per-16 sums in double, times float(1/sum); probabilities -> f16.
 - SwiGLU: ggml_v_silu (same expf, 1 + e, division) times up.
 
-Not emulated exactly (close, but a different summation order): matmuls whose weights are not Q4_1/Q5_1
-(F32/F16/BF16/Q8_0/Q4_0/Q5_0/K-quants: activations are quantized the ggml way, the products are summed by
-BLAS), the output head (nothing is quantized after it, so only its logits move, by ~1e-5), an f32 KV store,
+Not emulated exactly (close, but a different summation order): matmuls whose weights are not Q4_1/Q5_1/Q8_0
+(F32/F16/BF16/Q4_0/Q5_0/K-quants: activations are quantized the ggml way, the products are summed by BLAS),
+output heads of those types (nothing is quantized after them, so only the logits move, by ~1e-5), an f32 KV store,
 rows whose length is not a multiple of 16 (ggml's scalar tails), and the flash-attention path. The kernels'
 order is that of this machine's build (x86 with AVX-512/AVX2; ARM or other builds sum differently).
 Every fma (a*b + c with one rounding, as _mm256_fmadd_ps) is computed exactly (`_fma`). This numpy code is
@@ -69,6 +70,9 @@ VEC_DOT_TYPE: dict[GGMLQuantizationType, str] = {
 }
 # weights whose x86 dot product with Q8_1 is replayed exactly (d*q + m blocks of 32)
 EXACT_DOT_TYPES = frozenset({T.Q4_1, T.Q5_1})
+# weights whose x86 dot product with Q8_0 is replayed exactly (ggml_vec_dot_q8_0_q8_0: d*q blocks of 32; layers and
+# heads, e.g. SmolLM2's tied Q8_0 head)
+EXACT_Q8_0_TYPES = frozenset({T.Q8_0})
 
 # --- the compiled kernels (numba, `gkernels`), loaded on first use ----------------------------------------------
 
@@ -361,6 +365,19 @@ class Q8_1DotPart:
         return self.w.nbytes, self.w.nbytes
 
 
+@dataclass(frozen=True)
+class Q8_0DotPart(Q8_1DotPart):
+    """Output columns of Q8_0 weights (the output head), computed as ggml_vec_dot_q8_0_q8_0 (x86) does: the
+    activations quantized to Q8_0, per block 8 lanes of exact 4-element integer dot products, each lane
+    accumulated over the blocks with fma(d_w*d_x, lane, acc) in float32, hsum_float_8; no minimums term
+    (`w.has_m` False). llama.cpp's CPU backend sends this product to llamafile's tinyBLAS_Q0_AVX when the
+    activations are contiguous (`ggml_compute_forward_mul_mat` -> `llamafile_sgemm`), whose per-output
+    operations are the same: `madd(set1(unhalf(A.d) * unhalf(B.d)), updot(...), Cv)` and `hsum`; Q8_0 is not
+    repacked on x86 (`ggml_repack_get_optimal_repack_type` repacks Q8_0 for ARM only)."""
+
+    act: str = "q8_0"
+
+
 @dataclass(frozen=True, slots=True)
 class QLinear:
     """A weight for ggml numerics: parts concatenated along the outputs (fused matrices whose pieces need
@@ -380,17 +397,24 @@ class QLinear:
 
 
 def exact_part(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> QPart:
-    """A Q4_1/Q5_1 tensor's raw blocks (shape (ne1, ne0)) -> the `QPart` its exact product reads (bit for bit
-    the integer quants, d and m of `block_params`)."""
-    if qtype not in EXACT_DOT_TYPES:
-        raise ValueError(f"{qtype.name} is not a d*q + m type")
+    """A Q4_1/Q5_1/Q8_0 tensor's raw blocks (shape (ne1, ne0)) -> the `QPart` its exact product reads (bit for
+    bit the integer quants, d and m of `block_params`; Q8_0: quants and d, no m)."""
+    if qtype not in EXACT_DOT_TYPES | EXACT_Q8_0_TYPES:
+        raise ValueError(f"{qtype.name} has no exact dot product here")
     return QPart.from_tensor(data, qtype, shape)
+
+
+def exact_head(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> QLinear:
+    """A Q8_0 output head's raw blocks (shape (n_vocab, n_embd)) -> its exact `Q8_0DotPart` as a `QLinear`."""
+    if qtype not in EXACT_Q8_0_TYPES:
+        raise ValueError(f"{qtype.name} has no exact head kernel")
+    return qlinear([(None, qtype, exact_part(data, qtype, shape))])
 
 
 def qlinear(pieces: list[tuple[np.ndarray | None, GGMLQuantizationType, Any]]) -> QLinear:
     """Fuse (w [n_out_i, n_in] dequantized -- None for exact pieces --, ggml type, `exact_part` or None) along
-    the outputs; consecutive pieces of the same kind share a part. Pieces with an `exact_part` (Q4_1/Q5_1)
-    get the exact kernel."""
+    the outputs; consecutive pieces of the same kind share a part. Pieces with an `exact_part` get the exact
+    kernel (Q4_1/Q5_1: `Q8_1DotPart`, Q8_0: `Q8_0DotPart`)."""
     groups: list[tuple[str, list]] = []
     n_in = None
     for w, qtype, part in pieces:
@@ -407,7 +431,7 @@ def qlinear(pieces: list[tuple[np.ndarray | None, GGMLQuantizationType, Any]]) -
     for kind, items in groups:
         if kind.startswith("exact"):
             qp = concat_parts(items)
-            parts.append(Q8_1DotPart(w=qp, n_out=qp.n_out))
+            parts.append((Q8_1DotPart if qp.has_m else Q8_0DotPart)(w=qp, n_out=qp.n_out))
         else:
             w = np.concatenate(items) if len(items) > 1 else items[0]
             parts.append(BlasPart(act=kind, lin=Linear.from_weight(w), n_out=w.shape[0]))
@@ -418,6 +442,8 @@ def dot_q8_1(part: Q8_1DotPart, x: np.ndarray) -> np.ndarray:
     """x [M, n_in] @ W.T for a Q4_1/Q5_1 part, as ggml quantizes x to Q8_1 and runs ggml_vec_dot_q4_1_q8_1
     (x86): per block b and lane l (4 elements) the exact integer dot xy; acc_l = fma(d_w*d_x, xy, acc_l) over
     the blocks; summs = fma(m_w, s_x, summs); y = hsum_float_8(acc) + summs. Returns [M, n_out] float32.
+    For a `Q8_0DotPart` (no minimums) it is ggml_vec_dot_q8_0_q8_0: y = hsum_float_8(acc), x quantized to Q8_0
+    (the same quants and d as Q8_1).
 
     The fmas are correctly rounded (`_fma_into`), over output tiles small
     enough for the temporaries to stay in cache."""
@@ -425,24 +451,24 @@ def dot_q8_1(part: Q8_1DotPart, x: np.ndarray) -> np.ndarray:
     s = (d * q.sum(axis=-1)).astype(np.float16).astype(np.float32)      # [M, nb]
     rows, nb = d.shape
     n_out = part.n_out
+    has_m = part.w.has_m
     qg = np.ascontiguousarray(q.reshape(rows, nb * 8, 4).transpose(1, 0, 2))   # [nb*8, M, 4]
     summs = np.zeros((rows, n_out), np.float32)                          # m_w * s_x chain, all outputs
-    for b in range(nb):
+    for b in range(nb if has_m else 0):
         _fma_into(s[:, b, None], part.m[b][None, :], summs)
-    xy_all = np.matmul(qg, part.qw).reshape(nb, 8, rows, n_out)         # exact integers (|xy| < 2^14)
     out = np.empty((rows, n_out), np.float32)
     width = max(64, min(n_out, (_TILE_ELEMENTS // (8 * rows)) // 64 * 64))
     for o0 in range(0, n_out, width):
         o1 = min(n_out, o0 + width)
         w = o1 - o0
-        xy = xy_all[..., o0:o1]
+        xy = np.matmul(qg, part.qw[..., o0:o1]).reshape(nb, 8, rows, w)  # exact integers (|xy| < 2^16)
         acc = np.zeros((8, rows, w), np.float32)
         d0d1 = d16.T[:, :, None] * part.d[:, None, o0:o1]                # [nb, M, w] float32 (exact: fp16 x fp16)
         for b in range(nb):
             _fma_into(xy[b], d0d1[b], acc)                               # acc = fma(d0d1, xy, acc)
         h = acc[4:] + acc[:4]
         h = h[:2] + h[2:]
-        out[:, o0:o1] = (h[0] + h[1]) + summs[:, o0:o1]
+        out[:, o0:o1] = (h[0] + h[1]) + summs[:, o0:o1] if has_m else h[0] + h[1]
     return out
 
 
@@ -488,8 +514,11 @@ class GgmlMatmul(Matmul):
         m, n_in = qx.shape
         y = np.empty((m, p.n_out), np.float32)
         w = p.w
-        fn = k.dot_nib if w.nib else k.dot_byte
         split = self._pool is not None and m * n_in * p.n_out >= _SPLIT_MIN_MACS
+        if not w.has_m:
+            self._run(lambda a, b: k.dot_q8_0(w.q, w.d, qx, d16, y, a, b), p.n_out, 64, split)
+            return y
+        fn = k.dot_nib if w.nib else k.dot_byte
         self._run(lambda a, b: fn(w.q, w.d, w.m, qx, d16, s, y, a, b), p.n_out, 64, split)
         return y
 

@@ -20,7 +20,9 @@ are `nogil`: the engine's own threads (`Matmul._run`) call them on disjoint outp
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 I32 = np.int32
@@ -56,6 +58,60 @@ def _llvm_fma(typingctx, a, b, c):
     def codegen(context, builder, signature, args):
         return builder.fma(*args)
     return sig, codegen
+
+
+@intrinsic
+def _prefetch(typingctx, arr, off):
+    """llvm.prefetch(read, locality 3, data) of the byte at offset `off` of arr's buffer (C-contiguous arr): a hint
+    that never faults, so an offset past the end is harmless."""
+    if not isinstance(arr, types.Array) or not isinstance(off, types.Integer):
+        return None
+    sig = types.void(arr, off)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        i64 = ir.IntType(64)
+        i32 = ir.IntType(32)
+        o = args[1] if args[1].type.width == 64 else builder.sext(args[1], i64)
+        p = builder.inttoptr(builder.add(builder.ptrtoint(ary.data, i64), o), ir.IntType(8).as_pointer())
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [p.type, i32, i32, i32]),
+                                            "llvm.prefetch.p0")
+        builder.call(fn, [p, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def _wide_vectors(typingctx):
+    """Marks the function being compiled "prefer-vector-width"="512": on AVX-512 CPUs LLVM then vectorizes its
+    loops with 16 float32 lanes (zmm) instead of the 8 its tuning prefers for many Intel models (this machine's
+    host CPU reads as "rocketlake"); elsewhere the hint is ignored. The width changes no result: every output
+    lane computes the same operations (no reassociation), only more of them per instruction. (llvmlite's
+    FunctionAttributes accepts only enum attributes, so the string attribute is added to its set directly.)"""
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        set.add(builder.function.attributes, '"prefer-vector-width"="512"')
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _prefetch_block(qw, dw, mw, has_m, b, o0, o1):
+    """Prefetch block b's weights over outputs o0..o1-1: the quant rows (qw [nb, E, n_out], one byte each), d and
+    (has_m) m (float32 [nb, n_out]). The one-row kernels stream each block's rows once, and the hardware
+    prefetcher does not run far enough ahead on these short rows (measured: half the bandwidth without it)."""
+    if b < qw.shape[0]:
+        n_out = qw.shape[2]
+        base = b * qw.shape[1] * n_out
+        for e in range(qw.shape[1]):
+            row = base + e * n_out
+            for o in range(o0, o1, 64):
+                _prefetch(qw, row + o)
+        for o in range(4 * (b * n_out + o0), 4 * (b * n_out + o1), 64):
+            _prefetch(dw, o)
+            if has_m:
+                _prefetch(mw, o)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -206,29 +262,34 @@ def q8_values(qx, d16, out):
 # lane sums go to a scratch and a second loop applies the fma steps.
 
 _CONTRACT = {"contract"}
+_AHEAD = 2          # blocks of weights prefetched ahead by the one-row kernels
+_ROW_TILE = 1024    # outputs per pass of the one-row kernels (their 8 x _ROW_TILE accumulators stay in L1)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _finish(acc, summ, y, r, t0, w):
-    """y[r, t0:t0+w] = hsum_float_8(acc) + summs, in ggml.dot_q8_1's order; acc [8, >= w], summ [>= w]."""
+def _finish(acc, summ, has_m, y, r, t0, w):
+    """y[r, t0:t0+w] = hsum_float_8(acc) + summs (has_m; else hsum_float_8(acc) alone), in ggml.dot_q8_1's /
+    ggml.dot_q8_0's order; acc [8, >= w], summ [>= w]."""
     for o in range(w):
         h0 = acc[4, o] + acc[0, o]
         h1 = acc[5, o] + acc[1, o]
         h2 = acc[6, o] + acc[2, o]
         h3 = acc[7, o] + acc[3, o]
-        y[r, t0 + o] = ((h0 + h2) + (h1 + h3)) + summ[o]
+        v = (h0 + h2) + (h1 + h3)
+        y[r, t0 + o] = v + summ[o] if has_m else v
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=_CONTRACT)
-def _block_scales(sx, dx, mw, dw, summ, dd, r, b, t0, w):
-    """summs = fma(s_x, m_w, summs) over the outputs t0..t0+w-1 of block b, and dd = d_x * d_w for them (float32,
-    exact: fp16 x fp16)."""
-    sv = sx[r, b]
+def _block_scales(sx, dx, mw, dw, has_m, summ, dd, r, b, t0, w):
+    """summs = fma(s_x, m_w, summs) (has_m) over the outputs t0..t0+w-1 of block b, and dd = d_x * d_w for them
+    (float32, exact: fp16 x fp16)."""
     dxv = dx[r, b]
-    mb = mw[b, t0:t0 + w]
     db = dw[b, t0:t0 + w]
-    for o in range(w):
-        summ[o] = _fma(sv, mb[o], summ[o])
+    if has_m:
+        sv = sx[r, b]
+        mb = mw[b, t0:t0 + w]
+        for o in range(w):
+            summ[o] = _fma(sv, mb[o], summ[o])
     for o in range(w):
         dd[o] = dxv * db[o]
 
@@ -246,13 +307,15 @@ def _fma_lanes(xy, dd, acc, w):
 @njit(cache=True, nogil=True, fastmath=_CONTRACT)
 def _nib_row(qw, dw, mw, qx, dx, sx, y, r, o0, o1):
     """One row of `dot_nib` over the outputs o0..o1-1, each weight row streamed once."""
+    _wide_vectors()
     nb = qw.shape[0]
     w = o1 - o0
     acc = np.zeros((8, w), F32)
     summ = np.zeros(w, F32)
     dd = np.empty(w, F32)
     for b in range(nb):
-        _block_scales(sx, dx, mw, dw, summ, dd, r, b, o0, w)
+        _prefetch_block(qw, dw, mw, True, b + _AHEAD, o0, o1)
+        _block_scales(sx, dx, mw, dw, True, summ, dd, r, b, o0, w)
         qb = qw[b]
         for lane in range(4):
             j = 32 * b + 4 * lane
@@ -282,7 +345,7 @@ def _nib_row(qw, dw, mw, qx, dx, sx, y, r, o0, o1):
                 e = dd[o]
                 al[o] = _fma(lo, e, al[o])
                 ah[o] = _fma(hi, e, ah[o])
-    _finish(acc, summ, y, r, o0, w)
+    _finish(acc, summ, True, y, r, o0, w)
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=_CONTRACT)
@@ -379,15 +442,17 @@ def _byte_lanes(qb, qx, r, g, b, t0, w, xy):
 
 
 @njit(cache=True, nogil=True, fastmath=_CONTRACT)
-def _byte_row(qw, dw, mw, qx, dx, sx, y, r, o0, o1):
-    """One row of `dot_byte` over the outputs o0..o1-1, each weight row streamed once."""
+def _byte_row(qw, dw, mw, qx, dx, sx, y, r, o0, o1, has_m):
+    """One row of `dot_byte` (has_m) or `dot_q8_0` over the outputs o0..o1-1, each weight row streamed once."""
+    _wide_vectors()
     nb = qw.shape[0]
     w = o1 - o0
     acc = np.zeros((8, w), F32)
     summ = np.zeros(w, F32)
     dd = np.empty(w, F32)
     for b in range(nb):
-        _block_scales(sx, dx, mw, dw, summ, dd, r, b, o0, w)
+        _prefetch_block(qw, dw, mw, has_m, b + _AHEAD, o0, o1)
+        _block_scales(sx, dx, mw, dw, has_m, summ, dd, r, b, o0, w)
         qb = qw[b]
         for lane in range(8):
             j = 32 * b + 4 * lane
@@ -404,21 +469,107 @@ def _byte_row(qw, dw, mw, qx, dx, sx, y, r, o0, o1):
                 xy = (F32(I32(q0[o])) * x0 + F32(I32(q1[o])) * x1
                       + F32(I32(q2[o])) * x2 + F32(I32(q3[o])) * x3)
                 al[o] = _fma(xy, dd[o], al[o])
-    _finish(acc, summ, y, r, o0, w)
+    _finish(acc, summ, has_m, y, r, o0, w)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _four(xr, j):
+    """xr[j..j+3] as four scalars."""
+    return xr[j], xr[j + 1], xr[j + 2], xr[j + 3]
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=_CONTRACT)
+def _quad_lane(q0, q1, q2, q3, nib, high, xr0, xr1, xr2, xr3, j, dd, a0, a1, a2, a3, w):
+    """One lane of one block for 4 rows at once, its fma step included: the 4 weight rows q0..q3 (outputs
+    0..w-1 of the tile) are decoded once (nib: the low or, `high`, the high nibbles) for the 4 rows' lane sums
+    with activations xr*[j..j+3], and a_i[o] = fma(xy_i, dd[i, o], a_i[o]) (dd = d_x * d_w of the block, made
+    once for its 8 lanes). Four accumulator rows written per loop: the vectorizer's alias checks stay few enough
+    for it to vectorize (eight did not)."""
+    x00, x01, x02, x03 = _four(xr0, j)                   # scalars before the loop (loop-invariant)
+    x10, x11, x12, x13 = _four(xr1, j)
+    x20, x21, x22, x23 = _four(xr2, j)
+    x30, x31, x32, x33 = _four(xr3, j)
+    for o in range(w):
+        if nib:
+            if high:
+                u0 = F32(I32(I32(q0[o]) >> I32(4)))
+                u1 = F32(I32(I32(q1[o]) >> I32(4)))
+                u2 = F32(I32(I32(q2[o]) >> I32(4)))
+                u3 = F32(I32(I32(q3[o]) >> I32(4)))
+            else:
+                u0 = F32(I32(I32(q0[o]) & I32(15)))
+                u1 = F32(I32(I32(q1[o]) & I32(15)))
+                u2 = F32(I32(I32(q2[o]) & I32(15)))
+                u3 = F32(I32(I32(q3[o]) & I32(15)))
+        else:
+            u0 = F32(I32(q0[o]))
+            u1 = F32(I32(q1[o]))
+            u2 = F32(I32(q2[o]))
+            u3 = F32(I32(q3[o]))
+        a0[o] = _fma(u0 * x00 + u1 * x01 + u2 * x02 + u3 * x03, dd[0, o], a0[o])
+        a1[o] = _fma(u0 * x10 + u1 * x11 + u2 * x12 + u3 * x13, dd[1, o], a1[o])
+        a2[o] = _fma(u0 * x20 + u1 * x21 + u2 * x22 + u3 * x23, dd[2, o], a2[o])
+        a3[o] = _fma(u0 * x30 + u1 * x31 + u2 * x32 + u3 * x33, dd[3, o], a3[o])
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=_CONTRACT)
+def _quad_block(qb, dw, mw, qx, sx, dx, has_m, nib, r, b, t0, w, acc, summ, dd):
+    """Block b of rows r..r+3 over the outputs t0..t0+w-1: summs (has_m) and the 8 lanes' fma steps into
+    acc [4, 8, >= w] (`_quad_lane`); dd [4, >= w] scratch."""
+    db = dw[b, t0:t0 + w]
+    for i in range(4):
+        e = dx[r + i, b]
+        di = dd[i]
+        for o in range(w):
+            di[o] = e * db[o]
+    if has_m:
+        mb = mw[b, t0:t0 + w]
+        for i in range(4):
+            sv = sx[r + i, b]
+            si = summ[i]
+            for o in range(w):
+                si[o] = _fma(sv, mb[o], si[o])
+    xr0 = qx[r]
+    xr1 = qx[r + 1]
+    xr2 = qx[r + 2]
+    xr3 = qx[r + 3]
+    for lane in range(4 if nib else 8):
+        q0 = qb[4 * lane, t0:t0 + w]
+        q1 = qb[4 * lane + 1, t0:t0 + w]
+        q2 = qb[4 * lane + 2, t0:t0 + w]
+        q3 = qb[4 * lane + 3, t0:t0 + w]
+        j = 32 * b + 4 * lane
+        _quad_lane(q0, q1, q2, q3, nib, False, xr0, xr1, xr2, xr3, j, dd,
+                   acc[0, lane], acc[1, lane], acc[2, lane], acc[3, lane], w)
+        if nib:
+            _quad_lane(q0, q1, q2, q3, nib, True, xr0, xr1, xr2, xr3, j + 16, dd,
+                       acc[0, lane + 4], acc[1, lane + 4], acc[2, lane + 4], acc[3, lane + 4], w)
 
 
 @njit(cache=True, nogil=True, fastmath=_CONTRACT)
-def _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, nib):
-    """All rows of `dot_nib` / `dot_byte` over the outputs o0..o1-1: tiles of _TILE outputs, rows in pairs."""
+def _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, nib, has_m):
+    """All rows of `dot_nib` / `dot_byte` / `dot_q8_0` over the outputs o0..o1-1: tiles of _TILE outputs, rows in
+    fours (`_quad_block`: each weight decoded once for 4 rows, the fma steps in the same loop), the last 1..3
+    rows in pairs (lane sums to a scratch, then the fma steps)."""
+    _wide_vectors()
     nb = qw.shape[0]
     m = qx.shape[0]
-    acc = np.empty((2, 8, _TILE), F32)
-    summ = np.empty((2, _TILE), F32)
+    acc = np.empty((4, 8, _TILE), F32)
+    summ = np.empty((4, _TILE), F32)
     dd = np.empty(_TILE, F32)
+    dd4 = np.empty((4, _TILE), F32)
     xy = np.empty((2, 8, _TILE), F32)
+    m4 = m - m % 4
     for t0 in range(o0, o1, _TILE):
         w = min(o1, t0 + _TILE) - t0
-        for r in range(0, m, 2):
+        for r in range(0, m4, 4):
+            acc[:, :, :w] = F32(0.0)
+            summ[:, :w] = F32(0.0)
+            for b in range(nb):
+                _quad_block(qw[b], dw, mw, qx, sx, dx, has_m, nib, r, b, t0, w, acc, summ, dd4)
+            for i in range(4):
+                _finish(acc[i], summ[i], has_m, y, r + i, t0, w)
+        for r in range(m4, m, 2):
             g = min(2, m - r)
             acc[:, :, :w] = F32(0.0)
             summ[:, :w] = F32(0.0)
@@ -428,10 +579,10 @@ def _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, nib):
                 else:
                     _byte_lanes(qw[b], qx, r, g, b, t0, w, xy)
                 for i in range(g):
-                    _block_scales(sx, dx, mw, dw, summ[i], dd, r + i, b, t0, w)
+                    _block_scales(sx, dx, mw, dw, has_m, summ[i], dd, r + i, b, t0, w)
                     _fma_lanes(xy[i], dd, acc[i], w)
             for i in range(g):
-                _finish(acc[i], summ[i], y, r + i, t0, w)
+                _finish(acc[i], summ[i], has_m, y, r + i, t0, w)
 
 
 @njit(cache=True, nogil=True)
@@ -440,18 +591,32 @@ def dot_nib(qw, dw, mw, qx, dx, sx, y, o0, o1):
     of the block, high nibble = element j + 16), dw, mw [nb, n_out] float32; qx [M, n_in], dx, sx [M, nb] from
     `quantize_q8`. Lanes 0..3 of a block are the low nibbles of bytes 4l..4l+3, lanes 4..7 their high nibbles."""
     if qx.shape[0] == 1:
-        _nib_row(qw, dw, mw, qx, dx, sx, y, 0, o0, o1)
+        for t0 in range(o0, o1, _ROW_TILE):
+            _nib_row(qw, dw, mw, qx, dx, sx, y, 0, t0, min(o1, t0 + _ROW_TILE))
     else:
-        _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, True)
+        _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, True, True)
 
 
 @njit(cache=True, nogil=True)
 def dot_byte(qw, dw, mw, qx, dx, sx, y, o0, o1):
     """`dot_nib` for weights with one quant per byte (Q5_1): qw [nb, 32, n_out] int8, lane l = rows 4l..4l+3."""
     if qx.shape[0] == 1:
-        _byte_row(qw, dw, mw, qx, dx, sx, y, 0, o0, o1)
+        for t0 in range(o0, o1, _ROW_TILE):
+            _byte_row(qw, dw, mw, qx, dx, sx, y, 0, t0, min(o1, t0 + _ROW_TILE), True)
     else:
-        _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, False)
+        _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, False, True)
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_0(qw, dw, qx, dx, y, o0, o1):
+    """y[:, o0:o1] of ggml.dot_q8_0 (ggml_vec_dot_q8_0_q8_0, and tinyBLAS_Q0_AVX: the same lane operations) for
+    Q8_0 weights qw [nb, 32, n_out] int8, dw [nb, n_out] float32, activations from `quantize_q8` (its s unused):
+    per block the 8 exact lane sums, acc_l = fma(xy, d_x * d_w, acc_l), y = hsum_float_8(acc); no minimums."""
+    if qx.shape[0] == 1:
+        for t0 in range(o0, o1, _ROW_TILE):
+            _byte_row(qw, dw, dw, qx, dx, dx, y, 0, t0, min(o1, t0 + _ROW_TILE), False)
+    else:
+        _rows_tiled(qw, dw, dw, qx, dx, dx, y, o0, o1, False, False)
 
 
 # --- norm, SwiGLU --------------------------------------------------------------------------------------------
@@ -704,3 +869,4 @@ def attend_block(q, kt, v, n_old, a, b, one, scale, n_gqa, out):
                 s[j] = -_INF
             _softmax_f16(s, npad)
             _weighted(s, v[kh], n_keys, npad, one, acc, fold, out[i, h])
+

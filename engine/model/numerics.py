@@ -112,8 +112,8 @@ class F32Numerics(Numerics):
 
 
 class GgmlNumerics(Numerics):
-    """llama.cpp's CPU arithmetic (`engine.model.ggml`): Q4_1/Q5_1 matrices kept as integer quants + block
-    scales + minimums, activations quantized to each matrix's vec_dot_type, f16 KV, ggml's RoPE, rms_norm,
+    """llama.cpp's CPU arithmetic (`engine.model.ggml`): Q4_1/Q5_1/Q8_0 matrices (and a Q8_0 head) kept as integer
+    quants + block scales (+ minimums), activations quantized to each matrix's vec_dot_type, f16 KV, ggml's RoPE, rms_norm,
     softmax and SwiGLU; the attention scale is applied to the scores, as ggml does, not folded into Q.
 
     `compiled` (the "ggml" of `NUMERICS`): matmuls, quantizers, norm, SwiGLU and attention by the numba kernels
@@ -135,10 +135,15 @@ class GgmlNumerics(Numerics):
             self.attend = ggml.attend_compiled
 
     def tensor_extra(self, t: Any) -> Any:
-        """Q4_1/Q5_1 matrices of the layers: their integer quants and block scales (`ggml.exact_part`); the
-        token embedding and the head keep their float32 values only (`output`)."""
-        if t.tensor_type in ggml.EXACT_DOT_TYPES and len(t.shape) == 2 and t.name.startswith("blk."):
+        """Q4_1/Q5_1/Q8_0 matrices of the layers: their integer quants and block scales (`ggml.exact_part`); a
+        Q8_0 head (`output.weight`, or the token embedding a tied head reuses): its exact head (`ggml.exact_head`),
+        the float32 values kept as well for the embedding's lookups."""
+        exact = ggml.EXACT_DOT_TYPES | ggml.EXACT_Q8_0_TYPES
+        if t.tensor_type in exact and len(t.shape) == 2 and t.name.startswith("blk."):
             return ggml.exact_part(t.data, t.tensor_type, (int(t.shape[1]), int(t.shape[0])))
+        if (t.tensor_type in ggml.EXACT_Q8_0_TYPES and len(t.shape) == 2 and int(t.shape[0]) % 32 == 0
+                and t.name in ("output.weight", "token_embd.weight")):
+            return ggml.exact_head(t.data, t.tensor_type, (int(t.shape[1]), int(t.shape[0])))
         return None
 
     def keeps_quantized(self, extra: Any) -> bool:
@@ -148,7 +153,10 @@ class GgmlNumerics(Numerics):
         return ggml.qlinear(pieces)
 
     def output(self, w: np.ndarray, qtype: GGMLQuantizationType, extra: Any = None) -> ggml.QLinear:
-        # the head only makes logits (nothing downstream is re-quantized): the approximate BLAS path is enough
+        """A Q8_0 head is replayed exactly (`ggml.Q8_0DotPart`); other types: activations quantized the ggml
+        way, products by BLAS (nothing downstream is re-quantized, so only the logits move, by ~1e-5)."""
+        if isinstance(extra, ggml.QLinear):
+            return extra
         return ggml.qlinear([(w, qtype, None)])
 
     def matmul(self, n_threads: int) -> Matmul:

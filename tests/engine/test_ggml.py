@@ -12,6 +12,7 @@ from gguf import quants as gguf_quants
 
 from engine.model import BatchChunk, load
 from engine.model import ggml as G
+from engine.model import numerics as N
 from engine.model.tiny import tiny_tensors
 from tests import numerics_bounds as nb
 from tests.engine.fma_cases import double_rounded, fma_exact, fma_inputs, near_midpoint_inputs
@@ -282,6 +283,8 @@ def _logits_and_head_bound(model, kv, chunks):
     finally:
         type(model.matmul).__call__ = real
     [x] = seen
+    if isinstance(part, G.Q8_0DotPart):                                           # replayed exactly: no bound
+        return out, x, np.zeros((x.shape[0], part.n_out))
     a = np.abs(G.quantize_activations(part.act, x).astype(np.float64))          # [R, K]
     w = np.abs(part.lin.t.astype(np.float64))                                     # [K, n_vocab]
     return out, x, 2 * nb.dot_bound(a, w)
@@ -315,6 +318,31 @@ def test_ggml_mode_batching_and_chunking_are_exact(tiny_gguf):
     assert bound.max() < 1e-2 * np.abs(alone).max()    # the bound is tight enough to catch a wrong product
 
 
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_ggml_q8_0_head_is_exact_in_batches_and_chunks(tiny_gguf, n_threads):
+    """A Q8_0 head is replayed as ggml_vec_dot_q8_0_q8_0 (`Q8_0DotPart`): each logit depends only on its own
+    row, so a sequence batched with another, or its prompt cut into chunks, gives the same logits bit for bit,
+    and the compiled kernels give the numpy reference's bits."""
+    path = tiny_gguf(tensor_type="Q8_0", arch="qwen2")
+    model = load(path, n_threads=n_threads, numerics="ggml")
+    ref = load(path, n_threads=n_threads, numerics=N.GGML_REFERENCE)
+    assert isinstance(model.weights.output.parts[0], G.Q8_0DotPart)
+    other = [9, 8, 7, 6, 5]
+    n = len(PROMPT)
+    [alone] = model.forward_batch(model.new_kv(1, 32), [BatchChunk(0, PROMPT, 0, range(n))])
+    both = model.forward_batch(model.new_kv(2, 32), [BatchChunk(0, PROMPT, 0, range(n)),
+                                                     BatchChunk(1, other, 0, range(len(other)))])
+    np.testing.assert_array_equal(both[0], alone)
+    kv = model.new_kv(1, 32)
+    [first] = model.forward_batch(kv, [BatchChunk(0, PROMPT[:5], 0, range(5))])
+    [second] = model.forward_batch(kv, [BatchChunk(0, PROMPT[5:], 5, range(n - 5))])
+    np.testing.assert_array_equal(np.concatenate([first, second]), alone)
+    ref_both = ref.forward_batch(ref.new_kv(2, 32), [BatchChunk(0, PROMPT, 0, range(n)),
+                                                     BatchChunk(1, other, 0, range(len(other)))])
+    for got, want in zip(both, ref_both):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_ggml_weights_use_the_exact_kernel_for_q4_1(tiny_pair):
     _, model = tiny_pair(tensor_type="Q4_1")
     lw = model.weights.layers[0]
@@ -346,7 +374,30 @@ def test_smollm2_ggml_mode_reproduces_llama_cpp(smollm2_path):
                                                 [BatchChunk(0, SMOLLM2_IDS, 0, range(n))])
     want = np.array([f32(h) for h in SMOLLM2_MAX])
     assert logits.argmax(1).tolist() == SMOLLM2_ARGMAX
-    # only the output head is not bit-exact: llama.cpp's and BLAS's orders of the same float32 dot product
-    nb.check_within(logits.max(1), want, bound[np.arange(n), SMOLLM2_ARGMAX], "head vs llama.cpp")
+    # the tied Q8_0 head is replayed too (ggml_vec_dot_q8_0_q8_0): llama.cpp's logits, bit for bit
+    assert isinstance(ggml_model.weights.output.parts[0], G.Q8_0DotPart) and not bound.any()
+    np.testing.assert_array_equal(logits.max(1), want)
     f32_model = load(smollm2_path, n_threads=1)
     assert np.abs(f32_model.forward_logits(SMOLLM2_IDS).max(1) - want).max() > 1e-2   # what f32 mode does
+
+
+def test_ggml_decode_steps_of_several_sequences_match_one_thread(tiny_gguf):
+    """One-token chunks of several sequences, attended one by one and spread over the threads: the same logits
+    and KV cells, bit for bit, as on one thread and as each sequence stepped alone (a Q8_0 model: its head is
+    exact too, where a BLAS head's order would depend on the row count)."""
+    path = tiny_gguf(tensor_type="Q8_0")
+    prompts = [PROMPT, PROMPT[:7], [9, 8, 7, 6, 5]]
+    runs = []
+    for n_threads, together in ((1, True), (2, True), (2, False)):
+        model = load(path, n_threads=n_threads, numerics="ggml")
+        kv = model.new_kv(len(prompts), 32)
+        for s, p in enumerate(prompts):
+            model.forward_batch(kv, [BatchChunk(s, p, 0, False)])
+        steps = [BatchChunk(s, [40 + s], len(p), True) for s, p in enumerate(prompts)]
+        out = (model.forward_batch(kv, steps) if together
+               else [model.forward_batch(kv, [c])[0] for c in steps])
+        runs.append((out, [kv.state_save(s) for s in range(len(prompts))]))
+    for out, states in runs[1:]:
+        for got, want in zip(out, runs[0][0]):
+            np.testing.assert_array_equal(got, want)
+        assert states == runs[0][1]

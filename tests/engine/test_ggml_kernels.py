@@ -65,12 +65,13 @@ def test_fma_matches_numpy():
 
 
 @pytest.mark.parametrize("nib", [True, False], ids=["q4_1", "q5_1"])
-@pytest.mark.parametrize("m", [1, 2, 3])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7])
 def test_dot_kernels_round_each_fma_once(nib, m):
     """A lane chain built to end on a float32 tie: block 0 leaves acc = 1, block 1 adds xy * d_x * d_w =
     6605 * (162565 * 2^-30) * 2^-24 = 2^-24 + 2^-54, just past the midpoint of 1 and 1 + 2^-23. One rounding
     (ggml's fmadd) gives 1 + 2^-23; the float64 sum rounded again to float32 would give 1 (ties to even).
-    Every output, on the one-row and the tiled kernels (300 outputs: a tile and a tail)."""
+    Every output, on the one-row and the tiled kernels (300 outputs: a tile and a tail; rows in fours, pairs and
+    one alone)."""
     n_out, nb_ = 300, 2
     qw = np.zeros((nb_, 16 if nib else 32, n_out), np.uint8 if nib else np.int8)
     qw[0, 0] = 1                                              # element 0 of blocks 0 and 1 (lane 0)
@@ -134,13 +135,13 @@ def test_q8_quantizer_rejects_a_row_length_that_is_not_a_multiple_of_32():
 # --- the exact Q4_1 / Q5_1 product and GgmlMatmul -------------------------------------------------------------------
 
 def _qlinear(type_names: list[str], n_out: list[int], n_in: int) -> G.QLinear:
-    """Random weights quantized with gguf-py, fused along the outputs (exact pieces for Q4_1/Q5_1)."""
+    """Random weights quantized with gguf-py, fused along the outputs (exact pieces for Q4_1/Q5_1/Q8_0)."""
     pieces = []
     for name, n in zip(type_names, n_out):
         qtype = GGMLQuantizationType[name]
         w = RNG.normal(0, 0.05, (n, n_in)).astype(np.float32)
         data = gguf_quants.quantize(w, qtype)
-        if qtype in G.EXACT_DOT_TYPES:
+        if qtype in G.EXACT_DOT_TYPES | G.EXACT_Q8_0_TYPES:
             pieces.append((None, qtype, G.exact_part(data, qtype, w.shape)))
         else:
             pieces.append((gguf_quants.dequantize(data, qtype).astype(np.float32), qtype, None))
@@ -148,8 +149,8 @@ def _qlinear(type_names: list[str], n_out: list[int], n_in: int) -> G.QLinear:
 
 
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q5_1"])
-@pytest.mark.parametrize("m", [1, 2, 5, 16, 17, 33])
-@pytest.mark.parametrize("n_in,n_out", [(32, 1), (96, 70), (160, 200)])
+@pytest.mark.parametrize("m", [1, 2, 4, 5, 7, 16, 17, 33])
+@pytest.mark.parametrize("n_in,n_out", [(32, 1), (96, 70), (160, 300)])
 def test_exact_dot_matches_numpy(type_name, m, n_in, n_out):
     lin = _qlinear([type_name], [n_out], n_in)
     [part] = lin.parts
@@ -159,21 +160,25 @@ def test_exact_dot_matches_numpy(type_name, m, n_in, n_out):
     assert got.dtype == np.float32 and np.array_equal(got, want)
 
 
-@pytest.mark.parametrize("n_threads", [1, 2])
-@pytest.mark.parametrize("m", [1, 3, 40])
-def test_ggml_matmul_matches_numpy_with_threads(n_threads, m):
-    """Mixed parts (exact Q4_1, Q8_0 and F16 through BLAS, exact Q5_1), products large enough to be split over
-    the threads: the compiled matmul gives the numpy one's bits."""
-    n_in = 576
-    lin = _qlinear(["Q4_1", "Q8_0", "F16", "Q5_1"], [1000, 64, 48, 264], n_in)
-    x = _activations(m, n_in)
+def _compiled_and_numpy(lin: G.QLinear, x: np.ndarray, n_threads: int) -> tuple[np.ndarray, np.ndarray]:
+    """lin's product with x by the compiled `GgmlMatmul` and by the numpy one, on n_threads threads each."""
     ref, fast = G.GgmlMatmul(n_threads, compiled=False), G.GgmlMatmul(n_threads, compiled=True)
     try:
-        want = ref(lin, x)
-        got = fast(lin, x)
+        return fast(lin, x), ref(lin, x)
     finally:
         ref.close()
         fast.close()
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("m", [1, 3, 40])
+def test_ggml_matmul_matches_numpy_with_threads(n_threads, m):
+    """Mixed parts (exact Q4_1 and Q8_0, F16 through BLAS, exact Q5_1), products large enough to be split over
+    the threads: the compiled matmul gives the numpy one's bits."""
+    n_in = 576
+    lin = _qlinear(["Q4_1", "Q8_0", "F16", "Q5_1"], [1000, 64, 48, 264], n_in)
+    assert [type(p).__name__ for p in lin.parts] == ["Q8_1DotPart", "Q8_0DotPart", "BlasPart", "Q8_1DotPart"]
+    got, want = _compiled_and_numpy(lin, _activations(m, n_in), n_threads)
     assert got.shape == (m, lin.n_out) and np.array_equal(got, want)
 
 
@@ -317,3 +322,53 @@ def test_fp16_cells_are_read_exactly():
     assert np.array_equal(got, w, equal_nan=True) and np.array_equal(got_t, w.transpose(0, 2, 1), equal_nan=True)
     finite = np.isfinite(w)
     assert np.array_equal(got.view(np.uint32)[finite], w.view(np.uint32)[finite])          # signs of zero too
+
+
+# --- the exact Q8_0 x Q8_0 product (output heads) ------------------------------------------------------------------
+
+def _q8_0_head(n_out: int, n_in: int) -> G.QLinear:
+    w = RNG.normal(0, 0.05, (n_out, n_in)).astype(np.float32)
+    return G.exact_head(gguf_quants.quantize(w, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0, w.shape)
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 17])
+@pytest.mark.parametrize("n_in,n_out", [(32, 1), (96, 70), (576, 4099)])
+def test_q8_0_head_matches_numpy(n_threads, m, n_in, n_out):
+    """`gkernels.dot_q8_0` (one row; rows in fours and pairs over output tiles) gives `ggml.dot_q8_1`'s bits for a
+    `Q8_0DotPart`, with the outputs split over the threads; the result is the dequantized product up to the
+    float32 rounding of the lane chains (a check that it is the right product, not only the same one)."""
+    head = _q8_0_head(n_out, n_in)
+    [part] = head.parts
+    assert isinstance(part, G.Q8_0DotPart) and not part.w.has_m and part.act == "q8_0"
+    x = _activations(m, n_in)
+    got, want = _compiled_and_numpy(head, x, n_threads)
+    assert got.shape == (m, n_out) and got.dtype == np.float32 and np.array_equal(got, want)
+    xq = G.quantize_q8_0(x).astype(np.float64)
+    wd = part.w.dense().astype(np.float64)                                       # [n_out, n_in]
+    exact = xq @ wd.T
+    # n_in/32 fmas per lane plus 3 additions, each within a relative 2^-24 of its operands' magnitudes
+    k = n_in // 32 + 3
+    bound = (k * 2.0 ** -24 / (1 - k * 2.0 ** -24)) * (np.abs(xq) @ np.abs(wd).T)
+    assert np.all(np.abs(got - exact) <= bound)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7])
+def test_q8_0_kernel_rounds_each_fma_once(m):
+    """The lane chain of `test_dot_kernels_round_each_fma_once` on `dot_q8_0`: 1 + 2^-24 + 2^-54 rounds once to
+    1 + 2^-23 (300 outputs: a tile and a tail; one row and the tiled rows)."""
+    n_out, nb_ = 300, 2
+    qw = np.zeros((nb_, 32, n_out), np.int8)
+    qw[0, 0] = 1
+    qw[1, 0] = 1
+    dw = np.ones((nb_, n_out), np.float32)
+    dw[1] = 2.0 ** -24
+    qx = np.zeros((m, 32 * nb_), np.float32)
+    qx[:, 0] = 1.0
+    qx[:, 32] = 6605.0
+    dx = np.ones((m, nb_), np.float32)
+    dx[:, 1] = 162565 * 2.0 ** -30
+    y = np.full((m, n_out), np.nan, np.float32)
+    K.dot_q8_0(qw, dw, qx, dx, y, 0, n_out)
+    assert np.all(y == np.float32(1 + 2 ** -23)), np.unique(y)
+
