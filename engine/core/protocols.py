@@ -33,6 +33,9 @@ class SlotSelector(Protocol):
 
     def select(self, task: "Task", slots: Sequence["Slot"], similarity: float) -> Selection | None: ...
 
+    # Optional: a selector whose choice never depends on a busy slot's tokens sets `busy_tokens_read = False`;
+    # a simulator may then keep generating slots' tokens pending during stretches (ServerCore.lazy_tokens).
+
 
 class QueueOrder(Protocol):
     """`pop_deferred_task`: which deferred task resumes when `released` frees up (index into `deferred`).
