@@ -105,6 +105,7 @@ class ServerCore:
         self._lk = 0                               # lockstep steps applied so far
         self._lz_n = 0                             # member slots (lk0 >= 0)
         self._lz_s0 = 0                            # Σ lk0 over them
+        self._lz_len = 0                           # Σ len(tokens) over them (written-out tokens)
         self._lz_t = 0.0                           # the end of the last lazy stretch (the members' t_gen_last_s)
         self._c_join: list[Slot] = []              # the last census: generating slots not yet members
         self._c_stop: list[Slot] = []              # ... the generating slots whose stop bound is k
@@ -184,12 +185,13 @@ class ServerCore:
         s.lk0 = -1
         self._lz_n -= 1
         self._lz_s0 -= lk0
+        toks = s.tokens
+        self._lz_len -= len(toks)
         p = self._lk - lk0
         if p:
             task = s.task
             gen_t = task.generated
             new = self._lz(task, len(gen_t), p)
-            toks = s.tokens
             toks.append(s.sampled)
             toks.extend(new)
             s.sampled = toks.pop()           # the last sampled token is not in the KV yet
@@ -712,20 +714,26 @@ class ServerCore:
             st = s.state
             if st == IDLE:
                 continue
-            t = s.task
             if st == GENERATING:
-                # step j runs with len = n_left + j before it: see _decode_bound
-                lk0 = s.lk0
-                p = 0 if lk0 < 0 else lk - lk0     # lazy: tokens pending
-                n_tok = len(s.tokens) + p
-                n = s.n_ctx - n_tok - 1
-                if t.text_hook is not None or n <= 0:
-                    return None            # a text hook, or a context shift first
-                npm = t.n_predict_max
-                if npm != -1:
-                    n2 = npm - len(t.generated) - p   # the stop lands in the last step's commit
-                    if n2 < n:
-                        n = n2
+                if s.lk0 >= 0:             # lazy, in the lock step: its bounds are step counts (see below)
+                    if s.lkc <= lk:
+                        return None        # a context shift first
+                    n = s.lkb - lk
+                else:
+                    t = s.task
+                    # step j runs with len = n_left + j before it: see _decode_bound
+                    n_tok = len(s.tokens)
+                    n = s.n_ctx - n_tok - 1
+                    if t.text_hook is not None or n <= 0:
+                        return None        # a text hook, or a context shift first
+                    npm = t.n_predict_max
+                    if npm != -1:
+                        n2 = npm - len(t.generated)   # the stop lands in the last step's commit
+                        if n2 < n:
+                            n = n2
+                    gen_ctx += n_tok
+                    if lz:
+                        join.append(s)
                 if n <= k:
                     if lz:
                         if n < k:
@@ -733,16 +741,16 @@ class ServerCore:
                         else:
                             stop.append(s)
                     k = n
-                if lz and lk0 < 0:
-                    join.append(s)
-                gen_ctx += n_tok
                 gen.append(s)
             elif st == STARTED or st == PROCESSING_PROMPT:
+                t = s.task
                 if t.text_hook is not None or t.n_cmpl != 1 or t.id_parent != -1:
                     return None
                 pending += 1
             else:
                 return None
+        if self._lz_n:                     # the lock step's slots: Σ len(tokens), pending tokens included
+            gen_ctx += self._lz_len + self._lz_n * lk - self._lz_s0
         self._c_join = join
         self._c_stop = stop
         self._c_kstop = k
@@ -1021,10 +1029,22 @@ class ServerCore:
             # tokens, kept pending: the slots not in the lock step join it, and the step count moves on
             lk = self._lk
             join = self._c_join if admit is None or not admit.done else [*self._c_join, *admit.done]
+            n_len = 0
             for s in join:
+                # the bounds _census computes, as lock step counts: they hold while the slot is in it
+                n = len(s.tokens)
+                n_len += n
                 s.lk0 = lk
+                s.lkb = s.lkc = lk + s.n_ctx - n - 1
+                task = s.task
+                npm = task.n_predict_max
+                if npm != -1:
+                    n = lk + npm - len(task.generated)
+                    if n < s.lkb:
+                        s.lkb = n
             self._lz_n += len(join)
             self._lz_s0 += lk * len(join)
+            self._lz_len += n_len
             self._lk = lk + k
             self._lz_t = t_end
             if k == self._c_kstop:
