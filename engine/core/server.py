@@ -109,6 +109,8 @@ class ServerCore:
         self._lz_t = 0.0                           # the end of the last lazy stretch (the members' t_gen_last_s)
         self._c_join: list[Slot] = []              # the last census: generating slots not yet members
         self._c_stop: list[Slot] = []              # ... the generating slots whose stop bound is k
+        self._c_pend: list[Slot] = []              # ... the slots with a prompt pending
+        self._launched: list[Slot] = []            # slots launched since the last commit or stretch
         self._c_kstop = 0                          # ... that k
         self.gen_ctx = 0                           # ... Σ len(tokens) over the generating slots
         self.cache: PromptCache | None = None
@@ -298,6 +300,7 @@ class ServerCore:
             self.rec.record(now_s, "defer", task=task.id, why=why, n_deferred=len(self.deferred))
 
     def _launch(self, slot: Slot, task: Task, now_s: float, state: SlotState) -> None:
+        self._launched.append(slot)
         slot.task = task
         slot.state = state
         self._n_busy += 1
@@ -641,6 +644,7 @@ class ServerCore:
         n_max = max([len(s.tokens) for s in slots])
         if n_max > m.n_tokens_max:
             m.n_tokens_max = n_max
+        self._launched = []
         if self._pending_fatal is plan:
             self._pending_fatal = None
             for s in slots:
@@ -708,6 +712,7 @@ class ServerCore:
         k = 1 << 62                        # the bound of _decode_bound(gen), computed in the same pass
         lk = self._lk
         join = []                          # lazy: generating slots not in the lock step yet
+        pend = []                          # the slots with a prompt pending, in slot order
         stop = []                          # lazy: the generating slots whose bound is k (a stop may come at k)
         lz = self._lz is not None
         for s in self.slots:
@@ -747,11 +752,13 @@ class ServerCore:
                 if t.text_hook is not None or t.n_cmpl != 1 or t.id_parent != -1:
                     return None
                 pending += 1
+                pend.append(s)
             else:
                 return None
         if self._lz_n:                     # the lock step's slots: Σ len(tokens), pending tokens included
             gen_ctx += self._lz_len + self._lz_n * lk - self._lz_s0
         self._c_join = join
+        self._c_pend = pend
         self._c_stop = stop
         self._c_kstop = k
         self.gen_ctx = gen_ctx
@@ -882,7 +889,8 @@ class ServerCore:
         done = []                          # slots whose prompt ends in the first step
         q = None                           # the slot whose prompt the first step leaves unfinished
         n_prompt = 0
-        for s in bb.prompt_order(self.slots):   # batch building's prompt pass
+        # batch building's prompt pass (in slot order it need visit only the slots with a prompt pending)
+        for s in (self._c_pend if getattr(bb, "in_slot_order", False) else bb.prompt_order(self.slots)):
             if budget <= 0:
                 break
             st = s.state
@@ -1105,9 +1113,20 @@ class ServerCore:
             task = s.task
             if self._process_token(s, task, s.sampled):
                 self._release(s, t_end)
-        n_max = max([len(s.tokens) for s in self.slots])
+        if tokens is None:
+            # lazy: the lock step's slots count at their write-out (their tokens only grow until then); of the
+            # others only those launched since the last commit or stretch, or given prompt tokens, changed
+            grown = self._launched
+            if admit is not None:
+                grown = [*grown, *(c[0] for c in admit.chunks)]
+            if prompt is not None:
+                grown = [*grown, prompt[0]]
+            n_max = max([len(s.tokens) for s in grown]) if grown else 0
+        else:
+            n_max = max([len(s.tokens) for s in self.slots])
         if n_max > m.n_tokens_max:
             m.n_tokens_max = n_max
+        self._launched = []
         events, self._events = self._events, []
         return events
 
