@@ -224,7 +224,7 @@ def _pending_vs_written(cfg, workload, latency):
     assert [s.tokens for s in eager.core.slots] == [s.tokens for s in lazy.core.slots]
     assert [s.sampled for s in eager.core.slots] == [s.sampled for s in lazy.core.slots]
     assert lazy.core._lz_n == 0
-    return b
+    return lazy, b
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -257,3 +257,19 @@ def test_stretch_tokens_are_kept_pending_on_a_saturated_server():
     sim.core.fast_forward = spy
     sim.run(tr)
     assert sum(seen) > len(seen) / 2
+
+
+def test_recorded_replies_turn_pending_tokens_off_and_change_nothing():
+    """A recorded reply may hold an EOG, which stretches must see: when the first recorded request arrives the
+    pending tokens are written out and every later stretch writes its own, with the same results."""
+    import dataclasses
+    eog = 2
+    cfg = ServerConfig(n_ctx=16384, n_parallel=4, eog_ids=frozenset({eog}))
+    tr = open_loop(60, PoissonArrivals(50.0), UniformLength(20, 150), UniformLength(5, 100), seed=4)
+    reqs = list(tr.requests)
+    for i in (30, 45):                 # an EOS after 3 tokens, though n_output allows 50
+        reqs[i] = dataclasses.replace(reqs[i], output_tokens=(7, 8, 9, eog), n_output=50)
+    tr = dataclasses.replace(tr, requests=reqs)
+    sim, r = _pending_vs_written(cfg, tr, param_latency())
+    assert r.requests[30]["finish"] == "eos" and r.requests[30]["n_output"] == 4
+    assert not sim._lazy_tokens and sim.core._lz is None
