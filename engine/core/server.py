@@ -109,10 +109,10 @@ class ServerCore:
         self._lz_t = 0.0                           # the end of the last lazy stretch (the members' t_gen_last_s)
         self._c_join: list[Slot] = []              # the last census: generating slots not yet members
         self._c_stop: list[Slot] = []              # ... the generating slots whose stop bound is k
-        self._c_pend: list[Slot] = []              # ... the slots with a prompt pending
-        self._launched: list[Slot] = []            # slots launched since the last commit or stretch
         self._c_kstop = 0                          # ... that k
+        self._c_pend: list[Slot] = []              # ... the slots with a prompt pending
         self.gen_ctx = 0                           # ... Σ len(tokens) over the generating slots
+        self._launched: list[Slot] = []            # slots launched since the last commit or stretch
         self.cache: PromptCache | None = None
         if self.cfg.cache_enabled:
             self.cache = PromptCache(self.cfg.cache_limit_bytes, self.cfg.n_ctx, policies.eviction,
@@ -159,13 +159,14 @@ class ServerCore:
         self.rec.record(now_s, "cancel", task=task.id)
 
     def lazy_tokens(self, fn: Any) -> None:
-        """Lazy stretches: from now on `fast_forward(gen, None, ...)` applies a decode stretch's tokens as a
-        pending count per generating slot instead of appending them (a stretch then touches only the slots
-        that may stop); `fn(task, n0, k)` gives the task's k sampled tokens from generated position n0 on (a
-        pure function of the task and the position, as a simulator's stand-in tokens are), and is called when
-        something reads a slot's tokens: a release, `schedule`, `cancel`, `prefill_horizon`, `sync`. `None`
-        writes everything out and turns it off. Only for a front end whose tokens contain no EOG, with no
-        recorder, no streaming and a slot selector that does not read busy slots' tokens."""
+        """Lazy stretches: from now on `fast_forward(gen, None, ...)` applies a decode or admission stretch's
+        tokens as a pending count per generating slot instead of appending them (a stretch then touches only
+        the slots that may stop); `fn(task, n0, k)` gives the task's k sampled tokens from generated position
+        n0 on (a pure function of the task and the position, as a simulator's stand-in tokens are), and is
+        called when something reads a slot's tokens: a release, `schedule`, `cancel`, `prefill_horizon`,
+        `slots_of`, `sync`. `None` writes everything out and turns it off. Only for a front end whose tokens
+        contain no EOG, with no recorder, no streaming and a slot selector that reads no busy slot's tokens
+        (`busy_tokens_read = False`)."""
         self.sync()
         self._lz = fn
         self.kv.pending = None if fn is None else self._lz_pending
