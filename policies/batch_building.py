@@ -12,6 +12,7 @@ class DecodeFirst:
     until n_batch. Without cont_batching, prompt tokens are added only to an empty batch."""
 
     stable = True                    # see engine.core.protocols.BatchBuilder
+    in_slot_order = True             # (prompt_order below)
 
     def include_decodes(self, n_generating: int, n_prompt_pending: int) -> bool:
         return True
@@ -29,6 +30,7 @@ class PrefillFirst:
     """vLLM v0 style: while any prompt is pending, batches carry only prompt tokens (decodes pause)."""
 
     stable = True                    # see engine.core.protocols.BatchBuilder
+    in_slot_order = True             # (prompt_order below)
 
     def include_decodes(self, n_generating: int, n_prompt_pending: int) -> bool:
         return n_prompt_pending == 0
@@ -45,6 +47,7 @@ class TokenBudget:
     so long prompts are cut into chunks that piggyback on decode steps with a bounded step time."""
 
     stable = True                    # see engine.core.protocols.BatchBuilder
+    in_slot_order = True             # (prompt_order below)
 
     def __init__(self, budget: int = 256) -> None:
         if budget < 1:

@@ -33,6 +33,8 @@ class LcpLru:
     share is strictly above the similarity threshold; else LRU. The RAM cache is updated on an LRU pick or
     when the similarity pick keeps less than half of the slot's context (f_keep < 0.5)."""
 
+    busy_tokens_read = False         # see engine.core.protocols.SlotSelector
+
     def select(self, task: Task, slots: Sequence[Slot], similarity: float) -> Selection | None:
         ret = _by_id(task, slots)
         reason = "id_slot"
@@ -73,6 +75,8 @@ class LcpLru:
 class LruOnly:
     """`id_slot`, else LRU (similarity matching off whatever -sps says); the cache is updated on every LRU pick."""
 
+    busy_tokens_read = False         # see engine.core.protocols.SlotSelector
+
     def select(self, task: Task, slots: Sequence[Slot], similarity: float) -> Selection | None:
         ret = _by_id(task, slots)
         if ret is not None:
@@ -83,6 +87,8 @@ class LruOnly:
 
 class RoundRobin:
     """`id_slot`, else the next idle slot after the one chosen last (cyclic)."""
+
+    busy_tokens_read = False         # see engine.core.protocols.SlotSelector
 
     def __init__(self) -> None:
         self._last = -1
@@ -103,6 +109,8 @@ class RoundRobin:
 class SessionAffinity:
     """`id_slot`, else the idle slot that last served the same session (task.user.session_id), else upstream's
     LCP/LRU choice. Models a router that pins conversations to slots."""
+
+    busy_tokens_read = False         # see engine.core.protocols.SlotSelector
 
     def __init__(self) -> None:
         self._slot_of: dict[object, int] = {}

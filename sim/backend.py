@@ -197,11 +197,16 @@ class SimBackend:
     @staticmethod
     def tokens_for(task, k: int) -> list[int]:
         """The next k stand-in tokens of a task (what k further execute() calls would sample)."""
-        reply = task.user.reply
-        n = len(task.generated)
-        if n + k <= len(reply):
-            return reply[n:n + k]
-        return [reply[(n + i) % len(reply)] for i in range(k)]
+        return standin_tokens(task, len(task.generated), k)
+
+
+def standin_tokens(task, n0: int, k: int):
+    """A task's stand-in tokens at generated positions n0 .. n0 + k - 1: the k-th generated token is
+    reply[k], and past the reply's end the reply repeats (what execute() samples)."""
+    reply = task.user.reply
+    if n0 + k <= len(reply):
+        return reply[n0:n0 + k]
+    return [reply[(n0 + i) % len(reply)] for i in range(k)]
 
 
 def _op_tokens(ops) -> tuple[int, int, int]:

@@ -29,7 +29,7 @@ from engine.core import Recorder, ServerConfig, ServerCore, Task, step
 from engine.core.tokens import token_array
 from engine.core.types import Backend
 from policies import make_policies
-from sim.backend import SimBackend
+from sim.backend import SimBackend, standin_tokens
 from sim.latency import LatencyModel
 from traces import ChatWorkload, PromptMaterializer, TokenSpace, Trace
 from traces.tokens import DOMAIN_REPLY, extend_key, stream_key
@@ -130,6 +130,14 @@ class Simulation:
         self._lazy_prompts = (self._token_arrays and recorder is None
                               and getattr(self.core.policies.queue_order, "reads_deferred_prompts", True) is False)
         self._fast_admission = backend is None and self.backend.fast_admission
+        # Lazy stretches (ServerCore.lazy_tokens): generating slots keep a stretch's stand-in tokens as a count,
+        # written out when read; only while no stand-in token can be an EOG (none is checked in a stretch), with
+        # no recorder or layout-priced model, and a slot selector that reads no busy slot's tokens.
+        self._lazy_tokens = (self.fast_forward and recorder is None
+                             and not self._reply_eog and not self.backend.wants_layout
+                             and getattr(self.core.policies.slot_selector, "busy_tokens_read", True) is False)
+        if self._lazy_tokens:
+            self.core.lazy_tokens(standin_tokens)
         self._undrawn: deque[Task] = deque()         # lazy prompts not drawn yet, in arrival order (some drawn since)
         self._inbox: list[Task] = []
         self._wakeup: simpy.Event | None = None
@@ -204,6 +212,9 @@ class Simulation:
             if r.output_tokens:
                 rep, kw = list(r.output_tokens), self._recorded_fields(r)
                 self._reply_eog = True               # recorded replies end with the EOS they stopped at
+                if self._lazy_tokens:                # stretches check the tokens for EOG from now on
+                    self._lazy_tokens = False
+                    self.core.lazy_tokens(None)
             else:
                 rep, kw = reply(r.index, r.n_output), defaults
             req = SimRequest(r.index, t_ns, r.n_output, rep, r.session_id, 0, None, r if lazy else None)
@@ -369,9 +380,7 @@ class Simulation:
         prompt = None
         if k >= 1:
             n = len(gen)
-            attn0 = n
-            for s in gen:
-                attn0 += len(s.tokens)
+            attn0 = n + core.gen_ctx                 # Σ len(tokens) over gen, pending tokens included
             if self.backend.wants_layout:      # the model prices the engine's layout: sequence ids, contexts
                 times = self.latency.decode_only_times_s(n, attn0, k, [(s.id, len(s.tokens)) for s in gen])
             else:
@@ -402,8 +411,8 @@ class Simulation:
         if self._fast_admission:                     # priced from Σ positions (bit-equal, no StepCost)
             times = [backend.admission_time_s(adm.ops, len(gen), adm.gen_ctx, chunks)]
         else:
-            times = [latency.step_time_s(backend.admission_cost(adm.ops, [len(s.tokens) for s in gen],
-                                                                [s.id for s in gen], chunks))]
+            lens = [core.slot_len(s) for s in gen] if self._lazy_tokens else [len(s.tokens) for s in gen]
+            times = [latency.step_time_s(backend.admission_cost(adm.ops, lens, [s.id for s in gen], chunks))]
         k = adm.k
         if k > 1:
             # after the first step: every decoding slot one token longer, a prompt chunk's slot at its end
@@ -414,7 +423,7 @@ class Simulation:
                 times += latency.decode_only_times_s(n, n + adm.gen_ctx + len(gen) + chunks[-1][1]
                                                      + chunks[-1][2], k - 1)
                 return self._stretch(now, k, gen, times, None, adm)
-            ctx = {s.id: len(s.tokens) + 1 for s in gen}
+            ctx = {s.id: core.slot_len(s) + 1 for s in gen}
             for sid, pos0, take in chunks:
                 ctx[sid] = pos0 + take
             if q is not None:
@@ -467,6 +476,12 @@ class Simulation:
             if self._arr_i == len(self._arrivals):   # deferred at once: all of them wait
                 self._backlog_at_last_arrival = (len(core.deferred) + len(core.queue)
                                                  + sum(len(v) for v in arrivals.values()))
+        if prompt is None and self._lazy_tokens:     # the core keeps them pending (ServerCore.lazy_tokens)
+            self._clock_ns = ends[-1]
+            core.fast_forward(gen, None, [e / NS for e in ends], arrivals, None, admit, _s(now))
+            self._n_steps += kk
+            self._n_ff_steps += kk
+            return ends[-1]
         tokens = {}
         for s in (gen if admit is None else admit.dec):          # SimBackend.tokens_for, its common case inlined
             task = s.task
@@ -575,6 +590,7 @@ class Simulation:
             gc.unfreeze()
         wall = time.perf_counter() - wall0
         core = self.core
+        core.sync()
         rows = sorted(self._rows, key=lambda r: r["request"])
         n_err = sum(1 for r in rows if r["finish"] == "error")
         cache = core.cache

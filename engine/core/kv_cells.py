@@ -23,7 +23,7 @@ have side effects (which idle slot to clear, what a call emits) stay with the co
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from engine.core.slot import Slot
@@ -47,7 +47,7 @@ class ViewSink(Protocol):
 class KVCells:
     """Cell counts of every slot's KV, per slot or in one unified pool; the n_cmpl cells shared by seq_cp."""
 
-    __slots__ = ("slots", "unified", "n_ctx", "capacity", "shared")
+    __slots__ = ("slots", "unified", "n_ctx", "capacity", "shared", "pending")
 
     def __init__(self, slots: Sequence[Slot], unified: bool, n_ctx: int, n_ctx_slot: int) -> None:
         self.slots = slots
@@ -57,6 +57,8 @@ class KVCells:
         self.capacity = n_ctx if unified else n_ctx_slot
         # child slot -> [parent slot, leading cells still shared with it]
         self.shared: dict[int, list[int]] = {}
+        # a lazy core's count of generated tokens not yet written into its slots' tokens (None: eager)
+        self.pending: Callable[[], int] | None = None
 
     # --- counts ---------------------------------------------------------------------------------------------
     def n_shared(self) -> int:
@@ -64,7 +66,8 @@ class KVCells:
 
     def used(self) -> int:
         """Cells in use: every slot's tokens, counting cells shared by seq_cp once."""
-        return sum([len(s.tokens) for s in self.slots]) - self.n_shared()
+        n = sum([len(s.tokens) for s in self.slots]) - self.n_shared()
+        return n if self.pending is None else n + self.pending()
 
     def room_to_restore(self, slot: Slot) -> int:
         """Unified KV: cells a prompt-cache entry restored into `slot` may take (restoring first drops the

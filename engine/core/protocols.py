@@ -33,6 +33,9 @@ class SlotSelector(Protocol):
 
     def select(self, task: "Task", slots: Sequence["Slot"], similarity: float) -> Selection | None: ...
 
+    # Optional: a selector whose choice never depends on a busy slot's tokens sets `busy_tokens_read = False`;
+    # a simulator may then keep generating slots' tokens pending during stretches (ServerCore.lazy_tokens).
+
 
 class QueueOrder(Protocol):
     """`pop_deferred_task`: which deferred task resumes when `released` frees up (index into `deferred`).
@@ -58,6 +61,8 @@ class BatchBuilder(Protocol):
     # Optional: a builder whose answers depend only on their arguments and whose prompt_order depends only on
     # slot ids (not on progress) sets `stable = True`; the core may then fast-forward stretches of prompt
     # chunks (`ServerCore.prefill_horizon`). Without it, every such step runs normally.
+    # A builder whose prompt_order returns the slots as given (slot order) may set `in_slot_order = True`:
+    # the core's stretches then visit only the slots with a prompt pending.
 
 
 class ContextShift(Protocol):

@@ -99,6 +99,20 @@ class ServerCore:
         self._saved_in: list[int] = [-1] * len(self.slots)
         self._self_only = [(i,) for i in range(len(self.slots))]   # a decode chunk's sample_for, per slot
         self.kv = KVCells(self.slots, self.cfg.kv_unified, self.cfg.n_ctx, self.cfg.n_ctx_slot)
+        # lazy stretches (lazy_tokens): generating slots advance in lock step and write out their tokens only
+        # when something reads them; a member slot s has _lk - s.lk0 generated tokens pending
+        self._lz: Any = None                       # fn(task, n0, k): the task's tokens at generated positions n0..
+        self._lk = 0                               # lockstep steps applied so far
+        self._lz_n = 0                             # member slots (lk0 >= 0)
+        self._lz_s0 = 0                            # Σ lk0 over them
+        self._lz_len = 0                           # Σ len(tokens) over them (written-out tokens)
+        self._lz_t = 0.0                           # the end of the last lazy stretch (the members' t_gen_last_s)
+        self._c_join: list[Slot] = []              # the last census: generating slots not yet members
+        self._c_stop: list[Slot] = []              # ... the generating slots whose stop bound is k
+        self._c_kstop = 0                          # ... that k
+        self._c_pend: list[Slot] = []              # ... the slots with a prompt pending
+        self.gen_ctx = 0                           # ... Σ len(tokens) over the generating slots
+        self._launched: list[Slot] = []            # slots launched since the last commit or stretch
         self.cache: PromptCache | None = None
         if self.cfg.cache_enabled:
             self.cache = PromptCache(self.cfg.cache_limit_bytes, self.cfg.n_ctx, policies.eviction,
@@ -128,6 +142,7 @@ class ServerCore:
 
     def cancel(self, task: Task, now_s: float) -> None:
         """Remove a task (and its children) from every queue and release its slot (`SERVER_TASK_TYPE_CANCEL`)."""
+        self.sync()
         targets = [task, *task.children]
         ids = {t.id for t in targets}
         self.queue = deque(t for t in self.queue if t.id not in ids)
@@ -142,6 +157,55 @@ class ServerCore:
             if not t.done:
                 self._finish_unslotted(t, now_s)
         self.rec.record(now_s, "cancel", task=task.id)
+
+    def lazy_tokens(self, fn: Any) -> None:
+        """Lazy stretches: from now on `fast_forward(gen, None, ...)` applies a decode or admission stretch's
+        tokens as a pending count per generating slot instead of appending them (a stretch then touches only
+        the slots that may stop); `fn(task, n0, k)` gives the task's k sampled tokens from generated position
+        n0 on (a pure function of the task and the position, as a simulator's stand-in tokens are), and is
+        called when something reads a slot's tokens: a release, `schedule`, `cancel`, `prefill_horizon`,
+        `slots_of`, `sync`. `None` writes everything out and turns it off. Only for a front end whose tokens
+        contain no EOG, with no recorder, no streaming and a slot selector that reads no busy slot's tokens
+        (`busy_tokens_read = False`)."""
+        self.sync()
+        self._lz = fn
+        self.kv.pending = None if fn is None else self._lz_pending
+
+    def _lz_pending(self) -> int:
+        return self._lz_n * self._lk - self._lz_s0
+
+    def sync(self) -> None:
+        """Write out every slot's pending stand-in tokens (lazy stretches)."""
+        if self._lz_n:
+            for s in self.slots:
+                if s.lk0 >= 0:
+                    self._materialize(s)
+
+    def _materialize(self, s: Slot) -> None:
+        """Write out a member slot's pending tokens as the decode steps would have appended them, and leave
+        the lock step (it joins again at its next stretch)."""
+        lk0 = s.lk0
+        s.lk0 = -1
+        self._lz_n -= 1
+        self._lz_s0 -= lk0
+        toks = s.tokens
+        self._lz_len -= len(toks)
+        p = self._lk - lk0
+        if p:
+            task = s.task
+            gen_t = task.generated
+            new = self._lz(task, len(gen_t), p)
+            toks.append(s.sampled)
+            toks.extend(new)
+            s.sampled = toks.pop()           # the last sampled token is not in the KV yet
+            gen_t.extend(new)
+            task.t_gen_last_s = self._lz_t
+            if len(toks) > self.metrics.n_tokens_max:
+                self.metrics.n_tokens_max = len(toks)
+
+    def slot_len(self, s: Slot) -> int:
+        """len(s.tokens) with its pending tokens (lazy stretches)."""
+        return len(s.tokens) if s.lk0 < 0 else len(s.tokens) + self._lk - s.lk0
 
     def has_work(self) -> bool:
         return bool(self.queue) or self._n_busy > 0
@@ -184,6 +248,8 @@ class ServerCore:
         """
         if self._uncommitted is not None:
             raise RuntimeError("schedule() called before commit() of the previous plan")
+        if self._lz_n:
+            self.sync()
         while self.queue:
             self._process_single_task(self.queue.popleft(), now_s)
         return self._build_batch(now_s)
@@ -235,6 +301,7 @@ class ServerCore:
             self.rec.record(now_s, "defer", task=task.id, why=why, n_deferred=len(self.deferred))
 
     def _launch(self, slot: Slot, task: Task, now_s: float, state: SlotState) -> None:
+        self._launched.append(slot)
         slot.task = task
         slot.state = state
         self._n_busy += 1
@@ -578,6 +645,7 @@ class ServerCore:
         n_max = max([len(s.tokens) for s in slots])
         if n_max > m.n_tokens_max:
             m.n_tokens_max = n_max
+        self._launched = []
         if self._pending_fatal is plan:
             self._pending_fatal = None
             for s in slots:
@@ -643,32 +711,58 @@ class ServerCore:
         pending = 0
         gen_ctx = 0
         k = 1 << 62                        # the bound of _decode_bound(gen), computed in the same pass
+        lk = self._lk
+        join = []                          # lazy: generating slots not in the lock step yet
+        pend = []                          # the slots with a prompt pending, in slot order
+        stop = []                          # lazy: the generating slots whose bound is k (a stop may come at k)
+        lz = self._lz is not None
         for s in self.slots:
             st = s.state
             if st == IDLE:
                 continue
-            t = s.task
             if st == GENERATING:
-                # step j runs with len = n_left + j before it: see _decode_bound
-                n_tok = len(s.tokens)
-                n = s.n_ctx - n_tok - 1
-                if t.text_hook is not None or n <= 0:
-                    return None            # a text hook, or a context shift first
-                if n < k:
+                if s.lk0 >= 0:             # lazy, in the lock step: its bounds are step counts (see below)
+                    if s.lkc <= lk:
+                        return None        # a context shift first
+                    n = s.lkb - lk
+                else:
+                    t = s.task
+                    # step j runs with len = n_left + j before it: see _decode_bound
+                    n_tok = len(s.tokens)
+                    n = s.n_ctx - n_tok - 1
+                    if t.text_hook is not None or n <= 0:
+                        return None        # a text hook, or a context shift first
+                    npm = t.n_predict_max
+                    if npm != -1:
+                        n2 = npm - len(t.generated)   # the stop lands in the last step's commit
+                        if n2 < n:
+                            n = n2
+                    gen_ctx += n_tok
+                    if lz:
+                        join.append(s)
+                if n <= k:
+                    if lz:
+                        if n < k:
+                            stop = [s]
+                        else:
+                            stop.append(s)
                     k = n
-                npm = t.n_predict_max
-                if npm != -1:
-                    n = npm - len(t.generated)   # the stop lands in the last step's commit
-                    if n < k:
-                        k = n
-                gen_ctx += n_tok
                 gen.append(s)
             elif st == STARTED or st == PROCESSING_PROMPT:
+                t = s.task
                 if t.text_hook is not None or t.n_cmpl != 1 or t.id_parent != -1:
                     return None
                 pending += 1
+                pend.append(s)
             else:
                 return None
+        if self._lz_n:                     # the lock step's slots: Σ len(tokens), pending tokens included
+            gen_ctx += self._lz_len + self._lz_n * lk - self._lz_s0
+        self._c_join = join
+        self._c_pend = pend
+        self._c_stop = stop
+        self._c_kstop = k
+        self.gen_ctx = gen_ctx
         return gen, pending, k, gen_ctx
 
     def decode_horizon(self) -> tuple[int, list[Slot]]:
@@ -700,6 +794,8 @@ class ServerCore:
         none = 0, [], None, 0
         if self._blocked():
             return none
+        if self._lz_n:
+            self.sync()
         gen = []
         n_pending = 0
         for s in self.slots:
@@ -778,6 +874,7 @@ class ServerCore:
         gen, pending, k, dec_ctx = c
         if not pending:
             return None
+        kstop = k                          # lazy: the least stop bound, and the slots that have it
         bb = self.policies.batch_builder
         if not getattr(bb, "stable", False):
             return None
@@ -793,7 +890,8 @@ class ServerCore:
         done = []                          # slots whose prompt ends in the first step
         q = None                           # the slot whose prompt the first step leaves unfinished
         n_prompt = 0
-        for s in bb.prompt_order(self.slots):   # batch building's prompt pass
+        # batch building's prompt pass (in slot order it need visit only the slots with a prompt pending)
+        for s in (self._c_pend if getattr(bb, "in_slot_order", False) else bb.prompt_order(self.slots)):
             if budget <= 0:
                 break
             st = s.state
@@ -818,6 +916,12 @@ class ServerCore:
                     kp = npm
                 if kp < 1:
                     kp = 1
+                if kp <= kstop and self._lz is not None:
+                    if kp < kstop:
+                        self._c_stop = [s]
+                        self._c_kstop = kstop = kp
+                    else:
+                        self._c_stop.append(s)
                 if kp < k:
                     k = kp
             else:
@@ -929,6 +1033,42 @@ class ServerCore:
         eog = self._eog
         ctx_stop = not self.base.ctx_shift
         stops = []                           # slots whose last token's stop checks may hold
+        if tokens is None:
+            # lazy: every decoding slot of the stretch (gen; admit.dec, its prompts' slots included) gets k
+            # tokens, kept pending: the slots not in the lock step join it, and the step count moves on
+            lk = self._lk
+            join = self._c_join if admit is None or not admit.done else [*self._c_join, *admit.done]
+            n_len = 0
+            for s in join:
+                # the bounds _census computes, as lock step counts: they hold while the slot is in it
+                n = len(s.tokens)
+                n_len += n
+                s.lk0 = lk
+                s.lkb = s.lkc = lk + s.n_ctx - n - 1
+                task = s.task
+                npm = task.n_predict_max
+                if npm != -1:
+                    n = lk + npm - len(task.generated)
+                    if n < s.lkb:
+                        s.lkb = n
+            self._lz_n += len(join)
+            self._lz_s0 += lk * len(join)
+            self._lz_len += n_len
+            self._lk = lk + k
+            self._lz_t = t_end
+            if k == self._c_kstop:
+                # only a slot whose stop bound is the least may stop, and only when the stretch reaches it
+                cands = self._c_stop
+                if admit is not None and admit.done and len(cands) > 1:
+                    cands = sorted(cands, key=_slot_id)
+                for s in cands:
+                    self._materialize(s)
+                    task = s.task
+                    npm = task.n_predict_max
+                    if (s.sampled in eog or (npm != -1 and len(task.generated) >= npm)
+                            or (ctx_stop and len(s.tokens) + 1 >= s.n_ctx)):
+                        stops.append(s)
+            gen = ()                         # (the eager per-slot pass below)
         for s in gen:
             task = s.task
             new = tokens[s.id]
@@ -974,9 +1114,20 @@ class ServerCore:
             task = s.task
             if self._process_token(s, task, s.sampled):
                 self._release(s, t_end)
-        n_max = max([len(s.tokens) for s in self.slots])
+        if tokens is None:
+            # lazy: the lock step's slots count at their write-out (their tokens only grow until then); of the
+            # others only those launched since the last commit or stretch, or given prompt tokens, changed
+            grown = self._launched
+            if admit is not None:
+                grown = [*grown, *(c[0] for c in admit.chunks)]
+            if prompt is not None:
+                grown = [*grown, prompt[0]]
+            n_max = max([len(s.tokens) for s in grown]) if grown else 0
+        else:
+            n_max = max([len(s.tokens) for s in self.slots])
         if n_max > m.n_tokens_max:
             m.n_tokens_max = n_max
+        self._launched = []
         events, self._events = self._events, []
         return events
 
@@ -989,6 +1140,8 @@ class ServerCore:
         self._release(s, now_s)
 
     def _release(self, s: Slot, now_s: float) -> None:
+        if s.lk0 >= 0:
+            self._materialize(s)
         task = s.task
         s.t_last_used_s = now_s
         s.state = IDLE
@@ -1043,6 +1196,7 @@ class ServerCore:
         return i
 
     def slots_of(self, states: Iterable[SlotState]) -> list[Slot]:
+        self.sync()
         st = set(states)
         return [s for s in self.slots if s.state in st]
 

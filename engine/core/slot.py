@@ -12,7 +12,7 @@ class Slot:
     """
 
     __slots__ = ("id", "n_ctx", "state", "task", "tokens", "t_last_used_s", "n_past", "i_prompt",
-                 "sampled", "n_tasks")
+                 "sampled", "n_tasks", "lk0", "lkc", "lkb")
 
     def __init__(self, id: int, n_ctx: int) -> None:
         self.id = id
@@ -25,6 +25,11 @@ class Slot:
         self.i_prompt = 0                  # next prompt token to put in a batch
         self.sampled = -1                  # last sampled token (not yet in the KV)
         self.n_tasks = 0
+        # lazy stretches (ServerCore.lazy_tokens): the core's lockstep step count when this GENERATING slot's
+        # tokens were last written out; -1 when nothing is pending (always, unless the core is lazy)
+        self.lk0 = -1
+        self.lkc = 0                       # ... the lock step count at which a context shift would be due
+        self.lkb = 0                       # ... and at which its first stop may come (or that shift)
 
     @property
     def is_processing(self) -> bool:

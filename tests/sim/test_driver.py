@@ -117,6 +117,7 @@ def test_fast_forward_equals_single_stepping_on_random_chat(n_users, n_parallel,
     cfg = ServerConfig(n_parallel=n_parallel, n_ctx=4096, cache_ram_mib=1, kv_bytes_per_token=1024,
                        policies=PolicyNames(eviction=evict), cache_hit=hit)
     assert_identical(*_compare_ff(cfg, small_chat(seed, n_users), param_latency()))
+    _pending_vs_written(cfg, small_chat(seed, n_users), param_latency())   # (closed loop: below)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -203,3 +204,72 @@ def test_prompts_drawn_when_a_slot_may_take_them_change_nothing(n_parallel, n_ct
     cfg = ServerConfig(n_parallel=n_parallel, n_ctx=n_ctx, kv_unified=kvu, cache_ram_mib=cram, kv_bytes_per_token=1024,
                        policies=PolicyNames(batch_building=batch))
     _lazy_vs_eager(cfg, tr, param_latency(), ff)
+
+
+def _pending_vs_written(cfg, workload, latency):
+    """The same run with generating slots' stretch tokens kept pending (ServerCore.lazy_tokens) and written
+    out every step: same rows, times, step counts, metrics, cache counts and final slot tokens."""
+    lazy = Simulation(cfg, latency)
+    eager = Simulation(cfg, latency)
+    assert lazy._lazy_tokens and lazy.core._lz is not None
+    eager._lazy_tokens = False
+    eager.core.lazy_tokens(None)
+    a, b = eager.run(workload), lazy.run(workload)
+    assert len(a.requests) == len(b.requests)
+    for ra, rb in zip(a.requests, b.requests):
+        assert all(_same(ra[k], rb[k]) for k in ra), (ra, rb)
+    assert a.run["sim_s"] == b.run["sim_s"] and a.run["steps"] == b.run["steps"]
+    assert a.run["ff_steps"] == b.run["ff_steps"]
+    assert a.metrics == b.metrics and a.cache_stats == b.cache_stats
+    assert [s.tokens for s in eager.core.slots] == [s.tokens for s in lazy.core.slots]
+    assert [s.sampled for s in eager.core.slots] == [s.sampled for s in lazy.core.slots]
+    assert lazy.core._lz_n == 0
+    return lazy, b
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n_parallel=st.sampled_from([1, 2, 4, 8]), n_ctx=st.sampled_from([512, 1024, 4096]), kvu=st.booleans(),
+       rate=st.floats(0.5, 80), ctx_shift=st.booleans(), seed=st.integers(0, 1000), cram=st.sampled_from([0, 1]),
+       n_batch=st.sampled_from([64, 2048]),
+       batch=st.sampled_from(["decode_first", "prefill_first", "token_budget:64"]))
+def test_stretch_tokens_kept_pending_change_nothing(n_parallel, n_ctx, kvu, rate, ctx_shift, seed, cram, n_batch,
+                                                    batch):
+    tr = open_loop(40, PoissonArrivals(rate), UniformLength(1, 700), UniformLength(1, 200), seed=seed)
+    cfg = ServerConfig(n_parallel=n_parallel, n_ctx=n_ctx, kv_unified=kvu, ctx_shift=ctx_shift, n_batch=n_batch,
+                       cache_ram_mib=cram, kv_bytes_per_token=1024,
+                       policies=PolicyNames(batch_building=batch))
+    _pending_vs_written(cfg, tr, param_latency())
+
+
+def test_stretch_tokens_are_kept_pending_on_a_saturated_server():
+    """Saturated, every stretch starts with an admission: the slots that do not stop keep their tokens pending
+    across stretches (the lock step advances further than any one stretch)."""
+    tr = open_loop(80, PoissonArrivals(50.0), UniformLength(20, 150), UniformLength(5, 100), seed=2)
+    sim = Simulation(ServerConfig(n_ctx=16384, n_parallel=4), param_latency())
+    seen = []
+    ff = sim.core.fast_forward
+
+    def spy(*a, **kw):
+        out = ff(*a, **kw)
+        pending = max((sim.core._lk - s.lk0 for s in sim.core.slots if s.lk0 >= 0), default=0)
+        seen.append(pending > len(a[2]))          # more than this stretch's steps: from earlier ones too
+        return out
+    sim.core.fast_forward = spy
+    sim.run(tr)
+    assert sum(seen) > len(seen) / 2
+
+
+def test_recorded_replies_turn_pending_tokens_off_and_change_nothing():
+    """A recorded reply may hold an EOG, which stretches must see: when the first recorded request arrives the
+    pending tokens are written out and every later stretch writes its own, with the same results."""
+    import dataclasses
+    eog = 2
+    cfg = ServerConfig(n_ctx=16384, n_parallel=4, eog_ids=frozenset({eog}))
+    tr = open_loop(60, PoissonArrivals(50.0), UniformLength(20, 150), UniformLength(5, 100), seed=4)
+    reqs = list(tr.requests)
+    for i in (30, 45):                 # an EOS after 3 tokens, though n_output allows 50
+        reqs[i] = dataclasses.replace(reqs[i], output_tokens=(7, 8, 9, eog), n_output=50)
+    tr = dataclasses.replace(tr, requests=reqs)
+    sim, r = _pending_vs_written(cfg, tr, param_latency())
+    assert r.requests[30]["finish"] == "eos" and r.requests[30]["n_output"] == 4
+    assert not sim._lazy_tokens and sim.core._lz is None
