@@ -187,6 +187,22 @@ def kv_values_t(c16, n, out):
                 dst[j] = f16_value(c16[h, j, d])
 
 
+@njit(cache=True, nogil=True)
+def kv_shadow(k16, v16, lo, hi, kt, vf):
+    """Cells lo..hi-1 of the fp16 K and V cells (uint16 bits [n_head_kv, cap, hd]) into their float32 shadow:
+    kt [n_head_kv, hd, cap] (K transposed, as `kv_values_t`) and vf [n_head_kv, cap, hd] (as `kv_values`)."""
+    for h in range(k16.shape[0]):
+        for j in range(lo, hi):
+            src = v16[h, j]
+            dst = vf[h, j]
+            for d in range(v16.shape[2]):
+                dst[d] = f16_value(src[d])
+        for d in range(k16.shape[2]):
+            dst = kt[h, d]
+            for j in range(lo, hi):
+                dst[j] = f16_value(k16[h, j, d])
+
+
 @njit(cache=True, nogil=True, inline="always")
 def expf(x):
     """ggml.expf (ggml_v_expf, AVX-512) for one float32 x."""
