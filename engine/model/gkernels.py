@@ -30,7 +30,7 @@ I64 = np.int64
 F32 = np.float32
 F64 = np.float64
 
-_TILE = 256         # outputs per tile of the dot kernels for 2+ rows (the tile's weights stay in L2)
+_TILE = 1024        # outputs per tile of the dot kernels for 2+ rows (the tile's weights and accumulators stay in L2)
 _KEYS = 256         # keys per block of the score kernels (lane scratch [16 or 64, _KEYS])
 
 # ggml_v_expf constants (ggml.expf)
@@ -563,21 +563,21 @@ def _quad_block(qb, dw, mw, qx, sx, dx, has_m, nib, r, b, t0, w, acc, summ, dd):
 
 
 @njit(cache=True, nogil=True, fastmath=_CONTRACT)
-def _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, nib, has_m):
-    """All rows of `dot_nib` / `dot_byte` / `dot_q8_0` over the outputs o0..o1-1: tiles of _TILE outputs, rows in
-    fours (`_quad_block`: each weight decoded once for 4 rows, the fma steps in the same loop), the last 1..3
-    rows in pairs (lane sums to a scratch, then the fma steps)."""
+def _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, nib, has_m, tile):
+    """All rows of `dot_nib` / `dot_byte` / `dot_q8_0` over the outputs o0..o1-1: tiles of `tile` outputs (the
+    kernels pass _TILE), rows in fours (`_quad_block`: each weight decoded once for 4 rows, the fma steps in the
+    same loop), the last 1..3 rows in pairs (lane sums to a scratch, then the fma steps)."""
     _wide_vectors()
     nb = qw.shape[0]
     m = qx.shape[0]
-    acc = np.empty((4, 8, _TILE), F32)
-    summ = np.empty((4, _TILE), F32)
-    dd = np.empty(_TILE, F32)
-    dd4 = np.empty((4, _TILE), F32)
-    xy = np.empty((2, 8, _TILE), F32)
+    acc = np.empty((4, 8, tile), F32)
+    summ = np.empty((4, tile), F32)
+    dd = np.empty(tile, F32)
+    dd4 = np.empty((4, tile), F32)
+    xy = np.empty((2, 8, tile), F32)
     m4 = m - m % 4
-    for t0 in range(o0, o1, _TILE):
-        w = min(o1, t0 + _TILE) - t0
+    for t0 in range(o0, o1, tile):
+        w = min(o1, t0 + tile) - t0
         for r in range(0, m4, 4):
             acc[:, :, :w] = F32(0.0)
             summ[:, :w] = F32(0.0)
@@ -610,7 +610,7 @@ def dot_nib(qw, dw, mw, qx, dx, sx, y, o0, o1):
         for t0 in range(o0, o1, _ROW_TILE):
             _nib_row(qw, dw, mw, qx, dx, sx, y, 0, t0, min(o1, t0 + _ROW_TILE))
     else:
-        _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, True, True)
+        _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, True, True, _TILE)
 
 
 @njit(cache=True, nogil=True)
@@ -620,7 +620,7 @@ def dot_byte(qw, dw, mw, qx, dx, sx, y, o0, o1):
         for t0 in range(o0, o1, _ROW_TILE):
             _byte_row(qw, dw, mw, qx, dx, sx, y, 0, t0, min(o1, t0 + _ROW_TILE), True)
     else:
-        _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, False, True)
+        _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, False, True, _TILE)
 
 
 @njit(cache=True, nogil=True)
@@ -632,7 +632,7 @@ def dot_q8_0(qw, dw, qx, dx, y, o0, o1):
         for t0 in range(o0, o1, _ROW_TILE):
             _byte_row(qw, dw, dw, qx, dx, dx, y, 0, t0, min(o1, t0 + _ROW_TILE), False)
     else:
-        _rows_tiled(qw, dw, dw, qx, dx, dx, y, o0, o1, False, False)
+        _rows_tiled(qw, dw, dw, qx, dx, dx, y, o0, o1, False, False, _TILE)
 
 
 # --- norm, SwiGLU --------------------------------------------------------------------------------------------
@@ -708,11 +708,66 @@ def _fold64_col(a, j, x):
         x[lane, j] = (a[lane, j] + a[32 + lane, j]) + (a[16 + lane, j] + a[48 + lane, j])
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _lane64(kt, qi, l, j, one):
+    """Lane l (0..15) of key j for head_dim 64, its 4 exact products p_d = qi[d] * kt[d, j] (d = l, l+16, l+32,
+    l+48) summed in tinyBLAS order ((p_l + p_l+16) + p_l+32) + p_l+48 (one False) or in ggml_vec_dot_f16's
+    (p_l + p_l+32) + (p_l+16 + p_l+48) (one True: its 64 lanes, then 4 x 16 folded)."""
+    p0 = qi[l] * kt[l, j]
+    p1 = qi[l + 16] * kt[l + 16, j]
+    p2 = qi[l + 32] * kt[l + 32, j]
+    p3 = qi[l + 48] * kt[l + 48, j]
+    if one:
+        return (p0 + p2) + (p1 + p3)
+    return ((p0 + p1) + p2) + p3
+
+
+@njit(cache=True, nogil=True)
+def _scores64(qi, kt, n_keys, one, s):
+    """`_scores` for head_dim 64, every lane of a key in registers: the loop over keys computes the 16 lane
+    sums (`_lane64`) and their `_reduce16` at once (no lane scratch), each lane in the same order as `_scores`
+    (for one True the 64-lane chunk is the whole row: no tail, F32(F64(r)) = r)."""
+    for j in range(n_keys):
+        x0 = _lane64(kt, qi, 0, j, one)
+        x1 = _lane64(kt, qi, 1, j, one)
+        x2 = _lane64(kt, qi, 2, j, one)
+        x3 = _lane64(kt, qi, 3, j, one)
+        x4 = _lane64(kt, qi, 4, j, one)
+        x5 = _lane64(kt, qi, 5, j, one)
+        x6 = _lane64(kt, qi, 6, j, one)
+        x7 = _lane64(kt, qi, 7, j, one)
+        x8 = _lane64(kt, qi, 8, j, one)
+        x9 = _lane64(kt, qi, 9, j, one)
+        x10 = _lane64(kt, qi, 10, j, one)
+        x11 = _lane64(kt, qi, 11, j, one)
+        x12 = _lane64(kt, qi, 12, j, one)
+        x13 = _lane64(kt, qi, 13, j, one)
+        x14 = _lane64(kt, qi, 14, j, one)
+        x15 = _lane64(kt, qi, 15, j, one)
+        b0 = x8 + x0
+        b1 = x9 + x1
+        b2 = x10 + x2
+        b3 = x11 + x3
+        b4 = x12 + x4
+        b5 = x13 + x5
+        b6 = x14 + x6
+        b7 = x15 + x7
+        c0 = b4 + b0
+        c1 = b5 + b1
+        c2 = b6 + b2
+        c3 = b7 + b3
+        s[j] = (c0 + c2) + (c1 + c3)
+
+
 @njit(cache=True, nogil=True)
 def _scores(qi, kt, n_keys, one, s, lanes, fold):
     """s[:n_keys] = K . qi in ggml.dot_f16_tiny (one False) or ggml.dot_f16_vec (one True) order; kt [hd, n_tot]
-    float32 (f16 values), qi [hd]. Vectorized across keys: lanes [16 or 64, _KEYS] hold the lane sums."""
+    float32 (f16 values), qi [hd]. Vectorized across keys: lanes [16 or 64, _KEYS] hold the lane sums (head_dim
+    64: `_scores64`)."""
     hd = qi.shape[0]
+    if hd == 64:
+        _scores64(qi, kt, n_keys, one, s)
+        return
     if not one:
         for j0 in range(0, n_keys, _KEYS):
             jw = min(_KEYS, n_keys - j0)
