@@ -788,7 +788,7 @@ def attend_cells(q: np.ndarray, kv: KVStore, s: SeqKV, il: int, n_old: int, mm: 
     if k.dtype != np.float16 or v.dtype != np.float16 or head_dim % 16:
         return attend(q, k, v, n_old, mm)
     n_tot = n_old + m
-    sh = kv.shadow(s)
+    sh = kv.shadow(s, n_tot)
     lo = min(int(sh.valid[il]), n_old)                     # cells from n_old on: this chunk's, just written
     kernels().kv_shadow(k.view(np.uint16), v.view(np.uint16), lo, n_tot, sh.kt[il], sh.v[il])
     sh.valid[il] = n_tot

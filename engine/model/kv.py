@@ -22,9 +22,10 @@ Float32 shadow (`KVStore.shadow`, asked for by ggml mode's compiled attention): 
 sequence's cells, K transposed ([n_layer, n_head_kv, head_dim, capacity], keys contiguous) and V as stored,
 so that each step converts only the cells written since (fp16 -> float32 is exact: the values are the same).
 `valid[layer]` counts the leading cells whose shadow is current; every operation that changes cells below it
-(`seq_rm`, `seq_add`, `seq_cp`, `state_load`, re-sorting) lowers it, a capacity change drops the shadow, and
-cells at n and beyond (the batch being written, not yet committed) are always re-converted by the reader.
-Allocated with `np.zeros` on first use, per sequence: 2x the sequence's fp16 K/V arrays.
+(`seq_rm`, `seq_add`, `seq_cp`, `state_load`, re-sorting) lowers it (moving cells to larger arrays does not
+change them), and cells at n and beyond (the batch being written, not yet committed) are always re-converted
+by the reader. Allocated with `np.zeros` on first use, per sequence, its capacity the sequence's own need
+(64, doubled as needed; not the pool's common capacity): 2 x n_layer x n_head_kv x head_dim x 4 bytes a cell.
 """
 
 from __future__ import annotations
@@ -287,17 +288,28 @@ class KVStore:
         s.pos[s.n:s.n + n_new] = np.arange(pos0, pos0 + n_new, dtype=np.int32)
         s.n += n_new
 
-    def shadow(self, s: SeqKV) -> Shadow:
-        """`s`'s float32 shadow (module docstring), allocated (nothing current) on first use or after its
-        capacity changed. The reader converts layer l's cells min(valid[l], s.n) .. n_tot-1 and sets valid[l]."""
-        cap = s.pos.shape[0]
+    def shadow(self, s: SeqKV, n_cells: int) -> Shadow:
+        """`s`'s float32 shadow (module docstring) with room for `n_cells` cells: allocated (nothing current) on
+        first use, grown by doubling (the current cells copied) when too small. Its capacity is the sequence's
+        own need, not the pool's common one. The reader converts layer l's cells min(valid[l], s.n) ..
+        n_tot-1 and sets valid[l]."""
         sh = s.shadow
-        if sh is None or sh.v.shape[2] != cap:
-            sh = Shadow(kt=np.zeros((self.n_layer, self.n_head_kv, self.head_dim, cap), np.float32),
-                        v=np.zeros((self.n_layer, self.n_head_kv, cap, self.head_dim), np.float32),
-                        valid=np.zeros(self.n_layer, np.int64))
-            s.shadow = sh
-        return sh
+        cap = 0 if sh is None else sh.v.shape[2]
+        if n_cells <= cap:
+            return sh
+        new_cap = max(_MIN_CAPACITY, cap)
+        while new_cap < n_cells:
+            new_cap *= 2
+        grown = Shadow(kt=np.zeros((self.n_layer, self.n_head_kv, self.head_dim, new_cap), np.float32),
+                       v=np.zeros((self.n_layer, self.n_head_kv, new_cap, self.head_dim), np.float32),
+                       valid=np.zeros(self.n_layer, np.int64))
+        if sh is not None:
+            n = int(sh.valid.max())
+            grown.kt[..., :n] = sh.kt[..., :n]
+            grown.v[:, :, :n] = sh.v[:, :, :n]
+            grown.valid[:] = sh.valid
+        s.shadow = grown
+        return grown
 
     @property
     def shadow_bytes(self) -> int:

@@ -461,6 +461,10 @@ def test_ggml_kv_shadow_follows_every_kv_operation(tiny_gguf, n_threads):
     both("seq_rm", 1, -1, -1)
     run((1, PROMPT * 6, 0, [0, 40, 71]))                  # 72 cells: past the first capacity (64), the pool grows
     run((0, [51], nxt(0), True), (1, [52], nxt(1), True), (2, [53], nxt(2), True))
+    assert kvs[0].pool_cap == 128 and kvs[0]._seqs[2].shadow.v.shape[2] == 64   # its own need, not the pool's
+    n0 = kvs[0].n_tokens(0)
+    run((0, PROMPT * 5, nxt(0), [0, 59]))                 # sequence 0's shadow grows, its current cells kept
+    assert kvs[0]._seqs[0].shadow.v.shape[2] == 128 and n0 < 64 < kvs[0].n_tokens(0)
     both("clear")
     run((0, PROMPT[:4], 0, True))
     assert n_checked[0] > 0
