@@ -708,66 +708,11 @@ def _fold64_col(a, j, x):
         x[lane, j] = (a[lane, j] + a[32 + lane, j]) + (a[16 + lane, j] + a[48 + lane, j])
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _lane64(kt, qi, l, j, one):
-    """Lane l (0..15) of key j for head_dim 64, its 4 exact products p_d = qi[d] * kt[d, j] (d = l, l+16, l+32,
-    l+48) summed in tinyBLAS order ((p_l + p_l+16) + p_l+32) + p_l+48 (one False) or in ggml_vec_dot_f16's
-    (p_l + p_l+32) + (p_l+16 + p_l+48) (one True: its 64 lanes, then 4 x 16 folded)."""
-    p0 = qi[l] * kt[l, j]
-    p1 = qi[l + 16] * kt[l + 16, j]
-    p2 = qi[l + 32] * kt[l + 32, j]
-    p3 = qi[l + 48] * kt[l + 48, j]
-    if one:
-        return (p0 + p2) + (p1 + p3)
-    return ((p0 + p1) + p2) + p3
-
-
-@njit(cache=True, nogil=True)
-def _scores64(qi, kt, n_keys, one, s):
-    """`_scores` for head_dim 64, every lane of a key in registers: the loop over keys computes the 16 lane
-    sums (`_lane64`) and their `_reduce16` at once (no lane scratch), each lane in the same order as `_scores`
-    (for one True the 64-lane chunk is the whole row: no tail, F32(F64(r)) = r)."""
-    for j in range(n_keys):
-        x0 = _lane64(kt, qi, 0, j, one)
-        x1 = _lane64(kt, qi, 1, j, one)
-        x2 = _lane64(kt, qi, 2, j, one)
-        x3 = _lane64(kt, qi, 3, j, one)
-        x4 = _lane64(kt, qi, 4, j, one)
-        x5 = _lane64(kt, qi, 5, j, one)
-        x6 = _lane64(kt, qi, 6, j, one)
-        x7 = _lane64(kt, qi, 7, j, one)
-        x8 = _lane64(kt, qi, 8, j, one)
-        x9 = _lane64(kt, qi, 9, j, one)
-        x10 = _lane64(kt, qi, 10, j, one)
-        x11 = _lane64(kt, qi, 11, j, one)
-        x12 = _lane64(kt, qi, 12, j, one)
-        x13 = _lane64(kt, qi, 13, j, one)
-        x14 = _lane64(kt, qi, 14, j, one)
-        x15 = _lane64(kt, qi, 15, j, one)
-        b0 = x8 + x0
-        b1 = x9 + x1
-        b2 = x10 + x2
-        b3 = x11 + x3
-        b4 = x12 + x4
-        b5 = x13 + x5
-        b6 = x14 + x6
-        b7 = x15 + x7
-        c0 = b4 + b0
-        c1 = b5 + b1
-        c2 = b6 + b2
-        c3 = b7 + b3
-        s[j] = (c0 + c2) + (c1 + c3)
-
-
 @njit(cache=True, nogil=True)
 def _scores(qi, kt, n_keys, one, s, lanes, fold):
     """s[:n_keys] = K . qi in ggml.dot_f16_tiny (one False) or ggml.dot_f16_vec (one True) order; kt [hd, n_tot]
-    float32 (f16 values), qi [hd]. Vectorized across keys: lanes [16 or 64, _KEYS] hold the lane sums (head_dim
-    64: `_scores64`)."""
+    float32 (f16 values), qi [hd]. Vectorized across keys: lanes [16 or 64, _KEYS] hold the lane sums."""
     hd = qi.shape[0]
-    if hd == 64:
-        _scores64(qi, kt, n_keys, one, s)
-        return
     if not one:
         for j0 in range(0, n_keys, _KEYS):
             jw = min(_KEYS, n_keys - j0)
