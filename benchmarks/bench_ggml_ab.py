@@ -28,7 +28,7 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 _ENTRY_POINTS = ("dot_nib", "dot_byte", "dot_q8_0", "quantize_q8", "q8_values", "rms_norm", "silu_mul",
-                 "attend_block", "kv_values", "kv_values_t", "f16_round_array")
+                 "attend_block", "kv_values", "kv_values_t", "kv_shadow", "f16_round_array")
 
 
 def _profile_kernels() -> dict[str, float]:

@@ -50,6 +50,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from engine.model.f32 import Rope
+from engine.model.kv import KVStore, SeqKV
 from engine.model.matmul import _SPLIT_MIN_MACS, Matmul
 from engine.model.quant import QPart, concat_parts
 from engine.model.types import HParams, Linear
@@ -755,6 +756,15 @@ def attend_compiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_old: int, mm:
     kern.kv_values_t(k.view(np.uint16), n_tot, kt)
     vf = np.empty((n_head_kv, n_tot, head_dim), np.float32)
     kern.kv_values(v.view(np.uint16), n_tot, vf)
+    return _attend_values(q, kt, vf, n_old, n_gqa, mm)
+
+
+def _attend_values(q: np.ndarray, kt: np.ndarray, vf: np.ndarray, n_old: int, n_gqa: int,
+                   mm: Matmul | None) -> np.ndarray:
+    """The query blocks of `attend_compiled` by `gkernels.attend_block` over the cells' float32 values kt
+    [n_head_kv, head_dim, >= n_tot] (K transposed) and vf [n_head_kv, >= n_tot, head_dim]."""
+    kern = kernels()
+    m, n_head, head_dim = q.shape
     q16 = np.empty(q.shape, np.float32)                                            # Q to f16 (K's vec_dot_type)
     kern.f16_round_array(np.ascontiguousarray(q, dtype=np.float32).reshape(-1), q16.reshape(-1))
     out = np.empty((m, n_head, head_dim), np.float32)
@@ -767,3 +777,19 @@ def attend_compiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_old: int, mm:
     tasks = [lambda a=a: block(a) for a in reversed(range(0, m, _QUERY_BLOCK))]
     _run_blocks(mm, tasks)
     return out.reshape(m, n_head * head_dim)
+
+
+def attend_cells(q: np.ndarray, kv: KVStore, s: SeqKV, il: int, n_old: int, mm: Matmul | None = None) -> np.ndarray:
+    """`attend_compiled` of sequence `s`'s cells of layer il, reading their float32 values from the store's
+    shadow (`KVStore.shadow`): only the cells not yet current there (this chunk's, normally) are converted,
+    by `gkernels.kv_shadow`, instead of every cell each step. The same values, so the same bits."""
+    k, v = s.k[il], s.v[il]
+    m, n_head, head_dim = q.shape
+    if k.dtype != np.float16 or v.dtype != np.float16 or head_dim % 16:
+        return attend(q, k, v, n_old, mm)
+    n_tot = n_old + m
+    sh = kv.shadow(s, n_tot)
+    lo = min(int(sh.valid[il]), n_old)                     # cells from n_old on: this chunk's, just written
+    kernels().kv_shadow(k.view(np.uint16), v.view(np.uint16), lo, n_tot, sh.kt[il], sh.v[il])
+    sh.valid[il] = n_tot
+    return _attend_values(q, sh.kt[il], sh.v[il], n_old, n_head // k.shape[0], mm)

@@ -30,7 +30,7 @@ I64 = np.int64
 F32 = np.float32
 F64 = np.float64
 
-_TILE = 256         # outputs per tile of the dot kernels for 2+ rows (the tile's weights stay in L2)
+_TILE = 1024        # outputs per tile of the dot kernels for 2+ rows (the tile's weights and accumulators stay in L2)
 _KEYS = 256         # keys per block of the score kernels (lane scratch [16 or 64, _KEYS])
 
 # ggml_v_expf constants (ggml.expf)
@@ -185,6 +185,22 @@ def kv_values_t(c16, n, out):
             dst = out[h, d]
             for j in range(n):
                 dst[j] = f16_value(c16[h, j, d])
+
+
+@njit(cache=True, nogil=True)
+def kv_shadow(k16, v16, lo, hi, kt, vf):
+    """Cells lo..hi-1 of the fp16 K and V cells (uint16 bits [n_head_kv, cap, hd]) into their float32 shadow:
+    kt [n_head_kv, hd, cap] (K transposed, as `kv_values_t`) and vf [n_head_kv, cap, hd] (as `kv_values`)."""
+    for h in range(k16.shape[0]):
+        for j in range(lo, hi):
+            src = v16[h, j]
+            dst = vf[h, j]
+            for d in range(v16.shape[2]):
+                dst[d] = f16_value(src[d])
+        for d in range(k16.shape[2]):
+            dst = kt[h, d]
+            for j in range(lo, hi):
+                dst[j] = f16_value(k16[h, j, d])
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -547,21 +563,21 @@ def _quad_block(qb, dw, mw, qx, sx, dx, has_m, nib, r, b, t0, w, acc, summ, dd):
 
 
 @njit(cache=True, nogil=True, fastmath=_CONTRACT)
-def _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, nib, has_m):
-    """All rows of `dot_nib` / `dot_byte` / `dot_q8_0` over the outputs o0..o1-1: tiles of _TILE outputs, rows in
-    fours (`_quad_block`: each weight decoded once for 4 rows, the fma steps in the same loop), the last 1..3
-    rows in pairs (lane sums to a scratch, then the fma steps)."""
+def _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, nib, has_m, tile):
+    """All rows of `dot_nib` / `dot_byte` / `dot_q8_0` over the outputs o0..o1-1: tiles of `tile` outputs (the
+    kernels pass _TILE), rows in fours (`_quad_block`: each weight decoded once for 4 rows, the fma steps in the
+    same loop), the last 1..3 rows in pairs (lane sums to a scratch, then the fma steps)."""
     _wide_vectors()
     nb = qw.shape[0]
     m = qx.shape[0]
-    acc = np.empty((4, 8, _TILE), F32)
-    summ = np.empty((4, _TILE), F32)
-    dd = np.empty(_TILE, F32)
-    dd4 = np.empty((4, _TILE), F32)
-    xy = np.empty((2, 8, _TILE), F32)
+    acc = np.empty((4, 8, tile), F32)
+    summ = np.empty((4, tile), F32)
+    dd = np.empty(tile, F32)
+    dd4 = np.empty((4, tile), F32)
+    xy = np.empty((2, 8, tile), F32)
     m4 = m - m % 4
-    for t0 in range(o0, o1, _TILE):
-        w = min(o1, t0 + _TILE) - t0
+    for t0 in range(o0, o1, tile):
+        w = min(o1, t0 + tile) - t0
         for r in range(0, m4, 4):
             acc[:, :, :w] = F32(0.0)
             summ[:, :w] = F32(0.0)
@@ -594,7 +610,7 @@ def dot_nib(qw, dw, mw, qx, dx, sx, y, o0, o1):
         for t0 in range(o0, o1, _ROW_TILE):
             _nib_row(qw, dw, mw, qx, dx, sx, y, 0, t0, min(o1, t0 + _ROW_TILE))
     else:
-        _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, True, True)
+        _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, True, True, _TILE)
 
 
 @njit(cache=True, nogil=True)
@@ -604,7 +620,7 @@ def dot_byte(qw, dw, mw, qx, dx, sx, y, o0, o1):
         for t0 in range(o0, o1, _ROW_TILE):
             _byte_row(qw, dw, mw, qx, dx, sx, y, 0, t0, min(o1, t0 + _ROW_TILE), True)
     else:
-        _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, False, True)
+        _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, False, True, _TILE)
 
 
 @njit(cache=True, nogil=True)
@@ -616,7 +632,7 @@ def dot_q8_0(qw, dw, qx, dx, y, o0, o1):
         for t0 in range(o0, o1, _ROW_TILE):
             _byte_row(qw, dw, dw, qx, dx, dx, y, 0, t0, min(o1, t0 + _ROW_TILE), False)
     else:
-        _rows_tiled(qw, dw, dw, qx, dx, dx, y, o0, o1, False, False)
+        _rows_tiled(qw, dw, dw, qx, dx, dx, y, o0, o1, False, False, _TILE)
 
 
 # --- norm, SwiGLU --------------------------------------------------------------------------------------------

@@ -17,6 +17,15 @@ virtual. A sequence that would grow the pool past its limit (n_ctx_seq; 2 * n_ct
 past `pool_max_bytes` (virtual) gets arrays of its own instead ("private"); the forward pass attends it alone.
 
 K is stored after RoPE, so `seq_add` re-rotates the shifted cells' K by the position delta.
+
+Float32 shadow (`KVStore.shadow`, asked for by ggml mode's compiled attention): the float32 values of an fp16
+sequence's cells, K transposed ([n_layer, n_head_kv, head_dim, capacity], keys contiguous) and V as stored,
+so that each step converts only the cells written since (fp16 -> float32 is exact: the values are the same).
+`valid[layer]` counts the leading cells whose shadow is current; every operation that changes cells below it
+(`seq_rm`, `seq_add`, `seq_cp`, `state_load`, re-sorting) lowers it (moving cells to larger arrays does not
+change them), and cells at n and beyond (the batch being written, not yet committed) are always re-converted
+by the reader. Allocated with `np.zeros` on first use, per sequence, its capacity the sequence's own need
+(64, doubled as needed; not the pool's common capacity): 2 x n_layer x n_head_kv x head_dim x 4 bytes a cell.
 """
 
 from __future__ import annotations
@@ -51,6 +60,18 @@ class Rotator(Protocol):
 
 
 @dataclass(slots=True)
+class Shadow:
+    """Float32 values of one sequence's fp16 cells (see the module docstring)."""
+    kt: np.ndarray      # [n_layer, n_head_kv, head_dim, capacity] float32: K transposed
+    v: np.ndarray       # [n_layer, n_head_kv, capacity, head_dim] float32
+    valid: np.ndarray   # [n_layer] int64: cells 0..valid[l]-1 of layer l are current
+
+    @property
+    def nbytes(self) -> int:
+        return self.kt.nbytes + self.v.nbytes
+
+
+@dataclass(slots=True)
 class SeqKV:
     k: np.ndarray       # [n_layer, n_head_kv, capacity, head_dim]; a view of the pool when `pooled`
     v: np.ndarray       # [n_layer, n_head_kv, capacity, head_dim]
@@ -58,6 +79,7 @@ class SeqKV:
     n: int = 0
     seq: int = 0        # sequence id (index into the pool's second axis)
     pooled: bool = True
+    shadow: Shadow | None = None    # float32 values of fp16 cells (KVStore.shadow), allocated on first use
 
 
 class KVStore:
@@ -138,6 +160,7 @@ class KVStore:
             if lo >= hi:
                 continue
             s.pos[lo:hi] += delta
+            self._invalidate(s, lo)
             k = s.k[:, :, lo:hi]                               # [n_layer, n_head_kv, hi-lo, head_dim]
             if self.dtype == np.float32:
                 self.rotator.rerotate(k, delta)
@@ -265,6 +288,34 @@ class KVStore:
         s.pos[s.n:s.n + n_new] = np.arange(pos0, pos0 + n_new, dtype=np.int32)
         s.n += n_new
 
+    def shadow(self, s: SeqKV, n_cells: int) -> Shadow:
+        """`s`'s float32 shadow (module docstring) with room for `n_cells` cells: allocated (nothing current) on
+        first use, grown by doubling (the current cells copied) when too small. Its capacity is the sequence's
+        own need, not the pool's common one. The reader converts layer l's cells min(valid[l], s.n) ..
+        n_tot-1 and sets valid[l]."""
+        sh = s.shadow
+        cap = 0 if sh is None else sh.v.shape[2]
+        if n_cells <= cap:
+            return sh
+        new_cap = max(_MIN_CAPACITY, cap)
+        while new_cap < n_cells:
+            new_cap *= 2
+        grown = Shadow(kt=np.zeros((self.n_layer, self.n_head_kv, self.head_dim, new_cap), np.float32),
+                       v=np.zeros((self.n_layer, self.n_head_kv, new_cap, self.head_dim), np.float32),
+                       valid=np.zeros(self.n_layer, np.int64))
+        if sh is not None:
+            n = int(sh.valid.max())
+            grown.kt[..., :n] = sh.kt[..., :n]
+            grown.v[:, :, :n] = sh.v[:, :, :n]
+            grown.valid[:] = sh.valid
+        s.shadow = grown
+        return grown
+
+    @property
+    def shadow_bytes(self) -> int:
+        """Bytes (virtual) of the float32 shadows allocated so far."""
+        return sum(s.shadow.nbytes for s in self._seqs if s.shadow is not None)
+
     # --- internals ------------------------------------------------------------------------------------
 
     def _seq(self, seq: int) -> SeqKV:
@@ -321,7 +372,14 @@ class KVStore:
         return lo, max(lo, hi)
 
     @staticmethod
-    def _delete(s: SeqKV, lo: int, hi: int) -> None:
+    def _invalidate(s: SeqKV, lo: int) -> None:
+        """Cells from lo on changed: their shadow (if any) is no longer current."""
+        if s.shadow is not None:
+            np.minimum(s.shadow.valid, lo, out=s.shadow.valid)
+
+    @classmethod
+    def _delete(cls, s: SeqKV, lo: int, hi: int) -> None:
+        cls._invalidate(s, lo)
         n_tail = s.n - hi
         if n_tail:                                             # overlapping slice copies are safe in numpy
             s.k[:, :, lo:lo + n_tail] = s.k[:, :, hi:s.n]
@@ -329,12 +387,13 @@ class KVStore:
             s.pos[lo:lo + n_tail] = s.pos[hi:s.n]
         s.n -= hi - lo
 
-    @staticmethod
-    def _restore_order(s: SeqKV) -> None:
+    @classmethod
+    def _restore_order(cls, s: SeqKV) -> None:
         """Re-sort cells by position after a shift moved a range past its neighbours (rare)."""
         pos = s.pos[:s.n]
         if s.n < 2 or np.all(np.diff(pos) >= 0):
             return
+        cls._invalidate(s, 0)
         order = np.argsort(pos, kind="stable")
         s.k[:, :, :s.n] = s.k[:, :, order]
         s.v[:, :, :s.n] = s.v[:, :, order]
@@ -343,6 +402,7 @@ class KVStore:
     def _replace(self, seq: int, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> None:
         n = pos.shape[0]
         s = self._seqs[seq]
+        self._invalidate(s, 0)
         s.n, s.pooled = 0, True                    # rejoin the pool; _reserve moves it out if it is too long
         if self.pool_k is not None:
             s.k, s.v = self.pool_k[:, seq], self.pool_v[:, seq]

@@ -88,7 +88,7 @@ class _Cells:
     sequences, so writing every chunk's cells before attending changes nothing."""
 
     def __init__(self, num: Numerics, hp: HParams, kv: KVStore, seqs: list[SeqKV], offsets: list[int]):
-        self.kv, self.attend_one = kv, num.attend
+        self.kv, self.attend_one, self.attend_cells = kv, num.attend, num.attend_cells
         self.n_attn = hp.n_head * hp.head_dim
         sizes = [b - a for a, b in zip(offsets, offsets[1:])]
         batched = ([ic for ic, s in enumerate(seqs) if sizes[ic] == 1 and s.pooled]
@@ -122,7 +122,10 @@ class _Cells:
         if self.dec is not None:
             self.dec.attend(self.kv, il, q, attn, mm)
         for s, a, b, n_old in self.alone:
-            attn[a:b] = self.attend_one(q[a:b], s.k[il], s.v[il], n_old, mm)
+            if self.attend_cells is not None:
+                attn[a:b] = self.attend_cells(q[a:b], self.kv, s, il, n_old, mm)
+            else:
+                attn[a:b] = self.attend_one(q[a:b], s.k[il], s.v[il], n_old, mm)
         return attn
 
 

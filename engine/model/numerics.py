@@ -40,6 +40,8 @@ class Numerics(ABC):
     rms_norm: Callable[[np.ndarray, np.ndarray, float], np.ndarray]   # (x [T, D], w [D], eps) -> [T, D]
     silu_mul: SiluMul                                # out = silu(g) * u element-wise
     attend: Attend                                   # one chunk's causal attention, see `f32.attend`
+    # or, when set, (q, kv, seq's SeqKV, layer, n_old, matmul) -> the same, given the store (`ggml.attend_cells`)
+    attend_cells: Callable[..., np.ndarray] | None = None
     decode_batch: type[f32.DecodeBatch] | None       # attends one-token chunks of pooled sequences together
 
     # --- load ---------------------------------------------------------------------------------------------
@@ -133,6 +135,7 @@ class GgmlNumerics(Numerics):
             self.rms_norm = ggml.rms_norm_compiled
             self.silu_mul = ggml.silu_mul_compiled
             self.attend = ggml.attend_compiled
+            self.attend_cells = ggml.attend_cells         # the same, reading the store's float32 shadow
 
     def tensor_extra(self, t: Any) -> Any:
         """Q4_1/Q5_1/Q8_0 matrices of the layers: their integer quants and block scales (`ggml.exact_part`); a

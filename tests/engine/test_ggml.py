@@ -401,3 +401,71 @@ def test_ggml_decode_steps_of_several_sequences_match_one_thread(tiny_gguf):
         for got, want in zip(out, runs[0][0]):
             np.testing.assert_array_equal(got, want)
         assert states == runs[0][1]
+
+
+def _shadow_is_current(kv) -> int:
+    """Every allocated float32 shadow's current cells equal the store's fp16 values; returns how many were checked."""
+    checked = 0
+    for seq in range(kv.n_seq):
+        s = kv._seqs[seq]
+        if s.shadow is None:
+            continue
+        for il in range(kv.n_layer):
+            n = min(int(s.shadow.valid[il]), s.n)
+            want_k = s.k[il][:, :n].astype(np.float32).transpose(0, 2, 1)
+            assert np.array_equal(s.shadow.kt[il][:, :, :n], want_k)
+            assert np.array_equal(s.shadow.v[il][:, :n], s.v[il][:, :n].astype(np.float32))
+            checked += n
+    return checked
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_ggml_kv_shadow_follows_every_kv_operation(tiny_gguf, n_threads):
+    """The compiled attention reads the cells' float32 shadow, converted once when written: through removals,
+    shifts (re-rotated K), re-sorting, copies, state save/restore, clearing and capacity growth its logits stay
+    the numpy reference's (which converts every cell each step) bit for bit, and the shadow equals the cells."""
+    path = tiny_gguf(tensor_type="Q8_0")
+    models = [load(path, n_threads=n_threads, numerics="ggml"),
+              load(path, n_threads=n_threads, numerics=N.GGML_REFERENCE)]
+    kvs = [m.new_kv(3, 160) for m in models]
+    n_checked = [0]
+
+    def run(*chunks):
+        outs = [m.forward_batch(kv, [BatchChunk(*c) for c in chunks]) for m, kv in zip(models, kvs)]
+        for got, want in zip(*outs):
+            np.testing.assert_array_equal(got, want)
+        n_checked[0] += _shadow_is_current(kvs[0])
+        assert kvs[1].shadow_bytes == 0                   # the reference never asks for one
+
+    def both(op, *args):
+        return [getattr(kv, op)(*args) for kv in kvs]
+
+    def nxt(seq):
+        return kvs[0].pos_max(seq) + 1
+
+    run((0, PROMPT, 0, True), (1, PROMPT[:5], 0, True))
+    run((0, [40], nxt(0), True), (1, [41], nxt(1), True))
+    both("seq_rm", 0, 3, 6)                               # cells in the middle removed: the rest move down
+    run((0, [42], nxt(0), True), (1, [43], nxt(1), True))
+    both("seq_add", 0, 6, -1, -3)                         # context shift: K re-rotated in place
+    run((0, [44], nxt(0), True))
+    both("seq_add", 1, 0, 3, 20)                          # a range moved past its neighbours: re-sorted
+    run((1, [45], nxt(1), True))
+    both("seq_cp", 0, 1)                                  # dst's cells replaced
+    run((0, [46], nxt(0), True), (1, [47], nxt(1), True), (2, PROMPT[:3], 0, True))
+    blob = kvs[0].state_save(0)
+    assert kvs[1].state_save(0) == blob
+    for kv in kvs:
+        kv.state_load(2, blob)                            # restore into another sequence
+    run((2, [48, 49], nxt(2), [0, 1]), (0, [50], nxt(0), True))
+    both("seq_rm", 1, -1, -1)
+    run((1, PROMPT * 6, 0, [0, 40, 71]))                  # 72 cells: past the first capacity (64), the pool grows
+    run((0, [51], nxt(0), True), (1, [52], nxt(1), True), (2, [53], nxt(2), True))
+    assert kvs[0].pool_cap == 128 and kvs[0]._seqs[2].shadow.v.shape[2] == 64   # its own need, not the pool's
+    n0 = kvs[0].n_tokens(0)
+    run((0, PROMPT * 5, nxt(0), [0, 59]))                 # sequence 0's shadow grows, its current cells kept
+    assert kvs[0]._seqs[0].shadow.v.shape[2] == 128 and n0 < 64 < kvs[0].n_tokens(0)
+    both("clear")
+    run((0, PROMPT[:4], 0, True))
+    assert n_checked[0] > 0
+    assert kvs[0].shadow_bytes > 0

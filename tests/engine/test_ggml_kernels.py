@@ -160,6 +160,24 @@ def test_exact_dot_matches_numpy(type_name, m, n_in, n_out):
     assert got.dtype == np.float32 and np.array_equal(got, want)
 
 
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize("m", [4, 7])
+def test_row_tiles_of_any_width_give_the_numpy_product(type_name, m):
+    """The multi-row kernel over output tiles narrower than, equal to and wider than the range (1100 outputs:
+    one full tile of _TILE and a remainder): every tile width gives `dot_q8_1`'s bits."""
+    lin = _qlinear([type_name], [1100], 96)
+    [part] = lin.parts
+    x = _activations(m, 96)
+    want = G.dot_q8_1(part, x)
+    qx, d16, s = G.quantize_q8_compiled(x)
+    w = part.w
+    for tile in (16, 100, K._TILE, 2048):
+        y = np.full((m, part.n_out), np.nan, np.float32)
+        K._rows_tiled(w.q, w.d, w.m if w.has_m else w.d, qx, d16, s if w.has_m else d16, y, 0, part.n_out,
+                      w.nib, w.has_m, tile)
+        assert np.array_equal(y, want), tile
+
+
 def _compiled_and_numpy(lin: G.QLinear, x: np.ndarray, n_threads: int) -> tuple[np.ndarray, np.ndarray]:
     """lin's product with x by the compiled `GgmlMatmul` and by the numpy one, on n_threads threads each."""
     ref, fast = G.GgmlMatmul(n_threads, compiled=False), G.GgmlMatmul(n_threads, compiled=True)
