@@ -231,6 +231,7 @@ class ServerCore:
         self.kv.truncated(slot_id, 0)
         self._saved_in[slot_id] = -1
         s.tokens = self._tokens(tokens)
+        self._launched.append(s)       # its tokens count towards n_tokens_max at the next commit
 
     def kv_cells_used(self) -> int:
         """KV cells in use: every slot's tokens, counting cells shared by seq_cp once (unified KV)."""
@@ -381,13 +382,18 @@ class ServerCore:
         # 1. context shift of full generating slots (each slot on its own, so one pass does 1. and the census)
         gen = []
         n_prompt_pending = 0
+        n_gen_max = -1             # the longest generating slot's tokens (before its decode token)
         for s in slots:
             st = s.state
             if st == GENERATING:
-                if len(s.tokens) + 1 >= n_ctx:
+                n = len(s.tokens)
+                if n + 1 >= n_ctx:
                     self._context_shift(s, ops, now_s)
                     if s.state != GENERATING:
                         continue
+                    n = len(s.tokens)
+                if n > n_gen_max:
+                    n_gen_max = n
                 gen.append(s)
             elif st == STARTED or st == PROCESSING_PROMPT:
                 n_prompt_pending += 1
@@ -406,6 +412,7 @@ class ServerCore:
                 tasks[sid] = task
                 sampling[sid] = task.sampling
             n_decode = len(gen)
+            n_gen_max += 1
         # 3. prompt chunks
         n_prompt = 0
         budget = self.policies.batch_builder.prompt_budget(self.cfg.n_batch, n_decode, self.base.cont_batching)
@@ -427,6 +434,8 @@ class ServerCore:
                 s.i_prompt += take
                 budget -= take
                 n_prompt += take
+                if pos0 + take > n_gen_max:
+                    n_gen_max = pos0 + take
                 sample_for: tuple[int, ...] = ()
                 if s.i_prompt == n_total:
                     s.state = DONE_PROMPT
@@ -456,6 +465,9 @@ class ServerCore:
                             slots=[c.seq for c in chunks], n_calls=sum(isinstance(p, ForwardCall) for p in ops))
         plan = BatchPlan(now_s, tuple(ops), n_prompt, n_decode, sampling, tasks)
         self._uncommitted = plan
+        # one call: the slots given tokens now are all that grew since the last commit, but for those launched
+        # since (counted at commit); a split batch may purge idle slots, so its commit takes the max over all
+        self._n_built_max = n_gen_max if single else -1
         if fatal:
             self._pending_fatal = plan
         return plan
@@ -603,12 +615,16 @@ class ServerCore:
     # ------------------------------------------------------------------ commit (post_decode)
     _pending_fatal: BatchPlan | None = None
     _uncommitted: BatchPlan | None = None
+    _n_built_max: int = -1     # the longest tokens of the slots the uncommitted plan (one call) gave tokens
 
     def commit(self, plan: BatchPlan, result: StepResult, now_s: float) -> list[TokenEvent]:
         """Apply sampled tokens (`post_decode` + `process_token`), release finished slots. Returns the
         step's token events (tasks with a text hook; every task when streaming), in slot order."""
+        n_max = -1
         if plan is self._uncommitted:
             self._uncommitted = None
+            n_max = self._n_built_max
+        self._n_built_max = -1
         self._last_commit_s = now_s
         slots = self.slots
         m = self.metrics
@@ -641,8 +657,15 @@ class ServerCore:
                     and not (ctx_stop and len(s.tokens) + 1 >= s.n_ctx)):
                 continue                       # no stop condition can hold: skip the full check
             if self._process_token(s, task, tok):
+                if task.id_parent != -1:
+                    n_max = -1                 # a child's release clears its tokens: take the max over all
                 self._release(s, now_s)
-        n_max = max([len(s.tokens) for s in slots])
+        if n_max < 0:
+            n_max = max([len(s.tokens) for s in slots])
+        else:                                  # the slots given tokens in the plan, and those launched since
+            for s in self._launched:
+                if len(s.tokens) > n_max:
+                    n_max = len(s.tokens)
         if n_max > m.n_tokens_max:
             m.n_tokens_max = n_max
         self._launched = []
