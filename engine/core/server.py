@@ -374,10 +374,9 @@ class ServerCore:
         self._ops = ops
         if not self._n_busy:
             self._ops = []
-            return BatchPlan(now_s, tuple(ops), 0, 0, {}, {})
+            return BatchPlan(now_s, tuple(ops), 0, 0, {})
         n_ctx = self.cfg.n_ctx_slot
         chunks: list[Chunk] = []
-        sampling: dict[int, Any] = {}
         tasks: dict[int, Task] = {}
         # 1. context shift of full generating slots (each slot on its own, so one pass does 1. and the census)
         gen = []
@@ -410,7 +409,6 @@ class ServerCore:
                 append(_tuple_new(Chunk, (sid, task.id, (tok,), len(toks), self_only[sid], False)))
                 toks.append(tok)
                 tasks[sid] = task
-                sampling[sid] = task.sampling
             n_decode = len(gen)
             n_gen_max += 1
         # 3. prompt chunks
@@ -441,29 +439,24 @@ class ServerCore:
                     s.state = DONE_PROMPT
                     sample_for = (s.id, *(c.slot_id for c in task.children))
                     for sid in sample_for:
-                        t = slots[sid].task
-                        tasks[sid] = t
-                        sampling[sid] = t.sampling
+                        tasks[sid] = slots[sid].task
                 chunks.append(Chunk(s.id, task.id, part, pos0, sample_for, True))
         if not chunks:
             self._ops = []
-            return BatchPlan(now_s, tuple(ops), 0, 0, {}, {})
+            return BatchPlan(now_s, tuple(ops), 0, 0, {})
         fatal, single = self._decode_views(chunks, n_decode + n_prompt, ops, now_s)
         self._ops = []
         if not single:     # split batch: only slots whose last chunk made it into a forward call sample
-            sampling = {}
             tasks = {}
             for p in ops:
                 if type(p) is ForwardCall:
                     for c in p.chunks:
                         for sid in c.sample_for:
-                            t = slots[sid].task
-                            tasks[sid] = t
-                            sampling[sid] = t.sampling
+                            tasks[sid] = slots[sid].task
         if self.rec.enabled:
             self.rec.record(now_s, "batch", n_decode=n_decode, n_prompt=n_prompt,
                             slots=[c.seq for c in chunks], n_calls=sum(isinstance(p, ForwardCall) for p in ops))
-        plan = BatchPlan(now_s, tuple(ops), n_prompt, n_decode, sampling, tasks)
+        plan = BatchPlan(now_s, tuple(ops), n_prompt, n_decode, tasks)
         self._uncommitted = plan
         # one call: the slots given tokens now are all that grew since the last commit, but for those launched
         # since (counted at commit); a split batch may purge idle slots, so its commit takes the max over all
@@ -563,9 +556,10 @@ class ServerCore:
         halving). Returns (fatal error message or "", whether the batch went as one call)."""
         if n_total <= self.cfg.n_batch and self.kv.fits_as_is():
             # common case: one llama_decode call
-            ops.append(ForwardCall(tuple(chunks), n_total))
-            self.metrics.n_decode_total += 1
-            self.metrics.n_busy_slots_total += self._n_busy
+            ops.append(_tuple_new(ForwardCall, (tuple(chunks), n_total)))   # ForwardCall(chunks, n_total)
+            m = self.metrics
+            m.n_decode_total += 1
+            m.n_busy_slots_total += self._n_busy
             if self._n_parents_busy and any(len(c.sample_for) > 1 for c in chunks):
                 self._after_forward(chunks, ops)
             return "", True
