@@ -627,7 +627,8 @@ class ServerCore:
         eog = self._eog
         ctx_stop = not self.base.ctx_shift     # the context limit stops a task only with ctx shift off
         ptasks = plan.tasks
-        for sid, tok in sorted(sampled.items()):   # post_decode visits slots in id order
+        for sid in sorted(sampled):            # post_decode visits slots in id order
+            tok = sampled[sid]
             s = slots[sid]
             task = s.task
             if task is None or task is not ptasks.get(sid):
