@@ -382,20 +382,26 @@ class ServerCore:
         gen = []
         n_prompt_pending = 0
         n_gen_max = -1             # the longest generating slot's tokens (before its decode token)
+        n_rest = 0                 # the longest tokens of the other slots (an upper bound after this pass)
         for s in slots:
             st = s.state
             if st == GENERATING:
                 n = len(s.tokens)
                 if n + 1 >= n_ctx:
                     self._context_shift(s, ops, now_s)
-                    if s.state != GENERATING:
-                        continue
                     n = len(s.tokens)
+                    if s.state != GENERATING:
+                        if n > n_rest:
+                            n_rest = n
+                        continue
                 if n > n_gen_max:
                     n_gen_max = n
                 gen.append(s)
-            elif st == STARTED or st == PROCESSING_PROMPT:
-                n_prompt_pending += 1
+            else:
+                if st == STARTED or st == PROCESSING_PROMPT:
+                    n_prompt_pending += 1
+                if len(s.tokens) > n_rest:
+                    n_rest = len(s.tokens)
         # 2. one decode token per generating slot
         n_decode = 0
         if gen and self.policies.batch_builder.include_decodes(len(gen), n_prompt_pending):
@@ -444,7 +450,9 @@ class ServerCore:
         if not chunks:
             self._ops = []
             return BatchPlan(now_s, tuple(ops), 0, 0, {})
-        fatal, single = self._decode_views(chunks, n_decode + n_prompt, ops, now_s)
+        # every slot's tokens are now at most max(n_gen_max, n_rest): the slots given tokens are at most n_gen_max
+        # long, the others only shrank since the first pass (prompt trims, releases), or stayed
+        fatal, single = self._decode_views(chunks, n_decode + n_prompt, ops, now_s, max(n_gen_max, n_rest))
         self._ops = []
         if not single:     # split batch: only slots whose last chunk made it into a forward call sample
             tasks = {}
@@ -550,11 +558,13 @@ class ServerCore:
         self.rec.record(now_s, "context_shift", task=task.id, slot=s.id, n_keep=n_keep, n_discard=n_discard)
 
     # --- decode(): KV capacity, idle-slot purge, n_batch halving --------------------------------------
-    def _decode_views(self, chunks: list[Chunk], n_total: int, ops: list, now_s: float) -> tuple[str, bool]:
+    def _decode_views(self, chunks: list[Chunk], n_total: int, ops: list, now_s: float,
+                      n_bound: int = -1) -> tuple[str, bool]:
         """Cut the batch (`n_total` tokens in `chunks`, already appended to the slots' tokens) into llama_decode
         calls of at most n_batch tokens that fit in the KV cells (`KVCells.split`: idle-slot purge, n_batch
-        halving). Returns (fatal error message or "", whether the batch went as one call)."""
-        if n_total <= self.cfg.n_batch and self.kv.fits_as_is():
+        halving). `n_bound`: an upper bound of every slot's tokens, or -1. Returns (fatal error message or "",
+        whether the batch went as one call)."""
+        if n_total <= self.cfg.n_batch and self.kv.fits_as_is(n_bound):
             # common case: one llama_decode call
             ops.append(_tuple_new(ForwardCall, (tuple(chunks), n_total)))   # ForwardCall(chunks, n_total)
             m = self.metrics
