@@ -196,10 +196,9 @@ def build_plan(point: GridPoint, tokens: Callable[[int], list[int]], tasks: Sequ
         ops.append(ForwardCall(tuple(rest), n_total - point.split))
     else:
         ops.append(ForwardCall(tuple(chunks), n_total))
-    sampling = {c.seq: None for c in chunks}
     plan_tasks = {c.seq: tasks[c.seq] for c in chunks}
     n_prompt = sum(n for _, n in point.prompt)
-    return BatchPlan(0.0, tuple(ops), n_prompt, len(decode), sampling, plan_tasks)
+    return BatchPlan(0.0, tuple(ops), n_prompt, len(decode), plan_tasks)
 
 
 class _Bench:

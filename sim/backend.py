@@ -6,8 +6,12 @@ on the real engine); this backend only turns a plan into a `StepCost` and the co
 
 from __future__ import annotations
 
+from operator import itemgetter
+
 from engine.core.types import BatchPlan, ForwardCall, StepResult
 from sim.latency import LatencyModel, StepCost, decode_only_cost
+
+_pos0 = itemgetter(3)      # Chunk.pos0
 
 
 class SimBackend:
@@ -137,7 +141,7 @@ class SimBackend:
             # one call of decode tokens only, nothing else: what cost() makes decode_only_cost(n, Σ pos0 + 1)
             chunks = program[0].chunks
             n = len(chunks)
-            elapsed = self._decode_step_time_s(n, sum([c[3] for c in chunks]) + n)
+            elapsed = self._decode_step_time_s(n, sum(map(_pos0, chunks)) + n)
         else:
             elapsed = self.latency.step_time_s(self.cost(plan))
         try:                             # the k-th generated token is reply[k] ...

@@ -282,12 +282,16 @@ class Simulation:
         backend = self.backend
         ff = self.fast_forward
         now = env.now
+        peek = env.peek
+        has_work = core.has_work
+        d_ns = [0]                                 # the last step's rounded duration (ns), set by end_s
 
         def end_s(r):                              # a step's end: its start (_clock_ns) + its rounded duration
-            return (self._clock_ns + round(r.elapsed_s * NS)) / NS
+            d = d_ns[0] = round(r.elapsed_s * NS)
+            return (self._clock_ns + d) / NS
 
         while True:
-            if not self._inbox and not core.has_work():
+            if not self._inbox and not has_work():
                 if self._n_done >= self._n_total:
                     if now > env.now:
                         yield env.timeout(now - env.now)
@@ -303,12 +307,12 @@ class Simulation:
                     yield self._wakeup
                     self._wakeup = None
                     now = env.now
-            if env.peek() <= now:
+            if peek() <= now:
                 if now > env.now:
                     yield env.timeout(now - env.now)
-                if env.peek() <= now:
+                if peek() <= now:
                     yield Late(env)                 # let client events of this very instant run first
-            now_s = _s(now)
+            now_s = now / NS
             if self._arr_i < len(self._arrivals) and self._arrivals[self._arr_i][0] <= now:
                 self._inbox.extend(self._take_arrivals(now))
                 if self._arr_i == len(self._arrivals):
@@ -330,14 +334,13 @@ class Simulation:
                 if t_ff > now:
                     now = yield from self._end_stretch(now, t_ff)
                     continue
-            st = step(core, backend, now_s, end_s)
-            now += round(st.result.elapsed_s * NS)
+            finished = step(core, backend, now_s, end_s).finished
+            now += d_ns[0]                          # (end_s ran: the plan was committed at its end)
             self._n_steps += 1
-            finished = st.finished
             if core.deferred:                       # requests waiting for a slot: the server runs flat out
                 self._backlog_ns += now - t0
                 self._backlog_done += len(finished)
-            if env.peek() <= now or (finished and self._has_waiters(finished)):
+            if peek() <= now or (finished and self._has_waiters(finished)):
                 if now > env.now:
                     yield env.timeout(now - env.now)
             if finished:

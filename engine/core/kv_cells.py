@@ -98,8 +98,11 @@ class KVCells:
             self.shared[child] = [parent, n]
 
     # --- one batch ------------------------------------------------------------------------------------------
-    def fits_as_is(self) -> bool:
-        """The batch already appended to the slots' tokens fits in one call."""
+    def fits_as_is(self, n_bound: int = -1) -> bool:
+        """The batch already appended to the slots' tokens fits in one call. `n_bound`: an upper bound of every
+        slot's tokens the caller knows (-1: none); per-slot KV fits when it is within one slot's buffer."""
+        if 0 <= n_bound <= self.capacity and not self.unified:
+            return True
         lens = [len(s.tokens) for s in self.slots]
         return (sum(lens) - self.n_shared() if self.unified else max(lens)) <= self.capacity
 

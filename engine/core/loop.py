@@ -24,7 +24,8 @@ from typing import NamedTuple
 from engine.core.server import ServerCore
 from engine.core.types import Backend, BatchPlan, StepResult, Task, TokenEvent
 
-NOTHING = StepResult(0.0, {})       # what an empty plan "returns": it is not sent to the backend
+NOTHING = StepResult(0.0, {})
+_tuple_new = tuple.__new__       # what an empty plan "returns": it is not sent to the backend
 
 
 class Step(NamedTuple):
@@ -62,7 +63,8 @@ def step(core: ServerCore, backend: Backend, now_s: float,
         result = NOTHING
     t_end = now_s + result.elapsed_s if end_s is None else end_s(result)
     tokens = core.commit(plan, result, t_end)
-    return Step(plan, result, now_s, t_end, tokens, core.pop_finished())
+    # Step(plan, result, now_s, t_end, tokens, finished), without the NamedTuple's Python-level __new__
+    return _tuple_new(Step, (plan, result, now_s, t_end, tokens, core.pop_finished()))
 
 
 def run_until_idle(core: ServerCore, backend: Backend, now_s: float = 0.0, max_steps: int = 1 << 62,

@@ -231,6 +231,7 @@ class ServerCore:
         self.kv.truncated(slot_id, 0)
         self._saved_in[slot_id] = -1
         s.tokens = self._tokens(tokens)
+        self._launched.append(s)       # its tokens count towards n_tokens_max at the next commit
 
     def kv_cells_used(self) -> int:
         """KV cells in use: every slot's tokens, counting cells shared by seq_cp once (unified KV)."""
@@ -373,24 +374,34 @@ class ServerCore:
         self._ops = ops
         if not self._n_busy:
             self._ops = []
-            return BatchPlan(now_s, tuple(ops), 0, 0, {}, {})
+            return BatchPlan(now_s, tuple(ops), 0, 0, {})
         n_ctx = self.cfg.n_ctx_slot
         chunks: list[Chunk] = []
-        sampling: dict[int, Any] = {}
         tasks: dict[int, Task] = {}
         # 1. context shift of full generating slots (each slot on its own, so one pass does 1. and the census)
         gen = []
         n_prompt_pending = 0
+        n_gen_max = -1             # the longest generating slot's tokens (before its decode token)
+        n_rest = 0                 # the longest tokens of the other slots (an upper bound after this pass)
         for s in slots:
             st = s.state
             if st == GENERATING:
-                if len(s.tokens) + 1 >= n_ctx:
+                n = len(s.tokens)
+                if n + 1 >= n_ctx:
                     self._context_shift(s, ops, now_s)
+                    n = len(s.tokens)
                     if s.state != GENERATING:
+                        if n > n_rest:
+                            n_rest = n
                         continue
+                if n > n_gen_max:
+                    n_gen_max = n
                 gen.append(s)
-            elif st == STARTED or st == PROCESSING_PROMPT:
-                n_prompt_pending += 1
+            else:
+                if st == STARTED or st == PROCESSING_PROMPT:
+                    n_prompt_pending += 1
+                if len(s.tokens) > n_rest:
+                    n_rest = len(s.tokens)
         # 2. one decode token per generating slot
         n_decode = 0
         if gen and self.policies.batch_builder.include_decodes(len(gen), n_prompt_pending):
@@ -404,8 +415,8 @@ class ServerCore:
                 append(_tuple_new(Chunk, (sid, task.id, (tok,), len(toks), self_only[sid], False)))
                 toks.append(tok)
                 tasks[sid] = task
-                sampling[sid] = task.sampling
             n_decode = len(gen)
+            n_gen_max += 1
         # 3. prompt chunks
         n_prompt = 0
         budget = self.policies.batch_builder.prompt_budget(self.cfg.n_batch, n_decode, self.base.cont_batching)
@@ -427,35 +438,37 @@ class ServerCore:
                 s.i_prompt += take
                 budget -= take
                 n_prompt += take
+                if pos0 + take > n_gen_max:
+                    n_gen_max = pos0 + take
                 sample_for: tuple[int, ...] = ()
                 if s.i_prompt == n_total:
                     s.state = DONE_PROMPT
                     sample_for = (s.id, *(c.slot_id for c in task.children))
                     for sid in sample_for:
-                        t = slots[sid].task
-                        tasks[sid] = t
-                        sampling[sid] = t.sampling
+                        tasks[sid] = slots[sid].task
                 chunks.append(Chunk(s.id, task.id, part, pos0, sample_for, True))
         if not chunks:
             self._ops = []
-            return BatchPlan(now_s, tuple(ops), 0, 0, {}, {})
-        fatal, single = self._decode_views(chunks, n_decode + n_prompt, ops, now_s)
+            return BatchPlan(now_s, tuple(ops), 0, 0, {})
+        # every slot's tokens are now at most max(n_gen_max, n_rest): the slots given tokens are at most n_gen_max
+        # long, the others only shrank since the first pass (prompt trims, releases), or stayed
+        fatal, single = self._decode_views(chunks, n_decode + n_prompt, ops, now_s, max(n_gen_max, n_rest))
         self._ops = []
         if not single:     # split batch: only slots whose last chunk made it into a forward call sample
-            sampling = {}
             tasks = {}
             for p in ops:
                 if type(p) is ForwardCall:
                     for c in p.chunks:
                         for sid in c.sample_for:
-                            t = slots[sid].task
-                            tasks[sid] = t
-                            sampling[sid] = t.sampling
+                            tasks[sid] = slots[sid].task
         if self.rec.enabled:
             self.rec.record(now_s, "batch", n_decode=n_decode, n_prompt=n_prompt,
                             slots=[c.seq for c in chunks], n_calls=sum(isinstance(p, ForwardCall) for p in ops))
-        plan = BatchPlan(now_s, tuple(ops), n_prompt, n_decode, sampling, tasks)
+        plan = BatchPlan(now_s, tuple(ops), n_prompt, n_decode, tasks)
         self._uncommitted = plan
+        # one call: the slots given tokens now are all that grew since the last commit, but for those launched
+        # since (counted at commit); a split batch may purge idle slots, so its commit takes the max over all
+        self._n_built_max = n_gen_max if single else -1
         if fatal:
             self._pending_fatal = plan
         return plan
@@ -545,15 +558,18 @@ class ServerCore:
         self.rec.record(now_s, "context_shift", task=task.id, slot=s.id, n_keep=n_keep, n_discard=n_discard)
 
     # --- decode(): KV capacity, idle-slot purge, n_batch halving --------------------------------------
-    def _decode_views(self, chunks: list[Chunk], n_total: int, ops: list, now_s: float) -> tuple[str, bool]:
+    def _decode_views(self, chunks: list[Chunk], n_total: int, ops: list, now_s: float,
+                      n_bound: int = -1) -> tuple[str, bool]:
         """Cut the batch (`n_total` tokens in `chunks`, already appended to the slots' tokens) into llama_decode
         calls of at most n_batch tokens that fit in the KV cells (`KVCells.split`: idle-slot purge, n_batch
-        halving). Returns (fatal error message or "", whether the batch went as one call)."""
-        if n_total <= self.cfg.n_batch and self.kv.fits_as_is():
+        halving). `n_bound`: an upper bound of every slot's tokens, or -1. Returns (fatal error message or "",
+        whether the batch went as one call)."""
+        if n_total <= self.cfg.n_batch and self.kv.fits_as_is(n_bound):
             # common case: one llama_decode call
-            ops.append(ForwardCall(tuple(chunks), n_total))
-            self.metrics.n_decode_total += 1
-            self.metrics.n_busy_slots_total += self._n_busy
+            ops.append(_tuple_new(ForwardCall, (tuple(chunks), n_total)))   # ForwardCall(chunks, n_total)
+            m = self.metrics
+            m.n_decode_total += 1
+            m.n_busy_slots_total += self._n_busy
             if self._n_parents_busy and any(len(c.sample_for) > 1 for c in chunks):
                 self._after_forward(chunks, ops)
             return "", True
@@ -603,12 +619,16 @@ class ServerCore:
     # ------------------------------------------------------------------ commit (post_decode)
     _pending_fatal: BatchPlan | None = None
     _uncommitted: BatchPlan | None = None
+    _n_built_max: int = -1     # the longest tokens of the slots the uncommitted plan (one call) gave tokens
 
     def commit(self, plan: BatchPlan, result: StepResult, now_s: float) -> list[TokenEvent]:
         """Apply sampled tokens (`post_decode` + `process_token`), release finished slots. Returns the
         step's token events (tasks with a text hook; every task when streaming), in slot order."""
+        n_max = -1
         if plan is self._uncommitted:
             self._uncommitted = None
+            n_max = self._n_built_max
+        self._n_built_max = -1
         self._last_commit_s = now_s
         slots = self.slots
         m = self.metrics
@@ -617,7 +637,8 @@ class ServerCore:
         eog = self._eog
         ctx_stop = not self.base.ctx_shift     # the context limit stops a task only with ctx shift off
         ptasks = plan.tasks
-        for sid, tok in sorted(sampled.items()):   # post_decode visits slots in id order
+        for sid in sorted(sampled):            # post_decode visits slots in id order
+            tok = sampled[sid]
             s = slots[sid]
             task = s.task
             if task is None or task is not ptasks.get(sid):
@@ -641,8 +662,15 @@ class ServerCore:
                     and not (ctx_stop and len(s.tokens) + 1 >= s.n_ctx)):
                 continue                       # no stop condition can hold: skip the full check
             if self._process_token(s, task, tok):
+                if task.id_parent != -1:
+                    n_max = -1                 # a child's release clears its tokens: take the max over all
                 self._release(s, now_s)
-        n_max = max([len(s.tokens) for s in slots])
+        if n_max < 0:
+            n_max = max([len(s.tokens) for s in slots])
+        else:                                  # the slots given tokens in the plan, and those launched since
+            for s in self._launched:
+                if len(s.tokens) > n_max:
+                    n_max = len(s.tokens)
         if n_max > m.n_tokens_max:
             m.n_tokens_max = n_max
         self._launched = []

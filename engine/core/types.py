@@ -167,8 +167,12 @@ class BatchPlan:
     program: tuple[KVOp | ForwardCall, ...]
     n_prompt_tokens: int
     n_decode_tokens: int
-    sampling: dict[int, Any]          # slot id -> the task's sampling params (for slots that sample)
     tasks: dict[int, Task]            # slot id -> task, for slots that sample in this plan
+
+    @property
+    def sampling(self) -> dict[int, Any]:
+        """Slot id -> the task's sampling params, for the slots that sample (built on demand from `tasks`)."""
+        return {sid: t.sampling for sid, t in self.tasks.items()}
 
     @property
     def forwards(self) -> tuple[ForwardCall, ...]:

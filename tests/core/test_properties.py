@@ -147,3 +147,44 @@ def test_token_arrays_decide_exactly_as_lists(cfg, reqs):
     assert [list(s.tokens) for s in core_a.slots] == [list(s.tokens) for s in core_l.slots]
     assert all(type(s.tokens).__name__ == "array" for s in core_a.slots)
     assert [_program(p) for p in be_a.plans] == [_program(p) for p in be_l.plans]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(configs, requests)
+def test_batch_census_bounds_give_the_full_counts(cfg, reqs):
+    """The batch census's upper bound of every slot's tokens holds at the fit check and gives the answer the
+    count over every slot gives; commit's n_tokens_max over the slots a one-call plan gave tokens (and those
+    launched since) is, commit by commit, the maximum over every slot."""
+    from unittest import mock
+
+    from engine.core.kv_cells import KVCells
+
+    fits_as_is, commit = KVCells.fits_as_is, ServerCore.commit
+    bounded = []
+
+    def checked_fits(kv, n_bound=-1):
+        if n_bound >= 0:
+            assert n_bound >= max(len(s.tokens) for s in kv.slots)
+            bounded.append(n_bound)
+        got = fits_as_is(kv, n_bound)
+        assert got == fits_as_is(kv)
+        return got
+
+    def runs(full):
+        seen = []
+
+        def recorded_commit(core, plan, result, now_s):
+            if full:
+                core._n_built_max = -1           # the count over every slot
+            out = commit(core, plan, result, now_s)
+            seen.append(core.metrics.n_tokens_max)
+            return out
+
+        with mock.patch.object(KVCells, "fits_as_is", checked_fits), \
+                mock.patch.object(ServerCore, "commit", recorded_commit):
+            simulate(cfg, reqs)
+        return seen
+
+    assert runs(False) == runs(True)
+    if not cfg.resolve().kv_unified and any(r[3] or r[2] for r in reqs):
+        assert bounded                           # the bound was used

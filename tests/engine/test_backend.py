@@ -166,7 +166,7 @@ def test_probabilities_are_reported_when_n_probs_is_positive(tiny_model):
 def test_elapsed_time_is_measured_and_an_empty_plan_costs_nothing_to_sample(tiny_model):
     model = tiny_model()
     backend = NumpyBackend(model, 1, 64)
-    res = backend.execute(BatchPlan(0.0, (ForwardCall((), 0),), 0, 0, {}, {}))
+    res = backend.execute(BatchPlan(0.0, (ForwardCall((), 0),), 0, 0, {}))
     assert res.sampled == {} and res.elapsed_s >= 0.0
 
 

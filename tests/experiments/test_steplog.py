@@ -31,7 +31,7 @@ def plan(*program, sample=()):
     tasks = {sid: Task(id=sid, tokens=[1]) for sid in sample}
     n_prompt = sum(len(c.tokens) for p in program if isinstance(p, ForwardCall) for c in p.chunks if c.is_prompt)
     n_decode = sum(1 for p in program if isinstance(p, ForwardCall) for c in p.chunks if not c.is_prompt)
-    return BatchPlan(0.0, tuple(program), n_prompt, n_decode, {}, tasks)
+    return BatchPlan(0.0, tuple(program), n_prompt, n_decode, tasks)
 
 
 def call(*chunks):

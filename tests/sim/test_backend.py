@@ -14,7 +14,7 @@ chunk = st.tuples(st.integers(0, 5000), st.booleans(), st.integers(1, 300))   # 
 def _plan(chunks, ops=()):
     cs = tuple(Chunk(i, i, tuple(range(n)) if prompt else (7,), pos0, (), prompt)
                for i, (pos0, prompt, n) in enumerate(chunks))
-    return BatchPlan(0.0, (*ops, ForwardCall(cs, sum(len(c.tokens) for c in cs))), 0, 0, {}, {})
+    return BatchPlan(0.0, (*ops, ForwardCall(cs, sum(len(c.tokens) for c in cs))), 0, 0, {})
 
 
 @settings(max_examples=200, deadline=None)
@@ -65,7 +65,7 @@ def test_admission_cost_is_the_cost_of_its_plan(dec_pos, prompts, ops, layout):
     chunks = tuple(Chunk(s, s, (7,), p, (s,), False) for s, p in zip(seqs, dec_pos))
     chunks += tuple(Chunk(i, i, tuple(range(n)), pos0, (i,), True) for i, (pos0, n) in enumerate(prompts))
     n_prompt = sum(n for _, n in prompts)
-    plan = BatchPlan(0.0, (*ops, ForwardCall(chunks, len(dec_pos) + n_prompt)), n_prompt, len(dec_pos), {}, {})
+    plan = BatchPlan(0.0, (*ops, ForwardCall(chunks, len(dec_pos) + n_prompt)), n_prompt, len(dec_pos), {})
     got = be.admission_cost(ops, dec_pos, seqs, [(i, pos0, n) for i, (pos0, n) in enumerate(prompts)])
     assert got == be.cost(plan)
 

@@ -106,7 +106,7 @@ def test_sim_backend_counts_the_layout_of_a_plan_for_a_model_that_wants_it():
         KVOp("cache_save", seq=2, entry=1, n_tokens=30), KVOp("cache_load", seq=2, entry=2, n_tokens=50, keep=True),
         KVOp("seq_add", seq=0, p0=10, p1=20, delta=-10),
         ForwardCall((Chunk(0, 0, (7,), 40, (0,), False), Chunk(2, 2, (1, 2, 3), 50, (), True)), 4),
-        ForwardCall((Chunk(2, 2, (4, 5), 53, (2,), True),), 2)), 5, 1, {}, {})
+        ForwardCall((Chunk(2, 2, (4, 5), 53, (2,), True),), 2)), 5, 1, {})
     physical = SimBackend(TRUTH, BPT).cost(plan)
     simple = SimBackend(ParametricLatency(0.01, 0, 0, 0), BPT).cost(plan)
     assert physical.calls == (((0, 40, 1), (2, 50, 3)), ((2, 53, 2),))
