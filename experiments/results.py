@@ -19,6 +19,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from engine.core.errors import ConfigError
+from engine.core.server import MSG_CTX_EXCEEDED
+
 # Per-request columns in file order (the driver's row keys; any extra key it adds is kept after these).
 REQUEST_COLUMNS = (
     "request", "session_id", "turn", "arrival_s", "launch_s", "first_token_s", "end_s", "slot",
@@ -108,7 +111,7 @@ def _counter(source: Any, name: str, default: int = 0) -> int:
 _EXCEED = re.compile(r"^request \((\d+) tokens\) exceeds the available context size \((\d+) tokens\)")
 ERROR_KINDS = ("exceed_context", "kv_full", "context_shift_disabled", "context_shift_shared", "other")
 _ERROR_TEXTS = {
-    "kv_full": ("Context size has been exceeded.",
+    "kv_full": (MSG_CTX_EXCEEDED,
                 "ran out of KV cells while generating (the shared KV of -c cells was full even after halving the "
                 "batch): raise -c, lower -np, or drop -kvu so that each slot has its own cells"),
     "context_shift_disabled": ("context shift is disabled",
@@ -177,19 +180,20 @@ def _resolved(server_config: Any) -> Any:
         return None
     try:
         return server_config.resolve()
-    except Exception:              # a config that does not resolve never ran: no hint rather than no summary
+    except ConfigError:            # a config that does not resolve never ran: no hint rather than no summary
         return None
 
 
 def summarize(requests: pd.DataFrame, *, sim_s: float | None = None, cache_stats: Mapping[str, int] | None = None,
-              metrics: Any = None, server_config: Any = None) -> dict[str, Any]:
+              metrics: Any = None, server_config: Any = None,
+              errors: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The summary row of a run.
 
     Latency statistics cover finished requests (finish != "error"); TPOT only requests with > 1 output token
     (its NaNs are skipped). Throughput is over `sim_s` (simulated seconds; default: first arrival to last
     end). Hit rate = cached / (cached + processed) prompt tokens over all requests. Errors: one count per kind
     (`errors_<kind>`, ERROR_KINDS) and `errors_by_kind`, the sentences of `error_breakdown` joined by " | " (needs the run's
-    `server_config`, a ServerConfig, for the hints on the slot context).
+    `server_config`, a ServerConfig, for the hints on the slot context; or `errors`, the breakdown already made).
     """
     ok = requests[requests["finish"] != "error"]
     row: dict[str, Any] = {
@@ -197,7 +201,10 @@ def summarize(requests: pd.DataFrame, *, sim_s: float | None = None, cache_stats
         "n_finished": int(len(ok)),
         "n_errors": int(len(requests) - len(ok)),
     }
-    breakdown = error_breakdown(requests, _resolved(server_config)) if row["n_errors"] else []
+    if errors is not None:
+        breakdown = errors
+    else:
+        breakdown = error_breakdown(requests, _resolved(server_config)) if row["n_errors"] else []
     counts = {b["kind"]: b["count"] for b in breakdown}
     for kind in ERROR_KINDS:
         row[f"errors_{kind}"] = counts.get(kind, 0)
@@ -293,9 +300,10 @@ def write_run(out_dir: str | Path, result: Any, config: Mapping[str, Any], *, cs
     requests = requests_frame(result.requests)
     timeline = timeline_frame(result.timeline)
     run = dict(result.run)
+    failed = bool((requests["finish"] == "error").any())
+    run["errors"] = error_breakdown(requests, _resolved(config.get("server_config"))) if failed else []
     summary = summarize(requests, sim_s=run.get("sim_s"), cache_stats=result.cache_stats, metrics=result.metrics,
-                        server_config=config.get("server_config"))
-    run["errors"] = error_breakdown(requests, _resolved(config.get("server_config"))) if summary["n_errors"] else []
+                        errors=run["errors"])
     load = run.get("load") or {}
     for key in ("arrival_rps", "service_rps", "backlog_at_last_arrival", "saturated"):
         if key in load:                    # offered load vs served (open loop; see Simulation._load)
