@@ -59,6 +59,10 @@ QK8 = 32          # block of Q8_0 / Q8_1 (and of Q4_0 .. Q8_0 weights)
 QK_K = 256        # super-block of Q8_K (and of the K-quants)
 _ROWS = 16        # activation rows per piece of work (exact matmul chunks, thread tasks)
 _QUERY_BLOCK = 8  # query rows per attention block (bounds the [heads, rows, keys, 16] temporaries)
+# split exact products run on polling workers (`spin.SpinPool`) rather than `Matmul`'s queue threads; pieces per
+# thread: output ranges a worker or the caller claims one at a time
+USE_SPIN_POOL = True
+_SPIN_PIECES_PER_THREAD = 2
 _TILE_ELEMENTS = 1 << 16   # lanes x rows x outputs per tile of the exact Q8_1 matmul (cache-sized temporaries)
 
 T = GGMLQuantizationType
@@ -481,6 +485,12 @@ class GgmlMatmul(Matmul):
     def __init__(self, n_threads: int = 1, compiled: bool = False):
         super().__init__(n_threads)
         self.compiled = compiled
+        # the exact dot products' output ranges go to workers that poll (`spin.SpinPool`): a split product costs
+        # no thread wake-up; other work (attention blocks, BLAS parts) keeps `Matmul`'s queue threads
+        self._spin = None
+        if compiled and self.n_threads > 1 and USE_SPIN_POOL:
+            from engine.model import spinjobs
+            self._spin = spinjobs.pool(self.n_threads - 1)
 
     def __call__(self, lin: Linear | QLinear, x: np.ndarray) -> np.ndarray:
         if not isinstance(lin, QLinear):
@@ -516,12 +526,29 @@ class GgmlMatmul(Matmul):
         y = np.empty((m, p.n_out), np.float32)
         w = p.w
         split = self._pool is not None and m * n_in * p.n_out >= _SPLIT_MIN_MACS
+        spin = self._spin
+        if split and spin is not None and spin.lock.acquire(blocking=False):
+            try:
+                from engine.model import spinjobs as sj
+                kind = sj.DOT_Q8_0 if not w.has_m else sj.DOT_NIB if w.nib else sj.DOT_BYTE
+                n = sj.post_dot(spin.job, spin.cuts, kind, w.q, w.d, w.m if w.has_m else w.d, qx, d16, s, y,
+                                self.n_threads * _SPIN_PIECES_PER_THREAD, 64)
+                spin.run(n)
+            finally:
+                spin.lock.release()
+            return y
         if not w.has_m:
             self._run(lambda a, b: k.dot_q8_0(w.q, w.d, qx, d16, y, a, b), p.n_out, 64, split)
             return y
         fn = k.dot_nib if w.nib else k.dot_byte
         self._run(lambda a, b: fn(w.q, w.d, w.m, qx, d16, s, y, a, b), p.n_out, 64, split)
         return y
+
+    def close(self) -> None:
+        super().close()
+        if self._spin is not None:
+            self._spin.close()
+            self._spin = None
 
 
 # --- RoPE, norm -------------------------------------------------------------------------------------------------

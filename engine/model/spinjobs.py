@@ -1,0 +1,85 @@
+"""The jobs `spin.SpinPool` runs: the exact quantized products of the "ggml" numerics (`gkernels.dot_*`), split
+into output ranges. (The "q" numerics' fused kernels, `qkernels.range_*`, still run on `Matmul`'s queue threads;
+they would be new job kinds here.)
+
+A job is written by a `post_*` function (compiled, so that writing ~15 argument words costs one call): the
+addresses and shapes of its arrays go to `job`, the output ranges to `cuts`; `run_ggml_piece` rebuilds the arrays
+from the addresses and runs one range. Every array must be C-contiguous and stay alive until the job is done: the
+caller (`ggml.GgmlMatmul`) holds them across `SpinPool.run`.
+
+The first pool of a process on a new machine compiles the dot kernels for these array views (~25 s here); numba's
+cache keeps them for later processes.
+"""
+
+from __future__ import annotations
+
+from numba import njit
+
+from engine.model import gkernels
+from engine.model.spin import SpinPool, address, f32_at, i8_at, serve_loop, set_cuts, u8_at, work_join_loop
+
+DOT_NIB, DOT_BYTE, DOT_Q8_0 = 1, 2, 3           # Q4_1 x Q8_1, Q5_1 x Q8_1, Q8_0 x Q8_0
+
+
+@njit(cache=True, nogil=True)
+def post_dot(job, cuts, kind, qw, dw, mw, qx, dx, sx, y, n_pieces, align):
+    """A ggml dot job (kind DOT_*): qw [nb, bs, n_out], dw/mw [nb or 0, n_out], qx [M, n_in], dx/sx [M, nb],
+    y [M, n_out]. Returns the number of pieces."""
+    job[0] = kind
+    job[1] = address(qw)
+    job[2] = qw.shape[0]
+    job[3] = qw.shape[1]
+    job[4] = qw.shape[2]
+    job[5] = address(dw)
+    job[6] = address(mw)
+    job[7] = mw.shape[0]
+    job[8] = address(qx)
+    job[9] = qx.shape[0]
+    job[10] = qx.shape[1]
+    job[11] = address(dx)
+    job[12] = address(sx)
+    job[13] = dx.shape[1]
+    job[14] = address(y)
+    return set_cuts(cuts, qw.shape[2], align, n_pieces)
+
+
+@njit(cache=True, nogil=True)
+def run_ggml_piece(job, cuts, i):
+    o0, o1 = cuts[2 * i], cuts[2 * i + 1]
+    nb, bs, n_out, m, n_in, nbx = job[2], job[3], job[4], job[9], job[10], job[13]
+    dw = f32_at(job[5], (nb, n_out))
+    mw = f32_at(job[6], (job[7], n_out))
+    qx = f32_at(job[8], (m, n_in))
+    dx = f32_at(job[11], (m, nbx))
+    sx = f32_at(job[12], (m, nbx))
+    y = f32_at(job[14], (m, n_out))
+    kind = job[0]
+    if kind == DOT_NIB:
+        gkernels.dot_nib(u8_at(job[1], (nb, bs, n_out)), dw, mw, qx, dx, sx, y, o0, o1)
+    elif kind == DOT_BYTE:
+        gkernels.dot_byte(i8_at(job[1], (nb, bs, n_out)), dw, mw, qx, dx, sx, y, o0, o1)
+    else:
+        gkernels.dot_q8_0(i8_at(job[1], (nb, bs, n_out)), dw, qx, dx, y, o0, o1)
+
+
+@njit(cache=True, nogil=True)
+def run_piece(job, cuts, i):
+    run_ggml_piece(job, cuts, i)
+
+
+@njit(cache=True, nogil=True)
+def serve(ctl, job, cuts, me, spin_cycles):
+    serve_loop(ctl, job, cuts, me, spin_cycles, run_piece)
+
+
+@njit(cache=True, nogil=True)
+def work_join(ctl, job, cuts, n):
+    return work_join_loop(ctl, job, cuts, n, run_piece)
+
+
+def pool(n_workers: int) -> SpinPool:
+    """A `SpinPool` running the jobs of this module (ggml dot products)."""
+    return SpinPool(n_workers, serve, work_join)
+
+
+__all__ = ["DOT_BYTE", "DOT_NIB", "DOT_Q8_0", "pool", "post_dot", "run_piece", "serve", "work_join"]
