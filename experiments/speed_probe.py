@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sim.latency_physical import _read_json as read_calibration_json
+
 PROBE_FILE = "speed_probe.json"    # beside a real run's results (validate's real/): the probes around that run
 SPEED_THRESHOLD = 0.05             # warn when a ratio is off 1 (or before and after differ) by more than this
 
@@ -137,16 +139,10 @@ def format_probe(probe: SpeedProbe) -> str:
 
 def calibration_probe(path: str | Path) -> SpeedProbe | None:
     """The `probe` of a calibration file; None for a file written before the probe existed (no field)."""
-    where = str(path)
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ValueError(f"{where}: cannot read calibration file: {exc}") from exc
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{where}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from exc
-    if not isinstance(data, dict) or data.get("probe") is None:
+    data = read_calibration_json(path)
+    if data.get("probe") is None:
         return None
-    return SpeedProbe.from_dict(data["probe"], where)
+    return SpeedProbe.from_dict(data["probe"], str(path))
 
 
 def write_run_probes(run_dir: str | Path, before: SpeedProbe, after: SpeedProbe) -> Path:
