@@ -359,8 +359,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(None, ("--quick",), "a dozen small shapes instead of the full grid (tests)", _K, default=False),
     Flag(None, ("--repeats",), "interleaved passes over the grid, the median per shape is fitted (default: 5, "
          "--quick 2)", _K, int, metavar="N"),
-    Flag(None, ("--max-seconds",), "no pass starts that would end past this many seconds of the run (at least 3 "
-         "passes; default: 170)", _K, float, 170.0, "S"),
+    Flag(None, ("--max-seconds",), "no pass over the grid starts that would end past this many seconds of the run "
+         "(at least 3 passes; the speed probe measured after the grid is not counted; default: 170)", _K, float, 170.0, "S"),
     Flag(None, ("--load-threshold",), "warn and mark the file load_moved when the CPU other processes use (cores, "
          "per pass; the 1-minute load average without /proc/stat) moves by more than this during the run "
          "(default: 0.5)", _K, float, 0.5, "L"),

@@ -2,7 +2,7 @@
 validation's real run, so that `slotlab validate` can say how much slower or faster the machine runs than it
 did at calibration, and (`--speed-correct probe`) scale the simulator's step times by that ratio.
 
-The shapes and their measurement are `experiments.calibrate`'s (`PROBE_POINTS`, `measure_probe`: calibrate's
+The shapes and their measurement are `experiments.calibrate`'s (`probe_points`, `measure_probe`: calibrate's
 own bench and interleaved passes). This module holds the record (`SpeedProbe`), where it is stored (a
 calibration file's `probe` field, a real run's `speed_probe.json`) and the arithmetic of the ratios and the
 warnings. See docs/validation_sim.md §6 for what one factor can and cannot correct.
