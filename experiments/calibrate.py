@@ -5,7 +5,9 @@ times and `slotlab validate` can compare the two request by request.
 
 The grid is measured in interleaved passes (each in its own shuffled order) and the median per shape is
 fitted; both models are cross-validated on shapes they were not fitted on, and the machine's load is
-recorded: a calibration during which the load moved is marked (`load_moved`) and warned about.
+recorded: a calibration during which the load moved is marked (`load_moved`) and warned about. At the end, the
+speed probe (`probe_points`, `measure_probe`) is measured and stored, so that `slotlab validate` can compare
+the machine's speed of its real run with this calibration's.
 
 Every grid point is a real `BatchPlan` (KV operations and `llama_decode` calls, as the serving core's
 `update_slots` emits them) executed by a `NumpyBackend`, whose measured `elapsed_s` is what `slotlab replay`
@@ -39,6 +41,7 @@ from engine.model.sampling import SamplingParams
 from experiments.flags import CALIBRATE, add_flags
 from experiments.results import new_results_dir
 from experiments.runs import resolve_model
+from experiments.speed_probe import ProbeShape, SpeedProbe, format_probe
 from sim.backend import SimBackend
 from sim.latency import ConstantLatency, cost_features, error_summary, fit_parametric, held_out_predictions
 from sim.latency_physical import EngineLayout, fit_physical, physical_design, save_calibration_file
@@ -49,6 +52,7 @@ TEMPLATE_CHUNK = 256               # cells of the template computed by a real pr
 ENGINE_NAME = "slotlab numpy"
 DEFAULT_PASSES = 5                 # interleaved passes over the grid (the median of them is fitted)
 MIN_PASSES = 3                     # --max-seconds never cuts below this many
+PROBE_REPEATS = 5                  # interleaved passes over the speed probe's shapes (the median is kept)
 GROUPS_DOC = ("decode and mixed shapes by batch size, prompt chunks by length, each copy, shift and split "
               "shape alone")
 
@@ -151,6 +155,13 @@ def calibration_grid(quick: bool = False) -> list[GridPoint]:
     grid += [GridPoint("split", decode=(512,) * 4, prompt=((0, 128),), split=68),
              GridPoint("split", prompt=((0, 256),), split=128)]
     return grid
+
+
+def probe_points() -> tuple[GridPoint, ...]:
+    """The speed probe's shapes: one decode at context 256, four decodes at 256, a 64-token prompt chunk (all
+    three in the full grid too). About 0.2 s per pass for SmolLM2 at 2 threads on an idle machine."""
+    return (GridPoint("decode", decode=(256,)), GridPoint("decode", decode=(256,) * 4),
+            GridPoint("prefill", prompt=((0, 64),)))
 
 
 # --- plans ---------------------------------------------------------------------------------------------
@@ -449,6 +460,23 @@ def load_figures(m: Measurement, threshold: float) -> dict[str, Any]:
     }
 
 
+def measure_probe(model: Any, sampling: Any, *, repeats: int = PROBE_REPEATS, seed: int = 0,
+                  grid: Measurement | None = None, load_reader: LoadReader = os.getloadavg,
+                  cpu_reader: CpuReader = proc_cpu_seconds) -> SpeedProbe:
+    """The speed probe on `model`: `measure_grid` over `probe_points()` (calibrate's bench, one warm-up per kind,
+    `repeats` interleaved passes in shuffled order, the median per shape). With `grid` (the calibration's
+    measurement), each shape the grid also measured keeps the grid's median beside the probe's."""
+    m = measure_grid(model, probe_points(), sampling, repeats=repeats, seed=seed, load_reader=load_reader,
+                     cpu_reader=cpu_reader)
+    in_grid = {} if grid is None else {p.point: p.median_s for p in grid.points}
+    shapes = tuple(ProbeShape(p.point.label, p.median_s, p.samples_s, in_grid.get(p.point)) for p in m.points)
+    return SpeedProbe(shapes, f"median of {repeats} interleaved passes per shape, calibrate's bench, one "
+                              "warm-up per kind", m.load_before, m.load_after,
+                      datetime.datetime.now().astimezone().isoformat(timespec="seconds"), m.wall_s,
+                      int(model.n_threads) if model.n_threads else None, Path(model.path).name,
+                      f"threading={model.threading}, {model.threads_desc}")
+
+
 # --- fitting and cross-validation ------------------------------------------------------------------------
 
 
@@ -732,9 +760,10 @@ def run_calibrate(args: argparse.Namespace, *, load_reader: LoadReader = os.getl
     budget = args.max_seconds - (time.perf_counter() - t_start)        # model loading counts
     with tqdm(total=n_warm + repeats * len(grid), unit="step", desc="calibrate", file=sys.stderr, leave=False,
               disable=args.quiet) as bar:
-        m = measure_grid(model, grid, replay_sampling(model, args.temp, args.seed), repeats=repeats,
-                         seed=args.seed, progress=bar, max_seconds=budget, load_reader=load_reader,
-                         cpu_reader=cpu_reader)
+        sampling = replay_sampling(model, args.temp, args.seed)
+        m = measure_grid(model, grid, sampling, repeats=repeats, seed=args.seed, progress=bar, max_seconds=budget,
+                         load_reader=load_reader, cpu_reader=cpu_reader)
+    probe = measure_probe(model, sampling, seed=args.seed, grid=m, load_reader=load_reader, cpu_reader=cpu_reader)
     layout = engine_layout(model)
     fits = fit_models(m.points, layout, args.weighting)
     load_info = load_figures(m, args.load_threshold)
@@ -752,6 +781,7 @@ def run_calibrate(args: argparse.Namespace, *, load_reader: LoadReader = os.getl
             "loso": "leave one shape out", "group": "leave one group out (" + GROUPS_DOC + ")",
             "errors": fits.errors()},
         "samples": raw_samples(m),
+        "probe": probe.to_dict(),
     }
     save_calibration_file(out, fits.simple, info, physical=fits.physical, model="physical", extra=extra)
     steps = steps_frame(m.points, fits)
@@ -767,6 +797,7 @@ def run_calibrate(args: argparse.Namespace, *, load_reader: LoadReader = os.getl
     print(format_fit(fits.simple, "simple fit"))
     print(format_fit(fits.physical, "physical fit"))
     print(format_errors(fits))
+    print(format_probe(probe))
     wall = time.perf_counter() - t_start
     speeds = ", ".join(f"{s:.2f}" for s in m.pass_speed())
     others = ", ".join("?" if p.others_cpu is None else f"{p.others_cpu:.2f}" for p in m.passes)

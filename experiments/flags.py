@@ -308,7 +308,7 @@ FLAGS: tuple[Flag, ...] = (
          "SmolLM2-135M)", _R, positive(int), SMOLLM2_N_CTX_TRAIN, "N"),
     Flag(R, ("--latency",), "latency model: default (shipped calibration), constant:STEP_S[:PER_TOKEN_S], "
          "parametric:PATH.json (the calibration file's model), simple:PATH.json, physical:PATH.json, "
-         "roofline:MODEL@HW (default: default)", _R, str, "default", "SPEC", sweep=True),
+         "roofline:MODEL@HW, scaled:FACTOR:SPEC (SPEC's step times times FACTOR) (default: default)", _R, str, "default", "SPEC", sweep=True),
     Flag(R, ("--seed",), "seed of the generated workload and of the stand-in tokens (default: 0)", _R, int, 0, "N"),
     Flag(R, ("--no-fast-forward",), "step every decode step one by one instead of jumping over stretches "
          "where nothing can change (same results, slower) (default: fast-forward on)", _R),
@@ -336,6 +336,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag(None, ("--real-run",), "compare with this existing real-engine results directory (a `slotlab replay` or "
          "a previous validate's real/) instead of running the engine again; its options must be the same as "
          "these (the latency model may differ)", (VALIDATE,), str, metavar="DIR"),
+    Flag(None, ("--speed-correct",), "probe = multiply the simulator's step times by the speed probe's ratio "
+         "(the machine's step times around the real run / at calibration; needs a calibration and a real run "
+         "with a probe) (default: off = report the ratio only)", (VALIDATE,), str, "off", "off|probe",
+         choices=("off", "probe")),
     # generate and calibrate
     Flag(None, ("-m", "--model"), f"GGUF model (default: {SMOLLM2_WHEEL})", (GENERATE, CALIBRATE), str,
          metavar="GGUF"),
@@ -355,8 +359,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(None, ("--quick",), "a dozen small shapes instead of the full grid (tests)", _K, default=False),
     Flag(None, ("--repeats",), "interleaved passes over the grid, the median per shape is fitted (default: 5, "
          "--quick 2)", _K, int, metavar="N"),
-    Flag(None, ("--max-seconds",), "no pass starts that would end past this many seconds of the run (at least 3 "
-         "passes; default: 170)", _K, float, 170.0, "S"),
+    Flag(None, ("--max-seconds",), "no pass over the grid starts that would end past this many seconds of the run "
+         "(at least 3 passes; the speed probe measured after the grid is not counted; default: 170)", _K, float, 170.0, "S"),
     Flag(None, ("--load-threshold",), "warn and mark the file load_moved when the CPU other processes use (cores, "
          "per pass; the 1-minute load average without /proc/stat) moves by more than this during the run "
          "(default: 0.5)", _K, float, 0.5, "L"),

@@ -86,9 +86,11 @@ def engine_simulation(model: Any, cfg: ServerConfig, seed: int, temp: float, *, 
 
 
 def run_replay(values: dict[str, Any], workload, model_path: str, threads: int, temp: float,
-               out_dir: str, context: dict[str, Any], csv: bool, plots: bool, progress=None) -> dict[str, Any]:
-    """Load the model, replay `workload` on it, write the results directory; returns the summary row."""
-    model = load(model_path, n_threads=threads)
+               out_dir: str, context: dict[str, Any], csv: bool, plots: bool, progress=None,
+               loaded: Any = None) -> dict[str, Any]:
+    """Load the model (or take `loaded`, the model `model_path` loaded with `threads`), replay `workload` on it,
+    write the results directory; returns the summary row."""
+    model = loaded if loaded is not None else load(model_path, n_threads=threads)
     sim, cfg = engine_simulation(model, server_config({**values, "kv_bytes_per_token": None}), values["seed"], temp,
                                  keep_n_ctx_train=values["ctx_size"] != 0, progress=progress)
     steps = StepLog(sim.backend.kv_bytes_per_token)

@@ -21,7 +21,7 @@ import math
 import os
 import shlex
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from engine.core import PolicyNames, ServerConfig
+from engine.model import load
 from engine.model.tokenizer import ATTR_BYTE, ATTR_NORMAL, Tokenizer
 from experiments.flags import (
     OPT_BY_DEST,
@@ -42,9 +43,21 @@ from experiments.flags import (
     option_values,
     simulate_argv,
 )
+from experiments.calibrate import measure_probe, probe_points, replay_sampling
 from experiments.replay import run_replay
 from experiments.results import load_results, write_json, write_run
 from experiments.runs import follow, out_dir, resolve_model, run_context, server_config
+from experiments.speed_probe import (
+    PROBE_FILE,
+    SpeedProbe,
+    calibration_probe,
+    format_speed,
+    probe_mismatch,
+    read_run_probes,
+    speed_report,
+    speed_warnings,
+    write_run_probes,
+)
 from experiments.steplog import (
     format_step_errors,
     plot_step_ratio,
@@ -55,6 +68,7 @@ from experiments.steplog import (
 )
 from experiments.workloads import build_workload
 from sim.driver import Simulation
+from sim.latency import ScaledLatency, unscaled
 from sim.latency_spec import get_latency_model
 from traces import Trace, read_trace
 
@@ -307,8 +321,11 @@ def add_validate_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _validate_argv(values: Mapping[str, Any], model: str, threads: int, temp: float) -> list[str]:
-    return ["validate", *simulate_argv(values)[2:], "-m", model, "--threads", str(threads), "--temp", str(temp)]
+def _validate_argv(values: Mapping[str, Any], model: str, threads: int, temp: float,
+                   speed_correct: str = "off") -> list[str]:
+    correct = [] if speed_correct == "off" else ["--speed-correct", speed_correct]
+    return ["validate", *simulate_argv(values)[2:], "-m", model, "--threads", str(threads), "--temp", str(temp),
+            *correct]
 
 
 def _options_key(argv: list[str]) -> list[str]:
@@ -415,6 +432,9 @@ def run_validate_recorded(args: argparse.Namespace, values: dict[str, Any]) -> i
             raise UsageError(f"--recorded replaces the workload: drop {flag_names(given)}")
         if args.real_run:
             raise UsageError("--recorded and --real-run are two different real runs: give one")
+        if args.speed_correct != "off":
+            raise UsageError("--speed-correct probe measures this machine around a real engine run; a recorded "
+                             "trace has none: drop it (or use --latency scaled:FACTOR:SPEC)")
         trace = load_recorded(args.recorded)
         latency = get_latency_model(values["latency"])
         cfg = server_config(values, latency)
@@ -467,11 +487,14 @@ def run_validate_recorded(args: argparse.Namespace, values: dict[str, Any]) -> i
     return 0
 
 
-def run_validate(args: argparse.Namespace) -> int:
-    """`slotlab validate`; returns the exit code (2 = bad usage or input)."""
+def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], SpeedProbe] | None = None) -> int:
+    """`slotlab validate`; returns the exit code (2 = bad usage or input). `speed_probe(model)` measures the
+    speed probe on the loaded engine model immediately before and after the real run (default: calibrate's
+    `measure_probe` with replay's sampling)."""
     values = option_values(args)
     if args.recorded:
         return run_validate_recorded(args, values)
+    correct = args.speed_correct == "probe"
     try:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
@@ -479,10 +502,14 @@ def run_validate(args: argparse.Namespace) -> int:
         workload, desc = build_workload(values)
         latency = get_latency_model(values["latency"])
         server_config({**values, "kv_bytes_per_token": None})
-        reused = None
+        cal_probe = calibration_probe_of(latency)
+        reused = run_probes = None
         if args.real_run:
             reused = load_results(args.real_run)
             check_same_run(reused, values, model)
+            run_probes = read_run_probes(reused.path)
+        if correct:
+            check_speed_correction(values["latency"], cal_probe, model, args.threads, reused, run_probes)
         out = out_dir(args, VALIDATE)
     except (UsageError, ValueError, OSError) as exc:
         print(f"slotlab validate: error: {exc}", file=sys.stderr)
@@ -493,7 +520,7 @@ def run_validate(args: argparse.Namespace) -> int:
     if getattr(latency, "load_moved", None):
         print(f"slotlab validate: warning: the machine's load moved while {values['latency']} was calibrated "
               f"(load_moved in the file): its step times mix loads", file=sys.stderr)
-    argv = _validate_argv(values, model, args.threads, args.temp)
+    argv = _validate_argv(values, model, args.threads, args.temp, args.speed_correct)
     context = run_context(argv, desc)
     load_start = os.getloadavg()
 
@@ -502,34 +529,50 @@ def run_validate(args: argparse.Namespace) -> int:
                     leave=False, disable=args.quiet)
 
     if reused is None:
+        loaded = load(model, n_threads=args.threads)
+        if speed_probe is None:
+            def speed_probe(m: Any) -> SpeedProbe:
+                return measure_probe(m, replay_sampling(m, args.temp, values["seed"]), seed=values["seed"])
+        before = speed_probe(loaded)                  # immediately before and after the real run, same engine
         with bar("real") as b:
             run_replay(values, workload, model, args.threads, args.temp, str(out / "real"), context,
-                       csv=args.csv, plots=not args.no_plots, progress=follow(b))
+                       csv=args.csv, plots=not args.no_plots, progress=follow(b), loaded=loaded)
+        after = speed_probe(loaded)
+        del loaded
+        write_run_probes(out / "real", before, after)
+        run_probes = (before, after)
         real = load_results(out / "real")
     else:
         real = reused
     load_mid = os.getloadavg()
+    speed, sim_latency = speed_correction(cal_probe, run_probes, model, args.threads, args.speed_correct, latency)
+    speed["run_probes"] = ("measured with this real run" if reused is None else
+                           f"stored with the real run ({PROBE_FILE})" if run_probes else None)
+    for warning in speed_warnings(speed, values["latency"], args.speed_correct, speed["factor"], real.path):
+        print(f"slotlab validate: warning: {warning}", file=sys.stderr)
     with bar("sim") as b:
         run_sim_twin(values, workload, real.config, model, out / "sim", context, csv=args.csv,
-                     plots=not args.no_plots, progress=follow(b))
+                     plots=not args.no_plots, progress=follow(b), latency=sim_latency)
     sim = load_results(out / "sim")
     per = compare_requests(real.requests, sim.requests)
     errors = aggregate_errors(real.requests, sim.requests)
     summary = per_request_summary(per)
     summary.update(
         model=model, threads=real.config.get("threads"), latency=values["latency"],
-        latency_model=latency.describe(), latency_mismatch=mismatch, load_average_start=list(load_start), load_average_after_real=list(load_mid),
-        load_average_end=list(os.getloadavg()), real_dir=str(real.path), real_reused=reused is not None,
-        sim_dir=str(out / "sim"), real_sim_s=real.summary.get("sim_s"), sim_sim_s=sim.summary.get("sim_s"),
-        real_steps=real.run.get("steps"), sim_steps=sim.run.get("steps"), command=context["command"])
-    title = (f"{Path(model).name}, {summary['threads']} threads vs {latency.describe().get('kind')} latency "
+        latency_model=sim_latency.describe(), latency_mismatch=mismatch, load_average_start=list(load_start),
+        load_average_after_real=list(load_mid), load_average_end=list(os.getloadavg()), real_dir=str(real.path),
+        real_reused=reused is not None, sim_dir=str(out / "sim"), real_sim_s=real.summary.get("sim_s"),
+        sim_sim_s=sim.summary.get("sim_s"), real_steps=real.run.get("steps"), sim_steps=sim.run.get("steps"),
+        command=context["command"], speed_probe=speed)
+    scaled = f" x{speed['factor']:.3f}" if correct else ""
+    title = (f"{Path(model).name}, {summary['threads']} threads vs {latency.describe().get('kind')}{scaled} latency "
              f"({summary['n_requests']} requests)")
     summary["calibration_error"] = calibration_error(latency)
     steps = read_steps(real.path)
     step_report = None
     if steps is not None:
-        predicted = predict_steps(steps, latency)
-        summary["real_step_errors"] = step_report = step_errors(steps, latency, predicted=predicted)
+        predicted = predict_steps(steps, sim_latency)
+        summary["real_step_errors"] = step_report = step_errors(steps, sim_latency, predicted=predicted)
         for warning in step_warnings(step_report):
             print(f"slotlab validate: warning: {warning}", file=sys.stderr)
         if not args.no_plots:
@@ -548,6 +591,7 @@ def run_validate(args: argparse.Namespace) -> int:
                   f"{100 * cal['in_sample']['mape']:.1f}%"
                   + (f", held-out shape {100 * held['mape']:.1f}% (median {100 * held['median_ape']:.1f}%)"
                      if held else ""))
+        print(format_speed(speed, speed["factor"]))
         print(f"threads {summary['threads']}, load average {load_start[0]:.2f} -> {summary['load_average_end'][0]:.2f}"
               f"; latency {values['latency']}")
         where = "real/" if reused is None else f"real: {real.path}"
@@ -556,10 +600,72 @@ def run_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- the speed probe ---------------------------------------------------------------------------------------
+
+
+def calibration_probe_of(latency: Any) -> SpeedProbe | None:
+    """The speed probe of the calibration file `latency` was read from (under any ScaledLatency); None for a
+    model not read from a file, or a file written before the probe."""
+    source = unscaled(latency).describe().get("source")
+    return calibration_probe(source) if source else None
+
+
+def probe_unusable(cal_probe: SpeedProbe, run_probes: tuple[SpeedProbe, SpeedProbe] | None, model: str,
+                   threads: int) -> str | None:
+    """Why the calibration's probe cannot be compared with the run's (another model or thread count, no shape
+    in common), or None. Without the run's probes: with what this run would measure (`probe_points`)."""
+    if run_probes:
+        why = probe_mismatch(cal_probe, run_probes[0].model, run_probes[0].threads or threads)
+        shapes = set(run_probes[0].medians_s)
+    else:
+        why = probe_mismatch(cal_probe, model, threads)
+        shapes = {p.label for p in probe_points()}
+    if why is None and not shapes & set(cal_probe.medians_s):
+        why = (f"speed probe has no shape in common with this run's (calibration: "
+               f"{', '.join(cal_probe.medians_s)}; run: {', '.join(sorted(shapes))})")
+    return why
+
+
+def check_speed_correction(spec: str, cal_probe: SpeedProbe | None, model: str, threads: int, reused: Any,
+                           run_probes: tuple[SpeedProbe, SpeedProbe] | None) -> None:
+    """UsageError unless `--speed-correct probe` has what it needs, checked before the engine runs: a
+    calibration with a probe comparable with this run's, and (with --real-run) probes stored with the run."""
+    if cal_probe is None:
+        raise UsageError(f"--speed-correct probe needs a calibration with a speed probe, and {spec} has none (not a "
+                         "calibration file, or one written before the probe): calibrate this setup with "
+                         f"`slotlab calibrate -m {model} --threads {threads} --out cal.json` and pass "
+                         "--latency parametric:cal.json, or use --speed-correct off")
+    if reused is not None and run_probes is None:
+        raise UsageError(f"--speed-correct probe: {reused.path} has no {PROBE_FILE} (a `slotlab replay` run, or "
+                         "a validate run made before the speed probe): rerun validate without --real-run, or use "
+                         "--speed-correct off")
+    why = probe_unusable(cal_probe, run_probes, model, threads)
+    if why:
+        raise UsageError(f"--speed-correct probe: {spec} is not comparable with this run: the calibration's {why}")
+
+
+def speed_correction(cal_probe: SpeedProbe | None, run_probes: tuple[SpeedProbe, SpeedProbe] | None, model: str,
+                     threads: int, correct: str, latency: Any) -> tuple[dict[str, Any], Any]:
+    """validation.json's `speed_probe` (ratios, `correct`, the `factor` used) and the latency model the
+    simulator runs with: `latency`, or with `correct` = "probe" ScaledLatency(latency, ratio.mean). A
+    calibration probe that is not comparable gives no ratio (`calibration_unusable` says why)."""
+    before, after = run_probes if run_probes else (None, None)
+    why = probe_unusable(cal_probe, run_probes, model, threads) if cal_probe is not None else None
+    report = speed_report(None if why else cal_probe, before, after)
+    report["calibration_unusable"] = why
+    if cal_probe is not None:
+        report["calibration"] = cal_probe.to_dict()
+    factor = report["ratio"]["mean"] if correct == "probe" else 1.0
+    if factor is None:                # check_speed_correction rules this out before the run
+        raise RuntimeError(f"--speed-correct probe without a ratio ({why or 'a probe is missing'})")
+    report.update(correct=correct, factor=factor)
+    return report, (ScaledLatency(latency, factor) if correct == "probe" else latency)
+
+
 def calibration_error(latency: Any) -> dict[str, Any] | None:
     """The calibration's own error for the model in use (from its file: in sample and held out by shape, over
     the calibrated grid's steps), to be read beside the run's; None for a model not read from a calibration."""
-    desc = latency.describe()
+    desc = unscaled(latency).describe()
     source = desc.get("source")
     if not source:
         return None
@@ -601,7 +707,15 @@ def _print_quiet(errors, summary: dict, out: Path, what: str) -> None:
     e2e = errors[(errors["metric"] == "e2e") & (errors["stat"] == "p50")].iloc[0]
     print(f"slotlab validate: {summary['n_requests']} {what}, E2E P50 real {e2e['real_s']:.3g} s sim "
           f"{e2e['sim_s']:.3g} s ({100 * e2e['rel_err']:+.1f}%), decisions match "
-          f"{100 * summary['decision_match_rate']:.0f}%{_steps_clause(summary)} -> {out}")
+          f"{100 * summary['decision_match_rate']:.0f}%{_steps_clause(summary)}{_speed_clause(summary)} -> {out}")
+
+
+def _speed_clause(summary: dict) -> str:
+    speed = summary.get("speed_probe") or {}
+    ratio = (speed.get("ratio") or {}).get("mean")
+    if ratio is None:
+        return ""
+    return f", speed probe now / calibration x{ratio:.3f}" + (" (corrected)" if speed.get("correct") == "probe" else "")
 
 
 def _steps_clause(summary: dict) -> str:

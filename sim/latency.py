@@ -162,6 +162,69 @@ class ConstantLatency:
         return {"kind": "constant", "step_s": self.step_s, "per_token_s": self.per_token_s}
 
 
+# --- scaled ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ScaledLatency:
+    """Another model's step times multiplied by `factor` (> 0): t = factor · base(cost).
+
+    What `slotlab validate --speed-correct probe` simulates with, `factor` being the speed probe's ratio (the
+    machine's step times now / at calibration, docs/validation_sim.md §6). One factor for every term: it
+    corrects a machine that is uniformly slower or faster, not contention that slows some terms more than
+    others. The base's `wants_layout` is kept (a physical base still gets the layout); its `measured_on`,
+    `source` and `load_moved` are forwarded, so the checks on a calibration see through the wrapper."""
+
+    base: LatencyModel
+    factor: float
+
+    def __post_init__(self) -> None:
+        if isinstance(self.factor, bool) or not isinstance(self.factor, (int, float)) \
+                or not math.isfinite(self.factor) or self.factor <= 0:
+            raise ValueError(f"ScaledLatency: factor must be a finite number > 0, got {self.factor!r}")
+        if not isinstance(self.base, LatencyModel):
+            raise ValueError(f"ScaledLatency: base must be a latency model, got {type(self.base).__name__}")
+
+    @property
+    def wants_layout(self) -> bool:
+        return bool(getattr(self.base, "wants_layout", False))
+
+    @property
+    def measured_on(self) -> MeasuredOn | None:
+        return getattr(self.base, "measured_on", None)
+
+    @property
+    def source(self) -> str | None:
+        return getattr(self.base, "source", None)
+
+    @property
+    def load_moved(self) -> bool | None:
+        return getattr(self.base, "load_moved", None)
+
+    def step_time_s(self, cost: StepCost) -> float:
+        return self.factor * self.base.step_time_s(cost)
+
+    def decode_only_times_s(self, n_seqs: int, attn_ctx0: int, k: int,
+                            decode: Sequence[tuple[int, int]] | None = None) -> list[float]:
+        """The base's times, each multiplied by the factor; `decode` (the sequences' (seq, n_past)) goes to a
+        base that prices the layout, as the simulator passes it."""
+        times = (self.base.decode_only_times_s(n_seqs, attn_ctx0, k) if decode is None
+                 else self.base.decode_only_times_s(n_seqs, attn_ctx0, k, decode))
+        f = self.factor
+        return [f * t for t in times]
+
+    def describe(self) -> dict:
+        base = self.base.describe()
+        return {"kind": "scaled", "factor": self.factor, "base": base, "source": base.get("source")}
+
+
+def unscaled(latency: LatencyModel) -> LatencyModel:
+    """The model under any ScaledLatency wrappers."""
+    while isinstance(latency, ScaledLatency):
+        latency = latency.base
+    return latency
+
+
 # --- parametric -----------------------------------------------------------------------------------
 
 COEFFICIENT_NAMES = (

@@ -1,6 +1,7 @@
 """Latency models by name: `get_latency_model("constant:0.01")`, `"default"`, `"parametric:PATH.json"` (the
 model the calibration file names), `"simple:PATH.json"` / `"physical:PATH.json"` (one of its two models),
-`"roofline:MODEL@HW"`. The one registry every command reads (`--latency SPEC`).
+`"roofline:MODEL@HW"`, `"scaled:FACTOR:SPEC"` (another spec's step times times FACTOR). The one registry every
+command reads (`--latency SPEC`).
 
 It sits above the models it names (`sim.latency` defines the constant and parametric models and their
 shared step cost; `sim.roofline` builds on them), so imports point one way. Add a model by writing its
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from sim.latency import DEFAULT_CALIBRATION_PATH, ConstantLatency, LatencyModel, load_calibration
+from sim.latency import DEFAULT_CALIBRATION_PATH, ConstantLatency, LatencyModel, ScaledLatency, load_calibration
 from sim.latency_physical import load_latency_file
 from sim.roofline import roofline_from_spec
 
@@ -55,6 +56,18 @@ def _roofline_from_arg(arg: str) -> LatencyModel:
     return roofline_from_spec(arg)
 
 
+def _scaled_from_arg(arg: str) -> LatencyModel:
+    factor, _, spec = arg.partition(":")
+    if not factor or not spec:
+        raise ValueError(f"latency model 'scaled:{arg}': expected scaled:FACTOR:SPEC, e.g. "
+                         "scaled:1.2:parametric:cal.json")
+    try:
+        value = float(factor)
+    except ValueError as exc:
+        raise ValueError(f"latency model 'scaled:{arg}': FACTOR {factor!r} is not a number") from exc
+    return ScaledLatency(get_latency_model(spec), value)
+
+
 LATENCY_MODELS: dict[str, Callable[[str], LatencyModel]] = {
     "constant": _constant_from_arg,  # constant:STEP_S[:PER_TOKEN_S]
     "default": _default_from_arg,  # default (the shipped sim/data/default_calibration.json)
@@ -62,6 +75,7 @@ LATENCY_MODELS: dict[str, Callable[[str], LatencyModel]] = {
     "simple": _simple_from_arg,  # simple:PATH.json (ParametricLatency of a calibration file)
     "physical": _physical_from_arg,  # physical:PATH.json (PhysicalLatency of a calibration file)
     "roofline": _roofline_from_arg,  # roofline:MODEL_PRESET_OR_GGUF[:WEIGHTS_DTYPE[:KV_DTYPE]]@HW_PRESET
+    "scaled": _scaled_from_arg,  # scaled:FACTOR:SPEC (ScaledLatency: SPEC's step times times FACTOR)
 }
 LATENCY_MODEL_SYNTAX = (
     "constant:STEP_S[:PER_TOKEN_S]",
@@ -70,6 +84,7 @@ LATENCY_MODEL_SYNTAX = (
     "simple:PATH.json",
     "physical:PATH.json",
     "roofline:MODEL_PRESET_OR_GGUF[:WEIGHTS_DTYPE[:KV_DTYPE]]@HW_PRESET",
+    "scaled:FACTOR:SPEC",
 )
 
 

@@ -11,9 +11,10 @@ import pytest
 
 from engine.core.types import ForwardCall, Task
 from engine.model import load
-from experiments.calibrate import (TEMPLATE_CHUNK, GridPoint, KINDS, _Bench, Measured, Measurement, PassInfo, add_calibrate_parser, build_plan,
-                                   calibration_grid, engine_layout, load_figures, measure_grid, replay_sampling,
-                                   run_calibrate, side_files)
+from experiments.calibrate import (PROBE_REPEATS, TEMPLATE_CHUNK, GridPoint, KINDS, _Bench, Measured, Measurement, PassInfo, add_calibrate_parser, build_plan,
+                                   calibration_grid, engine_layout, load_figures, measure_grid, measure_probe,
+                                   probe_points, replay_sampling, run_calibrate, side_files)
+from experiments.speed_probe import SpeedProbe, calibration_probe
 from sim.backend import SimBackend
 from sim.latency import (COEFFICIENT_NAMES, ConstantLatency, ParametricLatency, decode_only_cost,
                          load_calibration, step_cost_from_chunks)
@@ -105,6 +106,28 @@ def test_steady_load_is_recorded_and_not_marked(calibrated):
     load = data["load"]
     assert load["before"] == [0.5, 0.4, 0.3] and load["load1_moved_by"] == 0.0 and len(load["passes"]) == 2
     assert load["criterion"] == "others_cpu" and [p["others_cpu"] for p in load["passes"]] == [0.0, 0.0]
+
+
+def test_the_speed_probe_is_stored_in_the_calibration_file(calibrated):
+    data = json.loads(calibrated[1].read_text())
+    probe = calibration_probe(calibrated[1])
+    assert probe == SpeedProbe.from_dict(data["probe"], "calib.json")
+    assert [s.label for s in probe.shapes] == [p.label for p in probe_points()]
+    for shape in probe.shapes:
+        assert len(shape.samples_s) == PROBE_REPEATS and shape.median_s == sorted(shape.samples_s)[PROBE_REPEATS // 2]
+        assert shape.grid_median_s is None                  # the quick grid has none of the probe's shapes
+    assert probe.threads == 1 and probe.model == "tiny.gguf" and probe.load_before == (0.5, 0.4, 0.3)
+    assert probe.when[:4].isdigit() and probe.wall_s > 0
+
+
+def test_a_probe_shape_the_grid_measured_keeps_the_grids_median(tiny):
+    model = load(tiny, n_threads=1)
+    grid = Measurement([Measured(probe_points()[0], None, (0.25, 0.5, 0.75), (0.0,) * 3)], [], (0.0,), (0.0,), 1.0,
+                       False)
+    probe = measure_probe(model, replay_sampling(model, 0.0, 0), repeats=2, grid=grid, load_reader=steady_load,
+                          cpu_reader=lambda: None)
+    assert [s.grid_median_s for s in probe.shapes] == [0.5, None, None]
+    assert all(len(s.samples_s) == 2 for s in probe.shapes)
 
 
 def test_steps_table_has_one_row_per_shape_with_both_models(calibrated):

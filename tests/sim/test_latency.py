@@ -1,6 +1,7 @@
 """Latency models: step costs, constant and parametric models, calibration files, fitting, the registry."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from sim.latency import (
     LatencyModel,
     MeasuredOn,
     ParametricLatency,
+    ScaledLatency,
     StepCost,
     _nnls_lawson_hanson,
     decode_only_cost,
@@ -20,6 +22,7 @@ from sim.latency import (
     load_calibration,
     save_calibration,
     step_cost_from_chunks,
+    unscaled,
 )
 from sim.latency_physical import EngineLayout, PhysicalLatency
 from sim.latency_spec import get_latency_model
@@ -207,6 +210,10 @@ DECODE_MODELS = {
     "default": load_calibration(DEFAULT_CALIBRATION_PATH),
     "physical": PhysicalLatency((1e-3, 5e-11, 8e-3, 2.4e-2, 1.8e-3, 1.2e-3, 1e-5, 6e-6, 1.5e-6, 5e-7, 1.5e-9, 2e-10, 5e-5),
                                 EngineLayout(500_000_000, n_threads=2, n_head=9)),
+    "scaled-parametric": ScaledLatency(PARAMETRIC, 1.37),
+    "scaled-physical": ScaledLatency(PhysicalLatency((1e-3, 5e-11, 8e-3, 2.4e-2, 1.8e-3, 1.2e-3, 1e-5, 6e-6, 1.5e-6,
+                                                      5e-7, 1.5e-9, 2e-10, 5e-5),
+                                                     EngineLayout(500_000_000, n_threads=2, n_head=9)), 0.8),
     **{f"roofline-{m}@{hw}": RooflineLatency(MODEL_PRESETS[m], HW_PRESETS[hw])
        for m in MODEL_PRESETS for hw in ("cpu-2core", "a100-80gb", "l4")},
     "roofline-smollm2-f32@cpu-2core": RooflineLatency(model_preset("smollm2-135m", weights_dtype="f32",
@@ -253,7 +260,63 @@ def test_every_model_is_a_latency_model_with_json_description(model):
     json.dumps(model.describe())
 
 
+# --- scaled ---------------------------------------------------------------------------------------
+
+
+PHYSICAL = DECODE_MODELS["physical"]
+STEPS = [step_cost_from_chunks([(0, 64)]), step_cost_from_chunks([(100, 7)], [5, 300], n_forward_calls=2,
+                                                                 kv_copy_bytes=4096, kv_shift_tokens=9),
+         step_cost_from_chunks(decode_n_past=[255] * 4)]
+
+
+@pytest.mark.parametrize("base", [PARAMETRIC, PHYSICAL, ConstantLatency(0.01, 1e-4)], ids=["simple", "physical",
+                                                                                       "constant"])
+@pytest.mark.parametrize("factor", [1.45, 0.7, 1.0])
+def test_scaled_model_multiplies_every_step_time_exactly(base, factor):
+    model = ScaledLatency(base, factor)
+    for cost in STEPS:
+        assert model.step_time_s(cost) == factor * base.step_time_s(cost)          # the same float, not close
+    assert model.decode_only_times_s(3, 900, 60) == [factor * t for t in base.decode_only_times_s(3, 900, 60)]
+
+
+def test_scaled_physical_model_keeps_the_layout_and_passes_the_sequences_on():
+    model = ScaledLatency(PHYSICAL, 2.0)
+    assert model.wants_layout is True and ScaledLatency(PARAMETRIC, 2.0).wants_layout is False
+    decode = [(0, 100), (3, 700)]
+    assert model.decode_only_times_s(2, 802, 5, decode) == [2.0 * t for t in PHYSICAL.decode_only_times_s(2, 802, 5,
+                                                                                                       decode)]
+
+
+def test_scaled_model_forwards_the_calibrations_record(tmp_path):
+    path = tmp_path / "cal.json"
+    save_calibration(PARAMETRIC, path, MEASURED_ON)
+    base = load_calibration(path)
+    model = ScaledLatency(ScaledLatency(base, 2.0), 1.5)
+    assert model.measured_on == MEASURED_ON and model.source == str(path) and unscaled(model) is base
+    desc = model.describe()
+    assert desc["kind"] == "scaled" and desc["factor"] == 1.5 and desc["base"]["factor"] == 2.0
+    assert desc["source"] == str(path) and desc["base"]["base"] == base.describe()
+
+
+@pytest.mark.parametrize("factor", [0.0, -1.0, math.inf, math.nan, True])
+def test_scaled_model_rejects_a_factor_that_is_not_positive_and_finite(factor):
+    with pytest.raises(ValueError, match="factor must be a finite number > 0"):
+        ScaledLatency(PARAMETRIC, factor)
+
+
+def test_scaled_model_needs_a_latency_model():
+    with pytest.raises(ValueError, match="base must be a latency model"):
+        ScaledLatency(0.01, 2.0)
+
+
 # --- registry -------------------------------------------------------------------------------------
+
+
+def test_get_latency_model_parses_scaled_with_any_inner_spec(tmp_path):
+    assert get_latency_model("scaled:1.5:constant:0.01:0.002") == ScaledLatency(ConstantLatency(0.01, 0.002), 1.5)
+    path = tmp_path / "cal.json"
+    save_calibration(PARAMETRIC, path, MEASURED_ON)
+    assert get_latency_model(f"scaled:0.5:parametric:{path}") == ScaledLatency(PARAMETRIC, 0.5)
 
 
 def test_get_latency_model_parses_constant():
@@ -290,6 +353,11 @@ def test_get_latency_model_unknown_name_lists_choices():
     ("roofline:llama-2-7b@tpu-v5", "a100-80gb"),
     ("roofline:gpt-5@a100-80gb", "llama-2-7b"),
     ("roofline:llama-2-7b:f8@a100-80gb", "llama-2-7b"),
+    ("scaled:1.5", "scaled:FACTOR:SPEC"),
+    ("scaled::constant:0.01", "scaled:FACTOR:SPEC"),
+    ("scaled:fast:constant:0.01", "FACTOR 'fast' is not a number"),
+    ("scaled:0:constant:0.01", "factor must be a finite number > 0"),
+    ("scaled:2:table:x", "unknown latency model 'table:x'"),
 ])
 def test_get_latency_model_bad_argument_raises_value_error(spec, message):
     with pytest.raises(ValueError, match=message):

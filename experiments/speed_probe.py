@@ -1,0 +1,282 @@
+"""The speed probe: a few fixed engine step shapes timed when a latency model is calibrated and again around a
+validation's real run, so that `slotlab validate` can say how much slower or faster the machine runs than it
+did at calibration, and (`--speed-correct probe`) scale the simulator's step times by that ratio.
+
+The shapes and their measurement are `experiments.calibrate`'s (`probe_points`, `measure_probe`: calibrate's
+own bench and interleaved passes). This module holds the record (`SpeedProbe`), where it is stored (a
+calibration file's `probe` field, a real run's `speed_probe.json`) and the arithmetic of the ratios and the
+warnings. See docs/validation_sim.md §6 for what one factor can and cannot correct.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sim.latency_physical import _read_json as read_calibration_json
+
+PROBE_FILE = "speed_probe.json"    # beside a real run's results (validate's real/): the probes around that run
+SPEED_THRESHOLD = 0.05             # warn when a ratio is off 1 (or before and after differ) by more than this
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeShape:
+    """One probe shape's measurement: its label (`GridPoint.label`), median and samples (seconds); for a
+    calibration's probe, the calibration grid's own median of the same shape when the grid has it."""
+
+    label: str
+    median_s: float
+    samples_s: tuple[float, ...] = ()
+    grid_median_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SpeedProbe:
+    """One measurement of the probe: every shape's median, the load average before and after, when, how long it
+    took, and what it ran on (thread count, model file name, engine threading)."""
+
+    shapes: tuple[ProbeShape, ...]
+    statistic: str
+    load_before: tuple[float, ...]
+    load_after: tuple[float, ...]
+    when: str
+    wall_s: float
+    threads: int | None
+    model: str
+    engine: str = ""
+
+    @property
+    def medians_s(self) -> dict[str, float]:
+        return {s.label: s.median_s for s in self.shapes}
+
+    def to_dict(self) -> dict[str, Any]:
+        shapes = []
+        for s in self.shapes:
+            row: dict[str, Any] = {"label": s.label, "median_s": s.median_s, "samples_s": list(s.samples_s)}
+            if s.grid_median_s is not None:
+                row["grid_median_s"] = s.grid_median_s
+            shapes.append(row)
+        return {"shapes": shapes, "statistic": self.statistic,
+                "load": {"before": list(self.load_before), "after": list(self.load_after)},
+                "when": self.when, "wall_s": self.wall_s, "threads": self.threads, "model": self.model,
+                "engine": self.engine}
+
+    @classmethod
+    def from_dict(cls, data: object, where: str, field: str = "probe") -> SpeedProbe:
+        """The probe of a JSON object; ValueError naming `where` and the dotted field when malformed."""
+        def bad(name: str, what: str) -> ValueError:
+            return ValueError(f"{where}: field '{field}.{name}' {what}")
+
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: field '{field}' must be a JSON object")
+        rows = data.get("shapes")
+        if not isinstance(rows, list) or not rows:
+            raise bad("shapes", "must be a non-empty list")
+        shapes = []
+        for i, row in enumerate(rows):
+            if not isinstance(row, dict) or not isinstance(row.get("label"), str):
+                raise bad(f"shapes[{i}].label", "must be a string (each shape an object with a label)")
+            median = _positive(row.get("median_s"), lambda what: bad(f"shapes[{i}].median_s", what))
+            samples = row.get("samples_s", [])
+            if not isinstance(samples, list):
+                raise bad(f"shapes[{i}].samples_s", "must be a list of seconds")
+            grid = row.get("grid_median_s")
+            shapes.append(ProbeShape(
+                row["label"], median,
+                tuple(_positive(x, lambda what: bad(f"shapes[{i}].samples_s", what)) for x in samples),
+                None if grid is None else _positive(grid, lambda what: bad(f"shapes[{i}].grid_median_s", what))))
+        if len({s.label for s in shapes}) != len(shapes):
+            raise bad("shapes", "has a label twice")
+        threads = data.get("threads")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise bad("threads", f"must be an integer >= 1 or null, got {threads!r}")
+        for name in ("when", "model"):
+            if not isinstance(data.get(name), str):
+                raise bad(name, f"must be a string, got {data.get(name)!r}")
+        load = data.get("load", {})
+        if not isinstance(load, dict):
+            raise bad("load", "must be a JSON object")
+        loads = {}
+        for name in ("before", "after"):
+            value = load.get(name, [])
+            if not isinstance(value, list) or not all(_is_number(x) for x in value):
+                raise bad(f"load.{name}", "must be a list of numbers")
+            loads[name] = tuple(float(x) for x in value)
+        wall = data.get("wall_s", 0.0)
+        if not _is_number(wall):
+            raise bad("wall_s", f"must be a number, got {wall!r}")
+        return cls(tuple(shapes), str(data.get("statistic", "")), loads["before"], loads["after"], data["when"],
+                   float(wall), threads, data["model"], str(data.get("engine", "")))
+
+
+def _is_number(x: object) -> bool:
+    return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _positive(x: object, bad: Any) -> float:
+    if not _is_number(x) or x <= 0:
+        raise bad(f"must be a finite number of seconds > 0, got {x!r}")
+    return float(x)
+
+
+def format_probe(probe: SpeedProbe) -> str:
+    """One line: each shape's median, and how they compare with the calibration grid's own medians."""
+    shapes = ", ".join(f"{s.label} {1000 * s.median_s:.1f} ms" for s in probe.shapes)
+    line = f"speed probe ({probe.statistic}; {probe.wall_s:.1f} s): {shapes}"
+    both = [s for s in probe.shapes if s.grid_median_s is not None]
+    if both:
+        ratio = geomean([s.median_s / s.grid_median_s for s in both])
+        line += f"; probe / the grid's median of the same {len(both)} shapes x{ratio:.3f}"
+    return line
+
+
+# --- where probes are stored -------------------------------------------------------------------------------
+
+
+def calibration_probe(path: str | Path) -> SpeedProbe | None:
+    """The `probe` of a calibration file; None for a file written before the probe existed (no field)."""
+    data = read_calibration_json(path)
+    if data.get("probe") is None:
+        return None
+    return SpeedProbe.from_dict(data["probe"], str(path))
+
+
+def write_run_probes(run_dir: str | Path, before: SpeedProbe, after: SpeedProbe) -> Path:
+    """Store the probes measured immediately before and after a real run with that run's files, so that a
+    later `validate --real-run` compares (and corrects) with the machine's speed of that run."""
+    path = Path(run_dir) / PROBE_FILE
+    path.write_text(json.dumps({"before": before.to_dict(), "after": after.to_dict()}, indent=2) + "\n",
+                    encoding="utf-8")
+    return path
+
+
+def read_run_probes(run_dir: str | Path) -> tuple[SpeedProbe, SpeedProbe] | None:
+    """(before, after) probes of a real run; None when the run has none (a `slotlab replay`, or a validate of
+    before the probe)."""
+    path = Path(run_dir) / PROBE_FILE
+    if not path.is_file():
+        return None
+    where = str(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{where}: cannot read the speed probes: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: top level must be a JSON object")
+    return (SpeedProbe.from_dict(data.get("before"), where, "before"),
+            SpeedProbe.from_dict(data.get("after"), where, "after"))
+
+
+# --- ratios ------------------------------------------------------------------------------------------------
+
+
+def geomean(values: Sequence[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def time_ratio(now: SpeedProbe, ref: SpeedProbe) -> dict[str, Any]:
+    """now / ref step time per shape both measured (by label) and their geometric mean (`ratio`: > 1 = the
+    machine is slower now). ValueError when they share no shape."""
+    mine, theirs = now.medians_s, ref.medians_s
+    common = [label for label in theirs if label in mine]
+    if not common:
+        raise ValueError(f"the probes share no shape (now: {sorted(mine)}, reference: {sorted(theirs)})")
+    per_shape = {label: mine[label] / theirs[label] for label in common}
+    return {"ratio": geomean(list(per_shape.values())), "per_shape": per_shape}
+
+
+def probe_mismatch(probe: SpeedProbe, model: str, threads: int) -> str | None:
+    """Why a calibration's probe cannot be compared with a run of `model` at `threads` (another thread count
+    or model file), or None."""
+    differences = []
+    if probe.threads is not None and probe.threads != threads:
+        differences.append(f"{probe.threads} thread{'s' if probe.threads != 1 else ''} (this run: {threads})")
+    if probe.model and Path(probe.model).name != Path(model).name:
+        differences.append(f"model {Path(probe.model).name} (this run: {Path(model).name})")
+    return None if not differences else "speed probe ran " + " and ".join(differences)
+
+
+def speed_report(calibration: SpeedProbe | None, before: SpeedProbe | None, after: SpeedProbe | None, *,
+                 threshold: float = SPEED_THRESHOLD) -> dict[str, Any]:
+    """validation.json's `speed_probe`: the three probes, the ratios now / calibration before and after the real
+    run (geometric mean over shapes, and per shape), their geometric mean (`ratio.mean`, the factor
+    `--speed-correct probe` applies) and after / before (`ratio.during`: how far the speed moved during the
+    run). A ratio is None when a probe is missing."""
+    out: dict[str, Any] = {
+        "calibration": None if calibration is None else calibration.to_dict(),
+        "before": None if before is None else before.to_dict(),
+        "after": None if after is None else after.to_dict(),
+        "ratio": {"before": None, "after": None, "mean": None, "during": None},
+        "per_shape": {}, "threshold": threshold,
+        "definition": "step time now / at calibration (> 1: the machine is slower now), geometric mean over the "
+                      "probe's shapes; mean = geometric mean of before and after; during = after / before",
+    }
+    r = out["ratio"]
+    if before is not None and after is not None:
+        r["during"] = time_ratio(after, before)["ratio"]
+    if calibration is not None:
+        for name, probe in (("before", before), ("after", after)):
+            if probe is not None:
+                got = time_ratio(probe, calibration)
+                r[name], out["per_shape"][name] = got["ratio"], got["per_shape"]
+        if r["before"] is not None and r["after"] is not None:
+            r["mean"] = math.sqrt(r["before"] * r["after"])
+    return out
+
+
+def speed_warnings(report: Mapping[str, Any], latency: str, correct: str, factor: float,
+                   real_dir: str | Path = "DIR") -> list[str]:
+    """What the user should know and do about the speed probe's figures (empty when all is within the
+    threshold); `real_dir`: the real run's directory, for the command that reuses it."""
+    r, threshold = report["ratio"], report["threshold"]
+    out = []
+    off = [name for name in ("before", "after") if r[name] is not None and abs(r[name] - 1) > threshold]
+    if off:
+        figures = " and ".join(f"x{r[name]:.3f} {name}" for name in ("before", "after") if r[name] is not None)
+        text = (f"the machine's speed differs from when {latency} was calibrated: the speed probe's step times "
+                f"were {figures} the real run (now / calibration, > 1 = slower now; threshold "
+                f"{100 * threshold:.0f}%): ")
+        if correct == "probe":
+            text += (f"the simulator's step times were multiplied by x{factor:.3f} (--speed-correct probe); one "
+                     "factor does not follow contention that slows some step terms more than others, so "
+                     "recalibrate (`slotlab calibrate`) right before validating for figures")
+        else:
+            text += ("the simulator's step times are off by about that much. Recalibrate (`slotlab calibrate`) "
+                     "right before validating, or rerun with `--speed-correct probe --real-run "
+                     f"{real_dir}` (the same real run, no engine rerun) to scale the step times by the measured "
+                     "ratio")
+        out.append(text)
+    during = r["during"]
+    if during is not None and abs(during - 1) > threshold:
+        out.append(f"the machine's speed moved during the real run (speed probe after / before x{during:.3f}, "
+                   f"more than {100 * threshold:.0f}%): the real run's step times mix speeds and no single factor "
+                   "corrects them; rerun on a steadier machine (validation.json real_step_errors.drift shows "
+                   "when the speed moved)")
+    return out
+
+
+def _load1(load: Sequence[float]) -> str:
+    return f"{load[0]:.2f}" if load else "?"
+
+
+def format_speed(report: Mapping[str, Any], factor: float, where: str = "") -> str:
+    """One line for the terminal: the ratios, the loads, where the run's probes come from (`where`) and the
+    factor the simulator's step times were multiplied by."""
+    r, cal, before, after = report["ratio"], report["calibration"], report["before"], report["after"]
+    if before is None:
+        head = "speed probe: not measured with this real run"
+    elif report.get("calibration_unusable"):
+        head = f"speed probe: no ratio, the calibration's {report['calibration_unusable']}"
+    elif cal is None:
+        head = "speed probe: the calibration has none, no ratio"
+    else:
+        head = (f"speed probe, step time now / calibration (geometric mean over {len(report['per_shape']['before'])}"
+                f" shapes): before x{r['before']:.3f}, after x{r['after']:.3f}; calibration's probe {cal['when']} "
+                f"at load {_load1(cal['load']['after'])}")
+    if before is not None:
+        head += f"; run's probes at load {_load1(before['load']['before'])} and {_load1(after['load']['after'])}"
+    return f"{head}{where}; simulator step times x{factor:.3f}"

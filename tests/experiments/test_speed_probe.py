@@ -1,0 +1,166 @@
+"""The speed probe's record and arithmetic (experiments/speed_probe.py): reading and writing it, the ratios
+now / calibration from given timings, and when validate warns."""
+
+import json
+import math
+import re
+
+import pytest
+
+from experiments.calibrate import probe_points
+from experiments.speed_probe import (
+    PROBE_FILE,
+    SPEED_THRESHOLD,
+    ProbeShape,
+    SpeedProbe,
+    calibration_probe,
+    format_speed,
+    probe_mismatch,
+    read_run_probes,
+    speed_report,
+    speed_warnings,
+    time_ratio,
+    write_run_probes,
+)
+from experiments.validate import MEASURED_CALIBRATION
+from sim.latency import ParametricLatency, save_calibration
+from sim.latency_spec import get_latency_model
+
+LABELS = [p.label for p in probe_points()]
+CAL_S = dict(zip(LABELS, (0.036, 0.045, 0.128)))
+MEASURED_ON = {"machine": "test", "cpu": "test", "threads": 1, "engine": "slotlab numpy", "model": "tiny.gguf",
+               "date": "2025-01-01", "notes": "hand-made for tests"}
+
+
+def make_probe(medians, threads=1, model="tiny.gguf", load=(0.5, 0.4, 0.3)):
+    shapes = tuple(ProbeShape(label, m, (m, m * 1.1, m * 0.9)) for label, m in medians.items())
+    return SpeedProbe(shapes, "test", load, load, "2026-01-01T00:00:00+00:00", 0.5, threads, model, "test")
+
+
+def scaled(medians, ratios):
+    """The medians each multiplied by its ratio (one ratio for all when a number)."""
+    if isinstance(ratios, (int, float)):
+        ratios = [ratios] * len(medians)
+    return {label: m * r for (label, m), r in zip(medians.items(), ratios)}
+
+
+def test_probe_shapes_are_in_the_full_calibration_grid():
+    from experiments.calibrate import calibration_grid
+    assert LABELS == ["1x decode @256", "4x decode @256", "prompt 64"]
+    assert set(probe_points()) <= set(calibration_grid())
+
+
+def test_probe_round_trips_through_its_dict():
+    probe = make_probe(CAL_S)
+    back = SpeedProbe.from_dict(json.loads(json.dumps(probe.to_dict())), "x.json")
+    assert back == probe and back.medians_s == CAL_S
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda d: d.pop("shapes"), "probe.shapes"),
+    (lambda d: d["shapes"][1].update(median_s=0), "probe.shapes[1].median_s"),
+    (lambda d: d["shapes"][0].update(median_s="fast"), "probe.shapes[0].median_s"),
+    (lambda d: d["shapes"][2].pop("label"), "probe.shapes[2].label"),
+    (lambda d: d["shapes"].append(dict(d["shapes"][0])), "probe.shapes"),
+    (lambda d: d.update(threads=0), "probe.threads"),
+    (lambda d: d.update(when=None), "probe.when"),
+    (lambda d: d["load"].update(before="high"), "probe.load.before"),
+])
+def test_a_malformed_probe_names_file_and_field(edit, field):
+    data = make_probe(CAL_S).to_dict()
+    edit(data)
+    with pytest.raises(ValueError, match=re.escape(f"cal.json: field '{field}' ")):
+        SpeedProbe.from_dict(data, "cal.json")
+
+
+def test_calibration_files_without_a_probe_still_load(tmp_path):
+    old = tmp_path / "old.json"
+    save_calibration(ParametricLatency(1e-3, 2e-5, 3e-4, 1e-8), old, MEASURED_ON)
+    assert calibration_probe(old) is None
+    assert get_latency_model(f"parametric:{old}").a_s == 1e-3
+    assert calibration_probe(MEASURED_CALIBRATION) is None        # the shipped calibration predates the probe
+    get_latency_model(f"parametric:{MEASURED_CALIBRATION}")
+
+
+def test_a_calibration_files_probe_is_read_back(tmp_path):
+    path = tmp_path / "cal.json"
+    save_calibration(ParametricLatency(1e-3, 2e-5, 3e-4, 1e-8), path, MEASURED_ON)
+    data = json.loads(path.read_text())
+    data["probe"] = make_probe(CAL_S).to_dict()
+    path.write_text(json.dumps(data))
+    assert calibration_probe(path) == make_probe(CAL_S)
+    assert get_latency_model(f"parametric:{path}").a_s == 1e-3    # the model's readers ignore the field
+
+
+def test_run_probes_are_stored_with_the_run(tmp_path):
+    assert read_run_probes(tmp_path) is None
+    before, after = make_probe(scaled(CAL_S, 1.1)), make_probe(scaled(CAL_S, 1.2))
+    assert write_run_probes(tmp_path, before, after) == tmp_path / PROBE_FILE
+    assert read_run_probes(tmp_path) == (before, after)
+
+
+def test_ratio_is_the_geometric_mean_of_the_shapes_ratios():
+    got = time_ratio(make_probe(scaled(CAL_S, [1.1, 1.6, 0.9])), make_probe(CAL_S))
+    assert got["per_shape"] == pytest.approx(dict(zip(LABELS, [1.1, 1.6, 0.9])), rel=1e-12)
+    assert got["ratio"] == pytest.approx((1.1 * 1.6 * 0.9) ** (1 / 3), rel=1e-12)
+
+
+def test_ratio_uses_the_shapes_both_probes_measured():
+    now = make_probe({**scaled(CAL_S, 2.0), "prompt 999": 5.0})
+    ref = make_probe({LABELS[0]: CAL_S[LABELS[0]], "old shape": 1.0})
+    assert time_ratio(now, ref) == {"ratio": pytest.approx(2.0, rel=1e-12),
+                                    "per_shape": {LABELS[0]: pytest.approx(2.0, rel=1e-12)}}
+    with pytest.raises(ValueError, match="share no shape"):
+        time_ratio(make_probe({"a": 1.0}), make_probe({"b": 1.0}))
+
+
+def test_report_gives_before_after_their_mean_and_the_drift_during_the_run():
+    report = speed_report(make_probe(CAL_S), make_probe(scaled(CAL_S, 1.2)), make_probe(scaled(CAL_S, 1.5)))
+    r = report["ratio"]
+    assert r["before"] == pytest.approx(1.2, rel=1e-12) and r["after"] == pytest.approx(1.5, rel=1e-12)
+    assert r["mean"] == pytest.approx(math.sqrt(1.2 * 1.5), rel=1e-12)
+    assert r["during"] == pytest.approx(1.5 / 1.2, rel=1e-12)
+    assert report["calibration"]["shapes"][0]["label"] == LABELS[0] and report["threshold"] == SPEED_THRESHOLD
+    assert set(report["per_shape"]) == {"before", "after"}
+
+
+def test_report_without_a_calibration_probe_still_gives_the_drift():
+    report = speed_report(None, make_probe(CAL_S), make_probe(scaled(CAL_S, 1.1)))
+    assert report["ratio"]["before"] is None and report["ratio"]["mean"] is None
+    assert report["ratio"]["during"] == pytest.approx(1.1, rel=1e-12)
+    assert "calibration has none" in format_speed(report, 1.0)
+
+
+def warnings_for(before, after, correct="off"):
+    report = speed_report(make_probe(CAL_S), make_probe(scaled(CAL_S, before)), make_probe(scaled(CAL_S, after)))
+    return speed_warnings(report, "parametric:cal.json", correct, report["ratio"]["mean"], "runs/v1/real")
+
+
+def test_no_warning_within_the_threshold():
+    inside = 1 + SPEED_THRESHOLD * 0.9
+    assert warnings_for(inside, inside) == [] and warnings_for(1 / inside, 1 / inside) == []
+
+
+def test_a_slower_machine_is_warned_about_with_what_to_do():
+    (text,) = warnings_for(1.45, 1.45)
+    assert "speed differs from when parametric:cal.json was calibrated" in text
+    assert "x1.450 before and x1.450 after" in text
+    assert "slotlab calibrate" in text and "--speed-correct probe --real-run runs/v1/real" in text
+
+
+def test_a_correction_names_the_factor_and_what_it_cannot_do():
+    (text,) = warnings_for(1.3, 1.3, correct="probe")
+    assert "multiplied by x1.300" in text and "contention" in text
+
+
+def test_speed_moving_during_the_run_is_warned_about():
+    during = 1 + SPEED_THRESHOLD * 1.5
+    texts = warnings_for(1.0, during)
+    assert len(texts) == 2 and "moved during the real run" in texts[1] and f"x{during:.3f}" in texts[1]
+
+
+def test_a_probe_of_another_thread_count_or_model_is_not_comparable():
+    probe = make_probe(CAL_S, threads=2, model="SmolLM2.gguf")
+    assert probe_mismatch(probe, "/m/SmolLM2.gguf", 2) is None
+    assert probe_mismatch(probe, "/m/SmolLM2.gguf", 1) == "speed probe ran 2 threads (this run: 1)"
+    assert "model SmolLM2.gguf (this run: tiny.gguf)" in probe_mismatch(probe, "/t/tiny.gguf", 2)

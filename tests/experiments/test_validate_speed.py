@@ -1,0 +1,182 @@
+"""`slotlab validate` and the speed probe on a tiny random-weight GGUF: validation.json's `speed_probe`, the
+warning when the machine's speed differs from the calibration's, the refusals of `--speed-correct probe`, and
+that the correction multiplies the simulated times by exactly the factor. The probe's timings are injected
+(`run_validate(..., speed_probe=)`), so the ratios are known exactly and do not depend on this machine's load."""
+
+import contextlib
+import io
+import json
+import math
+import shutil
+
+import pandas as pd
+import pytest
+
+from experiments.speed_probe import PROBE_FILE, SPEED_THRESHOLD, read_run_probes, write_run_probes
+from experiments.validate import read_validation, run_validate
+from sim.latency import ParametricLatency, save_calibration
+from tests.experiments.test_speed_probe import CAL_S, LABELS, MEASURED_ON, make_probe, scaled
+from tests.experiments.test_validate import parse
+
+BEFORE, AFTER = 1.2, 1.3                      # injected: step times x1.2 before the real run, x1.3 after
+FACTOR = math.sqrt(BEFORE * AFTER)           # ratio.mean, what --speed-correct probe multiplies by
+SPEED_WARNING = "the machine's speed differs from when"
+DRIFT_WARNING = "the machine's speed moved during the real run (speed probe after / before"   # not the step log's
+
+
+def write_trace(path):
+    """Every request arrives at t = 0: the simulator's decisions then follow from the order of events alone,
+    and multiplying every step time by one factor multiplies every event time by it without reordering any (no
+    arrival can fall between other events). 5 requests on 2 slots: some wait for a slot."""
+    rows = [(30, 4), (12, 6), (25, 3), (18, 5), (20, 4)]
+    path.write_text("".join(json.dumps({"arrival_s": 0.0, "n_prompt": p, "n_output": o}) + "\n" for p, o in rows))
+    return path
+
+
+def injected(*ratios):
+    """A `speed_probe` for run_validate: the calibration's medians times each ratio in turn (one call each)."""
+    probes = iter([make_probe(scaled(CAL_S, r)) for r in ratios])
+    calls = []
+
+    def probe(model):
+        calls.append(model)
+        return next(probes)
+
+    probe.calls = calls
+    return probe
+
+
+@pytest.fixture(scope="module")
+def setup(tiny, tmp_path_factory):
+    """A calibration file with a probe, one without, the workload's options, and one real run measured with the
+    injected probes (its stderr kept)."""
+    root = tmp_path_factory.mktemp("speed")
+    plain = root / "plain.json"
+    save_calibration(ParametricLatency(1e-3, 2e-5, 3e-4, 1e-8), plain, MEASURED_ON)
+    cal = root / "cal.json"
+    data = json.loads(plain.read_text())
+    data["probe"] = make_probe(CAL_S).to_dict()
+    cal.write_text(json.dumps(data))
+    options = ["-m", tiny, "--threads", "1", "--quiet", "--no-plots", "--trace", str(write_trace(root / "t.jsonl")),
+               "-np", "2", "-c", "512", "--seed", "5"]
+    probe = injected(BEFORE, AFTER)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = run_validate(parse(*options, "--latency", f"parametric:{cal}", "--out", str(root / "v")),
+                          speed_probe=probe)
+    assert rc == 0, err.getvalue()
+    return {"root": root, "cal": cal, "plain": plain, "options": options, "out": root / "v",
+            "stderr": err.getvalue(), "probe_calls": probe.calls}
+
+
+def validate(setup, out, *extra, cal=None, speed_probe=None):
+    return run_validate(parse(*setup["options"], "--latency", f"parametric:{cal or setup['cal']}",
+                              "--out", str(out), *extra), speed_probe=speed_probe)
+
+
+def test_the_probe_runs_on_the_loaded_engine_before_and_after_the_real_run(setup):
+    before, after = setup["probe_calls"]
+    assert before is after and before.n_threads == 1          # one model, loaded once for probes and run
+    stored = read_run_probes(setup["out"] / "real")
+    assert stored == (make_probe(scaled(CAL_S, BEFORE)), make_probe(scaled(CAL_S, AFTER)))
+
+
+def test_validation_json_has_the_speed_probe(setup):
+    _, _, summary = read_validation(setup["out"])
+    speed = summary["speed_probe"]
+    assert speed["calibration"] == make_probe(CAL_S).to_dict()
+    assert speed["before"] == make_probe(scaled(CAL_S, BEFORE)).to_dict()
+    assert speed["after"] == make_probe(scaled(CAL_S, AFTER)).to_dict()
+    r = speed["ratio"]
+    # ratios of medians that were multiplied by the ratio: exact up to one rounding each, then a geometric mean
+    assert r["before"] == pytest.approx(BEFORE, rel=1e-12) and r["after"] == pytest.approx(AFTER, rel=1e-12)
+    assert r["mean"] == pytest.approx(FACTOR, rel=1e-12) and r["during"] == pytest.approx(AFTER / BEFORE, rel=1e-12)
+    assert set(speed["per_shape"]) == {"before", "after"}
+    assert speed["per_shape"]["before"] == pytest.approx(dict.fromkeys(LABELS, BEFORE), rel=1e-12)
+    assert speed["correct"] == "off" and speed["factor"] == 1.0
+    assert speed["calibration_unusable"] is None and speed["run_probes"] == "measured with this real run"
+    assert summary["latency_model"]["kind"] == "parametric"            # off: the simulator's model unscaled
+
+
+def test_a_ratio_off_one_is_warned_about(setup):
+    err = setup["stderr"]
+    assert f"warning: {SPEED_WARNING}" in err and f"x{BEFORE:.3f} before and x{AFTER:.3f} after" in err
+    assert f"--speed-correct probe --real-run {setup['out'] / 'real'}" in err
+    # after / before = 1.083 is also more than the threshold away from 1: the speed moved during the run
+    assert AFTER / BEFORE - 1 > SPEED_THRESHOLD and f"{DRIFT_WARNING} x{AFTER / BEFORE:.3f}" in err
+
+
+def test_no_speed_warning_within_the_threshold(setup, tmp_path, capsys):
+    real = tmp_path / "real"
+    shutil.copytree(setup["out"] / "real", real)
+    inside = 1 + SPEED_THRESHOLD / 2
+    write_run_probes(real, make_probe(scaled(CAL_S, inside)), make_probe(scaled(CAL_S, inside)))
+    assert validate(setup, tmp_path / "v", "--real-run", str(real)) == 0
+    err = capsys.readouterr().err
+    assert SPEED_WARNING not in err and DRIFT_WARNING not in err
+    _, _, summary = read_validation(tmp_path / "v")
+    assert summary["speed_probe"]["ratio"]["mean"] == pytest.approx(inside, rel=1e-12)
+    assert summary["speed_probe"]["run_probes"] == f"stored with the real run ({PROBE_FILE})"
+
+
+def test_speed_correct_needs_a_calibration_with_a_probe(setup, tmp_path, capsys):
+    probe = injected(1.0, 1.0)
+    assert validate(setup, tmp_path / "v", "--speed-correct", "probe", cal=setup["plain"], speed_probe=probe) == 2
+    assert "--speed-correct probe needs a calibration with a speed probe" in capsys.readouterr().err
+    assert probe.calls == [] and not (tmp_path / "v").exists()          # refused before the engine runs
+
+
+def test_speed_correct_needs_the_real_runs_probes(setup, tmp_path, capsys):
+    real = tmp_path / "real"
+    shutil.copytree(setup["out"] / "real", real)
+    (real / PROBE_FILE).unlink()
+    assert validate(setup, tmp_path / "v", "--speed-correct", "probe", "--real-run", str(real)) == 2
+    assert f"{real} has no {PROBE_FILE}" in capsys.readouterr().err
+    assert validate(setup, tmp_path / "v", "--real-run", str(real)) == 0      # off: only no ratio to report
+    _, _, summary = read_validation(tmp_path / "v")
+    assert summary["speed_probe"]["before"] is None and summary["speed_probe"]["run_probes"] is None
+
+
+def test_speed_correct_refuses_a_probe_of_another_thread_count(setup, tmp_path, capsys):
+    real = tmp_path / "real"
+    shutil.copytree(setup["out"] / "real", real)
+    write_run_probes(real, make_probe(CAL_S, threads=2), make_probe(CAL_S, threads=2))
+    assert validate(setup, tmp_path / "v", "--speed-correct", "probe", "--real-run", str(real)) == 2
+    assert "is not comparable with this run: the calibration's speed probe ran 1 thread" in capsys.readouterr().err
+
+
+def test_speed_correct_is_refused_with_a_recorded_trace(tmp_path, capsys):
+    from experiments.cli import main
+    from tests.experiments.test_validate_recorded import write_recorded
+    trace = write_recorded(tmp_path / "r.jsonl")
+    assert main(["validate", "--recorded", str(trace), "--latency", "constant:0.01", "--speed-correct", "probe",
+                 "--out", str(tmp_path / "v")]) == 2
+    assert "a recorded trace has none" in capsys.readouterr().err and not (tmp_path / "v").exists()
+
+
+def test_speed_correct_multiplies_the_simulated_times_by_the_factor(setup, tmp_path):
+    real = str(setup["out"] / "real")
+    assert validate(setup, tmp_path / "off", "--real-run", real) == 0
+    assert validate(setup, tmp_path / "probe", "--real-run", real, "--speed-correct", "probe") == 0
+    _, _, summary = read_validation(tmp_path / "probe")
+    speed = summary["speed_probe"]
+    assert speed["correct"] == "probe" and speed["factor"] == speed["ratio"]["mean"]
+    assert speed["factor"] == pytest.approx(FACTOR, rel=1e-12)
+    assert summary["latency_model"]["kind"] == "scaled" and summary["latency_model"]["factor"] == speed["factor"]
+    off, probe = (pd.read_parquet(tmp_path / d / "sim" / "requests.parquet").sort_values("request")
+                  .reset_index(drop=True) for d in ("off", "probe"))
+    # all arrivals at t = 0 (write_trace): the same decisions, and every time a sum of step durations each
+    # multiplied by the factor. The simulator's clock counts whole nanoseconds (sim/driver.py rounds every
+    # step's duration), so a sum of n steps is off its exact value by at most n * 0.5 ns in each run: probe vs
+    # factor * off within (1 + factor) * 0.5 ns per step of the run (float summation adds far less)
+    for col in ("request", "slot", "n_cached", "n_output", "finish"):
+        assert list(probe[col]) == list(off[col])
+    assert (off["ttft_s"] > 0).all() and (off["queue_s"] > 0).any()     # some requests waited for a slot
+    n_steps = summary["sim_steps"]
+    assert n_steps == read_validation(tmp_path / "off")[2]["sim_steps"]
+    bound = (1 + speed["factor"]) * 0.5e-9 * n_steps
+    assert bound < 1e-4 * off["ttft_s"].min()                           # far below the factor's effect
+    for col in ("ttft_s", "e2e_s", "queue_s"):
+        assert list(probe[col]) == pytest.approx(list(speed["factor"] * off[col]), rel=0, abs=bound), col
+    # tpot = (e2e - ttft) / (n_output - 1): twice the bound over at least one token
+    assert list(probe["tpot_s"]) == pytest.approx(list(speed["factor"] * off["tpot_s"]), rel=0, abs=2 * bound)
