@@ -45,6 +45,8 @@ _CHUNKS_PER_THREAD = 1         # output ranges per numba thread in the fused ker
 # ~3 us a launch instead of ~55 us, but a static split that waits for a descheduled thread: on this shared
 # 2-core machine, under load 3.5-5.5, 2-thread decode measured 3x slower than f32 mode that way)
 USE_NUMBA_THREADS = False
+USE_SPIN_POOL = True            # split fused products on `spin.SpinPool`'s polling workers (docs/engine.md, "Threads")
+_SPIN_PIECES_PER_THREAD = 2
 _SPLIT_MIN_MACS = 1 << 18      # smaller fused products run on the caller alone
 NIB_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K})
 BYTE_TYPES = frozenset({T.Q8_0, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K})
@@ -55,6 +57,11 @@ _kernels: Any = None
 _kernels_error: str | None = None
 _launch_lock = threading.Lock()     # numba's workqueue threading layer must not be entered by two threads
 _tls = threading.local()
+
+
+def _jobs() -> Any:
+    from engine.model import spinjobs
+    return spinjobs
 
 
 def kernels() -> Any:
@@ -408,6 +415,30 @@ class QuantMatmul(Matmul):
     def __init__(self, n_threads: int = 1):
         super().__init__(n_threads)
         self.numba_threads = max(1, min(self.n_threads, numba_threads_limit()))
+        # split fused products go to polling workers (`spin.SpinPool`, as in ggml mode); tiles + BLAS keep the
+        # queue threads
+        self._spin = None
+        if self.n_threads > 1 and USE_SPIN_POOL and not USE_NUMBA_THREADS:
+            from engine.model import spinjobs
+            self._spin = spinjobs.pool(self.n_threads - 1)
+
+    def _spin_run(self, post: Any) -> bool:
+        """Run the job `post(job, cuts, n_pieces)` writes on the polling workers; False if the pool is taken (or
+        absent) and the caller should run the product its usual way."""
+        spin = self._spin
+        if spin is None or not spin.lock.acquire(blocking=False):
+            return False
+        try:
+            spin.run(post(spin.job, spin.cuts, self.n_threads * _SPIN_PIECES_PER_THREAD))
+        finally:
+            spin.lock.release()
+        return True
+
+    def close(self) -> None:
+        super().close()
+        if self._spin is not None:
+            self._spin.close()
+            self._spin = None
 
     def __call__(self, lin: Any, x: np.ndarray) -> np.ndarray:
         if not isinstance(lin, QuantLinear):
@@ -426,6 +457,9 @@ class QuantMatmul(Matmul):
         if isinstance(p, HalfPart):
             if m <= HALF_ROWS_MAX:
                 split = self._pool is not None and m * p.n_in * p.n_out >= _SPLIT_MIN_MACS
+                if split and self._spin_run(lambda job, cuts, n: _jobs().post_half(job, cuts, p.w, p.s, x, y,
+                                                                                   p.bf, n, 16)):
+                    return y
                 self._run(lambda a, b: k.range_half(p.w, p.s, x, y, a, b, p.bf), p.n_out, 16, split)
                 return y
             return self._tiles(lambda c0, c1, t: k.dequant_half(p.w, p.s, c0, c1, t, p.bf), p, x, y)
@@ -441,6 +475,13 @@ class QuantMatmul(Matmul):
                         k.decode_byte(p.q, p.d, p.m, x, xs, y, n_chunks, p.has_m)
                 return y
             split = self._pool is not None and m * p.n_in * p.n_out >= _SPLIT_MIN_MACS
+            if split:
+                sj = _jobs()
+                xs_c = np.ascontiguousarray(xs)
+                kind = sj.RANGE_NIB if p.nib else sj.RANGE_BYTE
+                if self._spin_run(lambda job, cuts, n: sj.post_range(job, cuts, kind, p.q, p.d, p.m, x, xs_c, y,
+                                                                     p.has_m, n, 16)):
+                    return y
             if p.nib:
                 self._run(lambda a, b: k.range_nib(p.q, p.d, p.m, x, xs, y, a, b), p.n_out, 16, split)
             else:

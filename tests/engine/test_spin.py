@@ -115,3 +115,33 @@ def test_closing_stops_the_workers():
     for t in threads:
         t.join(timeout=10)
     assert not any(t.is_alive() for t in threads)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q5_1", "Q8_0", "F16", "BF16"])
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_q_numerics_on_polling_workers_give_the_one_thread_bits(type_name, m):
+    """The "q" numerics' fused products split into output ranges on the pool: each output is one range's sum,
+    so two threads give one thread's bits."""
+    from gguf import GGMLQuantizationType
+    from gguf import quants as gguf_quants
+
+    from engine.model import quant
+    qtype = GGMLQuantizationType[type_name]
+    rng = np.random.default_rng(7)
+    n_out, n_in = 1024, 512
+    data = gguf_quants.quantize(rng.standard_normal((n_out, n_in)).astype(np.float32) * 0.1, qtype)
+    part = (quant.HalfPart if qtype in quant.HALF_TYPES else quant.QPart).from_tensor(data, qtype, (n_out, n_in))
+    lin = quant.quant_linear([(None, qtype, part)])
+    x = rng.standard_normal((m, n_in)).astype(np.float32)
+    one, two = quant.QuantMatmul(1), quant.QuantMatmul(2)
+    try:
+        assert two._spin is not None
+        want = one(lin, x)
+        for _ in range(5):
+            assert np.array_equal(two(lin, x), want)
+        fused = m <= (quant.HALF_ROWS_MAX if qtype in quant.HALF_TYPES
+                      else quant.NIB_ROWS_MAX if part.nib else quant.BYTE_ROWS_MAX)
+        assert (two._spin.ctl[spin.CLAIM] >> 24 > 0) == fused      # fused products went through the pool
+    finally:
+        one.close()
+        two.close()
