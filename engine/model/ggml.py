@@ -526,17 +526,13 @@ class GgmlMatmul(Matmul):
         y = np.empty((m, p.n_out), np.float32)
         w = p.w
         split = self._pool is not None and m * n_in * p.n_out >= _SPLIT_MIN_MACS
-        spin = self._spin
-        if split and spin is not None and spin.lock.acquire(blocking=False):
-            try:
-                from engine.model import spinjobs as sj
-                kind = sj.DOT_Q8_0 if not w.has_m else sj.DOT_NIB if w.nib else sj.DOT_BYTE
-                n = sj.post_dot(spin.job, spin.cuts, kind, w.q, w.d, w.m if w.has_m else w.d, qx, d16, s, y,
-                                self.n_threads * _SPIN_PIECES_PER_THREAD, 64)
-                spin.run(n)
-            finally:
-                spin.lock.release()
-            return y
+        if split and self._spin is not None:
+            from engine.model import spinjobs as sj
+            kind = sj.DOT_Q8_0 if not w.has_m else sj.DOT_NIB if w.nib else sj.DOT_BYTE
+            mw = w.m if w.has_m else w.d
+            if self._spin.try_run(lambda job, cuts, n: sj.post_dot(job, cuts, kind, w.q, w.d, mw, qx, d16, s, y,
+                                                                   n, 64), self.n_threads * _SPIN_PIECES_PER_THREAD):
+                return y
         if not w.has_m:
             self._run(lambda a, b: k.dot_q8_0(w.q, w.d, qx, d16, y, a, b), p.n_out, 64, split)
             return y

@@ -59,11 +59,6 @@ _launch_lock = threading.Lock()     # numba's workqueue threading layer must not
 _tls = threading.local()
 
 
-def _jobs() -> Any:
-    from engine.model import spinjobs
-    return spinjobs
-
-
 def kernels() -> Any:
     """The compiled kernels module (imported once), or None if numba cannot load (see `unavailable_reason`)."""
     global _kernels, _kernels_error
@@ -423,16 +418,8 @@ class QuantMatmul(Matmul):
             self._spin = spinjobs.pool(self.n_threads - 1)
 
     def _spin_run(self, post: Any) -> bool:
-        """Run the job `post(job, cuts, n_pieces)` writes on the polling workers; False if the pool is taken (or
-        absent) and the caller should run the product its usual way."""
-        spin = self._spin
-        if spin is None or not spin.lock.acquire(blocking=False):
-            return False
-        try:
-            spin.run(post(spin.job, spin.cuts, self.n_threads * _SPIN_PIECES_PER_THREAD))
-        finally:
-            spin.lock.release()
-        return True
+        """`SpinPool.try_run` of the job `post` writes; False without a pool."""
+        return self._spin is not None and self._spin.try_run(post, self.n_threads * _SPIN_PIECES_PER_THREAD)
 
     def close(self) -> None:
         super().close()
@@ -457,9 +444,10 @@ class QuantMatmul(Matmul):
         if isinstance(p, HalfPart):
             if m <= HALF_ROWS_MAX:
                 split = self._pool is not None and m * p.n_in * p.n_out >= _SPLIT_MIN_MACS
-                if split and self._spin_run(lambda job, cuts, n: _jobs().post_half(job, cuts, p.w, p.s, x, y,
-                                                                                   p.bf, n, 16)):
-                    return y
+                if split:
+                    from engine.model import spinjobs as sj
+                    if self._spin_run(lambda job, cuts, n: sj.post_half(job, cuts, p.w, p.s, x, y, p.bf, n, 16)):
+                        return y
                 self._run(lambda a, b: k.range_half(p.w, p.s, x, y, a, b, p.bf), p.n_out, 16, split)
                 return y
             return self._tiles(lambda c0, c1, t: k.dequant_half(p.w, p.s, c0, c1, t, p.bf), p, x, y)
@@ -476,7 +464,7 @@ class QuantMatmul(Matmul):
                 return y
             split = self._pool is not None and m * p.n_in * p.n_out >= _SPLIT_MIN_MACS
             if split:
-                sj = _jobs()
+                from engine.model import spinjobs as sj
                 xs_c = np.ascontiguousarray(xs)
                 kind = sj.RANGE_NIB if p.nib else sj.RANGE_BYTE
                 if self._spin_run(lambda job, cuts, n: sj.post_range(job, cuts, kind, p.q, p.d, p.m, x, xs_c, y,

@@ -345,6 +345,17 @@ class SpinPool:
         if ctl[ERROR]:
             raise RuntimeError("a compiled kernel raised in a SpinPool worker")
 
+    def try_run(self, post: Any, n_pieces: int) -> bool:
+        """Write a job by `post(job, cuts, n_pieces)` (returning the pieces it wrote) and run it, unless another
+        thread holds the pool: then False, and the caller runs its product the usual way."""
+        if not self.lock.acquire(blocking=False):
+            return False
+        try:
+            self.run(post(self.job, self.cuts, n_pieces))
+        finally:
+            self.lock.release()
+        return True
+
     def close(self) -> None:
         self._finalizer()
 

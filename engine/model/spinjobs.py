@@ -21,37 +21,45 @@ DOT_NIB, DOT_BYTE, DOT_Q8_0 = 1, 2, 3           # ggml: Q4_1 x Q8_1, Q5_1 x Q8_1
 RANGE_NIB, RANGE_BYTE, RANGE_HALF = 4, 5, 6     # q: nibble, byte and 16-bit weights
 
 
+# job words of a block-quantized product (both families): 0 kind, 1-4 quants (address, nb, bs, n_out), 5 d, 6-7 m
+# (address, rows), 8-10 activations (address, M, n_in), 11-12 per-block activation values (address, blocks),
+# 13 has_m (q) or the second per-block array's address (ggml: sx), 14 output
+@njit(cache=True, nogil=True, inline="always")
+def _put_blocks(job, cuts, kind, q, d, m, x, xb, y, n_pieces, align):
+    job[0] = kind
+    job[1] = address(q)
+    job[2] = q.shape[0]
+    job[3] = q.shape[1]
+    job[4] = q.shape[2]
+    job[5] = address(d)
+    job[6] = address(m)
+    job[7] = m.shape[0]
+    job[8] = address(x)
+    job[9] = x.shape[0]
+    job[10] = x.shape[1]
+    job[11] = address(xb)
+    job[12] = xb.shape[1]
+    job[14] = address(y)
+    return set_cuts(cuts, q.shape[2], align, n_pieces)
+
+
 @njit(cache=True, nogil=True)
 def post_dot(job, cuts, kind, qw, dw, mw, qx, dx, sx, y, n_pieces, align):
     """A ggml dot job (kind DOT_*): qw [nb, bs, n_out], dw/mw [nb or 0, n_out], qx [M, n_in], dx/sx [M, nb],
     y [M, n_out]. Returns the number of pieces."""
-    job[0] = kind
-    job[1] = address(qw)
-    job[2] = qw.shape[0]
-    job[3] = qw.shape[1]
-    job[4] = qw.shape[2]
-    job[5] = address(dw)
-    job[6] = address(mw)
-    job[7] = mw.shape[0]
-    job[8] = address(qx)
-    job[9] = qx.shape[0]
-    job[10] = qx.shape[1]
-    job[11] = address(dx)
-    job[12] = address(sx)
-    job[13] = dx.shape[1]
-    job[14] = address(y)
-    return set_cuts(cuts, qw.shape[2], align, n_pieces)
+    job[13] = address(sx)
+    return _put_blocks(job, cuts, kind, qw, dw, mw, qx, dx, y, n_pieces, align)
 
 
 @njit(cache=True, nogil=True)
 def run_ggml_piece(job, cuts, i):
     o0, o1 = cuts[2 * i], cuts[2 * i + 1]
-    nb, bs, n_out, m, n_in, nbx = job[2], job[3], job[4], job[9], job[10], job[13]
+    nb, bs, n_out, m, n_in, nbx = job[2], job[3], job[4], job[9], job[10], job[12]
     dw = f32_at(job[5], (nb, n_out))
     mw = f32_at(job[6], (job[7], n_out))
     qx = f32_at(job[8], (m, n_in))
     dx = f32_at(job[11], (m, nbx))
-    sx = f32_at(job[12], (m, nbx))
+    sx = f32_at(job[13], (m, nbx))
     y = f32_at(job[14], (m, n_out))
     kind = job[0]
     if kind == DOT_NIB:
@@ -66,22 +74,8 @@ def run_ggml_piece(job, cuts, i):
 def post_range(job, cuts, kind, q, d, m, x, xs, y, has_m, n_pieces, align):
     """A q job (kind RANGE_NIB / RANGE_BYTE): q [nb, bs, n_out], d/m [nb or 0, n_out], x [M, n_in],
     xs [M, nbx], y [M, n_out]."""
-    job[0] = kind
-    job[1] = address(q)
-    job[2] = q.shape[0]
-    job[3] = q.shape[1]
-    job[4] = q.shape[2]
-    job[5] = address(d)
-    job[6] = address(m)
-    job[7] = m.shape[0]
-    job[8] = address(x)
-    job[9] = x.shape[0]
-    job[10] = x.shape[1]
-    job[11] = address(xs)
-    job[12] = xs.shape[1]
     job[13] = has_m
-    job[14] = address(y)
-    return set_cuts(cuts, q.shape[2], align, n_pieces)
+    return _put_blocks(job, cuts, kind, q, d, m, x, xs, y, n_pieces, align)
 
 
 @njit(cache=True, nogil=True)
