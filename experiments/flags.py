@@ -307,7 +307,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(M, ("--n-ctx-train",), f"the model's training context, used by -c 0 (default: {SMOLLM2_N_CTX_TRAIN}, "
          "SmolLM2-135M)", _R, positive(int), SMOLLM2_N_CTX_TRAIN, "N"),
     Flag(R, ("--latency",), "latency model: default (shipped calibration), constant:STEP_S[:PER_TOKEN_S], "
-         "parametric:PATH.json (the calibration file's model), simple:PATH.json, physical:PATH.json, "
+         "parametric:PATH.json (the calibration file's model), simple:PATH.json, physical:PATH.json, table:PATH.json, "
          "roofline:MODEL@HW, scaled:FACTOR:SPEC (SPEC's step times times FACTOR) (default: default)", _R, str, "default", "SPEC", sweep=True),
     Flag(R, ("--seed",), "seed of the generated workload and of the stand-in tokens (default: 0)", _R, int, 0, "N"),
     Flag(R, ("--no-fast-forward",), "step every decode step one by one instead of jumping over stretches "

@@ -673,7 +673,7 @@ def calibration_error(latency: Any) -> dict[str, Any] | None:
         data = json.loads(Path(source).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    name = "physical" if desc.get("kind") == "physical" else "simple"
+    name = ("table" if desc.get("call_table") else "physical") if desc.get("kind") == "physical" else "simple"
     errs = ((data.get("cross_validation") or {}).get("errors") or {}).get(name)
     if not errs:
         return None

@@ -20,6 +20,14 @@ step's `StepCost.calls` (each `llama_decode` call's chunks as `(seq, pos0, n_tok
   `cache_load` (a copy into the KV pool);
 - a K re-rotation per shifted cell; a fixed cost per execute().
 
+The **table** variant (`fit_table`, model name "table") replaces the four per-call matmul terms (weights
+streamed, the one-token and the sgemm layouts, the per-token rows) by a cost per forward call that depends on
+the call's token count m alone, interpolated linearly between knots (every m of 1..16 the grid measured,
+then coarser up to 512). The engine's products are not linear in m: BLAS packs each weight block for 2..64
+rows, and its kernels favour some row counts (measured on OpenBLAS, f32 numerics: 1 row 36 ms, 2 rows 80, 3
+rows 81, 4 rows 59 for the 30 layers' products on one thread), which no linear term can follow. The other
+terms (attention, copies, shifts, per chunk, per step) stay as above.
+
 The engine constants the layout needs (threads, the decode-batch and split thresholds, the query block, the
 weight bytes of one call) are an `EngineLayout`, recorded by `slotlab calibrate` in the calibration file.
 """
@@ -63,7 +71,13 @@ PHYSICAL_TERMS = (
     "load_s_per_byte",           # bytes restored from it (cache_load)
     "shift_s_per_cell",          # cached cells whose K is re-rotated (context shift, cache reuse)
 )
-MODEL_CHOICES = ("simple", "physical")
+MODEL_CHOICES = ("simple", "physical", "table")
+# the terms the table model's per-call cost replaces (its fit leaves them at 0)
+TABLE_REPLACES = ("weights_s_per_byte", "one_token_call_s", "gemm_call_s", "token_s")
+_REPLACED = tuple(PHYSICAL_TERMS.index(name) for name in TABLE_REPLACES)
+_KEPT = tuple(i for i in range(len(PHYSICAL_TERMS)) if i not in _REPLACED)
+# candidate knots of the per-call table (call token counts); a fit keeps those its rows support
+CALL_KNOTS = (*range(1, 17), 24, 32, 48, 64, 65, 128, 256, 512)
 LAYOUT_FIELDS = ("weight_bytes", "n_threads", "small_m_max", "decode_batch_min", "decode_split_min",
                  "attn_query_block", "attn_score_budget", "n_head")
 
@@ -207,6 +221,50 @@ def physical_features(cost: StepCost, layout: EngineLayout) -> list[float]:
             float(cost.kv_shift_tokens)]
 
 
+def call_tokens(cost: StepCost) -> list[int]:
+    """Tokens of each forward call of a step (from its layout, else `estimate_calls`)."""
+    calls = cost.calls if cost.calls is not None else estimate_calls(cost)
+    return [sum(n for _, _, n in call) for call in calls]
+
+
+def hat_weights(m: float, knots: Sequence[int]) -> list[tuple[int, float]]:
+    """(knot index, weight) pairs of linear interpolation at m over increasing `knots`: the two knots around
+    m (weights summing to 1), the first knot's value below it, and the last segment's line beyond the last
+    knot (one knot: a constant)."""
+    if len(knots) == 1 or m <= knots[0]:
+        return [(0, 1.0)]
+    n = len(knots)
+    if m >= knots[-1]:
+        lo = n - 2
+    else:
+        lo = int(np.searchsorted(knots, m, side="right")) - 1
+    a, b = knots[lo], knots[lo + 1]
+    w = (m - a) / (b - a)
+    return [(lo, 1.0 - w), (lo + 1, w)]
+
+
+def interp_call(table: Sequence[tuple[int, float]], m: int) -> float:
+    """The table's cost of one forward call of m tokens (`hat_weights` over its knots)."""
+    knots = [k for k, _ in table]
+    return sum(w * table[i][1] for i, w in hat_weights(m, knots))
+
+
+def _check_table(table: Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
+    out = []
+    prev = 0
+    for item in table:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            raise ValueError(f"PhysicalLatency: call_table entries must be (tokens, seconds) pairs, got {item!r}")
+        m, sec = item
+        if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m <= prev:
+            raise ValueError(f"PhysicalLatency: call_table tokens must be increasing integers >= 1, got {m!r} "
+                             f"after {prev}")
+        _check_non_negative("PhysicalLatency", f"call_table[{m}]", sec)
+        out.append((int(m), float(sec)))
+        prev = int(m)
+    return tuple(out)
+
+
 # --- the model ------------------------------------------------------------------------------------
 
 
@@ -218,6 +276,7 @@ class PhysicalLatency:
 
     coefficients: tuple[float, ...]
     layout: EngineLayout
+    call_table: tuple[tuple[int, float], ...] = ()     # (call tokens, seconds) knots; empty: no table
     measured_on: MeasuredOn | None = field(default=None, compare=False)
     source: str | None = field(default=None, compare=False)
     load_moved: bool | None = field(default=None, compare=False)
@@ -230,6 +289,7 @@ class PhysicalLatency:
                              f"({', '.join(PHYSICAL_TERMS)}), got {len(self.coefficients)}")
         for name, value in zip(PHYSICAL_TERMS, self.coefficients):
             _check_non_negative("PhysicalLatency", name, value)
+        object.__setattr__(self, "call_table", _check_table(self.call_table))
 
     @classmethod
     def from_terms(cls, terms: Mapping[str, float], layout: EngineLayout, **kw: Any) -> PhysicalLatency:
@@ -245,12 +305,18 @@ class PhysicalLatency:
         t = 0.0
         for c, x in zip(self.coefficients, physical_features(cost, self.layout)):
             t += c * x                      # left to right, as decode_only_times_s adds its arrays
+        if self.call_table:
+            for m in call_tokens(cost):
+                t += interp_call(self.call_table, m)
         return t
 
     def breakdown(self, cost: StepCost) -> dict[str, float]:
-        """Seconds per term of one step."""
-        return {name: c * x for name, c, x in
-                zip(PHYSICAL_TERMS, self.coefficients, physical_features(cost, self.layout))}
+        """Seconds per term of one step (and `call_table_s`, the table's per-call costs, when it has one)."""
+        out = {name: c * x for name, c, x in
+               zip(PHYSICAL_TERMS, self.coefficients, physical_features(cost, self.layout))}
+        if self.call_table:
+            out["call_table_s"] = sum(interp_call(self.call_table, m) for m in call_tokens(cost))
+        return out
 
     def decode_only_times_s(self, n_seqs: int, attn_ctx0: int, k: int,
                             decode: Sequence[tuple[int, int]] | None = None) -> list[float]:
@@ -282,12 +348,15 @@ class PhysicalLatency:
         t = np.zeros(k)
         for c, xi in zip(self.coefficients, x):
             t += c * xi
+        if self.call_table:
+            t += interp_call(self.call_table, n_seqs)          # one call of n_seqs one-token chunks
         return t.tolist()
 
     def describe(self) -> dict:
         return {
             "kind": "physical",
             "terms": self.terms(),
+            **({"call_table": [list(kv) for kv in self.call_table]} if self.call_table else {}),
             "layout": self.layout.to_dict(),
             "measured_on": None if self.measured_on is None else asdict(self.measured_on),
             "source": self.source,
@@ -316,29 +385,111 @@ def fit_physical(rows: Iterable[tuple[StepCost, float]], layout: EngineLayout, *
     return FitResult(model=model, **fit_stats(x @ coef, t), n_rows=len(t), method=method, weighting=weighting)
 
 
+def table_design(costs: Sequence[StepCost], layout: EngineLayout,
+                 knots: Sequence[int]) -> np.ndarray:
+    """[n_rows, kept terms + knots] regressors of the table model: the physical terms it keeps, then per knot
+    the sum over the step's calls of its interpolation weight."""
+    kept = physical_design(costs, layout)[:, list(_KEPT)]
+    hats = np.zeros((len(costs), len(knots)))
+    for r, cost in enumerate(costs):
+        for m in call_tokens(cost):
+            for i, w in hat_weights(m, knots):
+                hats[r, i] += w
+    return np.hstack([kept, hats])
+
+
+def table_knots(costs: Sequence[StepCost], candidates: Sequence[int] = CALL_KNOTS) -> tuple[int, ...]:
+    """The knots of `candidates` the costs' calls support. From the smallest call's size up to the first
+    candidate at or above the largest call; a knot stays while some call lies strictly between its
+    neighbours (the first knot's span reaches down to 0, the last one's up without bound); dropping one
+    widens its neighbours' spans, so this repeats until none drops. Calls beyond the last knot are priced on
+    the last segment's line."""
+    sizes = np.array(sorted({m for c in costs for m in call_tokens(c)}), dtype=np.int64)
+    if not len(sizes):
+        raise ValueError("table model: no forward calls to fit a per-call table on")
+    knots: list[int] = []
+    for k in sorted(candidates):
+        if k >= sizes.min():
+            knots.append(int(k))
+            if k >= sizes.max():
+                break
+    knots = knots or [int(sizes.max())]
+    while True:
+        keep = []
+        for i, k in enumerate(knots):
+            lo = knots[i - 1] if i else -np.inf
+            hi = knots[i + 1] if i + 1 < len(knots) else np.inf
+            if ((sizes > lo) & (sizes < hi)).any():
+                keep.append(k)
+        if len(keep) == len(knots) or not keep:
+            return tuple(keep or knots[:1])
+        knots = keep
+
+
+def fit_table(rows: Iterable[tuple[StepCost, float]], layout: EngineLayout, *, weighting: str = "relative",
+              candidates: Sequence[int] = CALL_KNOTS) -> FitResult:
+    """Fit the table model (module docs) to measured `(StepCost, elapsed_s)` rows: non-negative coefficients of
+    the kept physical terms and one cost per supported knot (`table_knots`), same weighting and solver as
+    `fit_parametric`."""
+    rows = list(rows)
+    costs = [c for c, _ in rows]
+    knots = table_knots(costs, candidates)
+    x = table_design(costs, layout, knots)
+    t = np.array([elapsed for _, elapsed in rows], dtype=np.float64)
+    coef, method = fit_nonnegative(x, t, weighting=weighting, where="fit_table")
+    terms = [0.0] * len(PHYSICAL_TERMS)
+    for j, i in enumerate(_KEPT):
+        terms[i] = float(coef[j])
+    table = tuple(zip(knots, (float(v) for v in coef[len(_KEPT):])))
+    model = PhysicalLatency(tuple(terms), layout, call_table=table)
+    return FitResult(model=model, **fit_stats(x @ coef, t), n_rows=len(t), method=method, weighting=weighting)
+
+
+def held_out_table(costs: Sequence[StepCost], t: np.ndarray, groups: Sequence[object], layout: EngineLayout, *,
+                   weighting: str = "relative") -> np.ndarray:
+    """`held_out_predictions` for the table model: each group predicted by a `fit_table` of the other groups
+    (whose knots are the ones those groups support, so a held-out call size is interpolated)."""
+    groups = list(groups)
+    pred = np.empty(len(t))
+    for g in dict.fromkeys(groups):
+        held = np.array([h == g for h in groups])
+        if held.all():
+            raise ValueError("held_out_table: a single group leaves nothing to fit on")
+        fit = fit_table([(c, float(v)) for c, v, h in zip(costs, t, held) if not h], layout, weighting=weighting)
+        pred[held] = [fit.model.step_time_s(c) for c, h in zip(costs, held) if h]
+    return pred
+
+
 # --- calibration files with both models ----------------------------------------------------------------
 
 
 def save_calibration_file(path: str | Path, simple: FitResult, measured_on: MeasuredOn | Mapping[str, object], *,
                           physical: FitResult | None = None, model: str = "physical",
-                          extra: Mapping[str, object] | None = None) -> None:
+                          extra: Mapping[str, object] | None = None, table: FitResult | None = None) -> None:
     """Write a calibration file holding the simple model (the `coefficients` every reader knows) and, when
-    given, the physical one (`physical`); `model` names the one `parametric:FILE` loads. `extra` adds
-    top-level fields (cross-validation, load figures)."""
+    given, the physical one (`physical`) and the table one (`table`, with its `call_table`); `model` names the
+    one `parametric:FILE` loads. `extra` adds top-level fields (cross-validation, load figures)."""
     if model not in MODEL_CHOICES:
         raise ValueError(f"save_calibration_file: model must be one of {MODEL_CHOICES}, got {model!r}")
     if model == "physical" and physical is None:
         raise ValueError("save_calibration_file: model 'physical' needs a physical fit")
+    if model == "table" and table is None:
+        raise ValueError("save_calibration_file: model 'table' needs a table fit")
     if not isinstance(measured_on, MeasuredOn):
         measured_on = MeasuredOn.from_dict(dict(measured_on), "save_calibration_file")
     data: dict[str, object] = {"kind": CALIBRATION_KIND, "model": model,
                                "coefficients": simple.model.coefficients()}
     if physical is not None:
         data["physical"] = {"terms": physical.model.terms(), "layout": physical.model.layout.to_dict()}
+    if table is not None:
+        data["table"] = {"terms": table.model.terms(), "layout": table.model.layout.to_dict(),
+                         "call_table": [list(kv) for kv in table.model.call_table]}
     data["measured_on"] = asdict(measured_on)
     data["fit"] = simple.stats()
     if physical is not None:
         data["fit_physical"] = physical.stats()
+    if table is not None:
+        data["fit_table"] = table.stats()
     data.update(extra or {})
     Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
@@ -356,31 +507,46 @@ def _read_json(path: str | Path) -> dict:
     return data
 
 
-def load_physical(path: str | Path) -> PhysicalLatency:
-    """The physical model of a calibration file; ValueError naming file and field when it has none or it
-    is malformed."""
+def load_physical(path: str | Path, block: str = "physical") -> PhysicalLatency:
+    """The physical model (`block` "physical") or the table model ("table") of a calibration file;
+    ValueError naming file and field when it has none or it is malformed."""
     where = str(path)
     simple = load_calibration(path)                   # validates the common part (kind, measured_on)
     data = _read_json(path)
-    block = data.get("physical")
-    if block is None:
-        raise ValueError(f"{where}: no field 'physical' (a calibration without the physical model: "
+    part = data.get(block)
+    if part is None:
+        raise ValueError(f"{where}: no field '{block}' (a calibration without the {block} model: "
                          f"recalibrate with `slotlab calibrate`, or use simple:{where})")
-    if not isinstance(block, dict):
-        raise ValueError(f"{where}: field 'physical' must be a JSON object")
-    for name in ("terms", "layout"):
-        if name not in block:
-            raise ValueError(f"{where}: missing field 'physical.{name}'")
-    values = tuple(_require_numbers(where, "physical.terms", block["terms"], PHYSICAL_TERMS).values())
-    layout = EngineLayout.from_dict(block["layout"], where)
+    if not isinstance(part, dict):
+        raise ValueError(f"{where}: field '{block}' must be a JSON object")
+    for name in ("terms", "layout", *(("call_table",) if block == "table" else ())):
+        if name not in part:
+            raise ValueError(f"{where}: missing field '{block}.{name}'")
+    values = tuple(_require_numbers(where, f"{block}.terms", part["terms"], PHYSICAL_TERMS).values())
+    layout = EngineLayout.from_dict(part["layout"], where)
+    table: tuple[tuple[int, float], ...] = ()
+    if block == "table":
+        raw = part["call_table"]
+        if not isinstance(raw, list) or not raw:
+            raise ValueError(f"{where}: field 'table.call_table' must be a non-empty list of [tokens, seconds]")
+        for i, item in enumerate(raw):
+            if (not isinstance(item, list) or len(item) != 2 or isinstance(item[0], bool)
+                    or not isinstance(item[0], int) or isinstance(item[1], bool)
+                    or not isinstance(item[1], (int, float))):
+                raise ValueError(f"{where}: field 'table.call_table[{i}]' must be [tokens (integer), seconds "
+                                 f"(number)], got {item!r}")
+        try:
+            table = _check_table([(int(m), float(v)) for m, v in raw])
+        except ValueError as exc:
+            raise ValueError(f"{where}: field 'table.call_table': {exc}") from exc
     moved = data.get("load_moved")
-    return PhysicalLatency(values, layout, measured_on=simple.measured_on, source=where,
+    return PhysicalLatency(values, layout, call_table=table, measured_on=simple.measured_on, source=where,
                            load_moved=moved if isinstance(moved, bool) else None)
 
 
 def load_latency_file(path: str | Path, model: str | None = None) -> ParametricLatency | PhysicalLatency:
-    """The model of a calibration file: `model` ("simple" or "physical"), else the file's `model` field
-    (files without one hold only the simple model)."""
+    """The model of a calibration file: `model` ("simple", "physical" or "table"), else the file's `model`
+    field (files without one hold only the simple model)."""
     where = str(path)
     if model is None:
         chosen = _read_json(path).get("model", "simple")
@@ -390,4 +556,4 @@ def load_latency_file(path: str | Path, model: str | None = None) -> ParametricL
         chosen = model
         if chosen not in MODEL_CHOICES:
             raise ValueError(f"latency model {model!r}: expected one of {MODEL_CHOICES}")
-    return load_physical(path) if chosen == "physical" else load_calibration(path)
+    return load_calibration(path) if chosen == "simple" else load_physical(path, chosen)

@@ -52,6 +52,12 @@ def _physical_from_arg(arg: str) -> LatencyModel:
     return load_latency_file(arg, "physical")
 
 
+def _table_from_arg(arg: str) -> LatencyModel:
+    if not arg:
+        raise ValueError("latency model 'table': expected table:PATH.json (a calibration file)")
+    return load_latency_file(arg, "table")
+
+
 def _roofline_from_arg(arg: str) -> LatencyModel:
     return roofline_from_spec(arg)
 
@@ -71,9 +77,10 @@ def _scaled_from_arg(arg: str) -> LatencyModel:
 LATENCY_MODELS: dict[str, Callable[[str], LatencyModel]] = {
     "constant": _constant_from_arg,  # constant:STEP_S[:PER_TOKEN_S]
     "default": _default_from_arg,  # default (the shipped sim/data/default_calibration.json)
-    "parametric": _parametric_from_arg,  # parametric:PATH.json (the file's `model`: simple or physical)
+    "parametric": _parametric_from_arg,  # parametric:PATH.json (the file's `model`: simple, physical or table)
     "simple": _simple_from_arg,  # simple:PATH.json (ParametricLatency of a calibration file)
     "physical": _physical_from_arg,  # physical:PATH.json (PhysicalLatency of a calibration file)
+    "table": _table_from_arg,  # table:PATH.json (PhysicalLatency with its per-call table, calibration file)
     "roofline": _roofline_from_arg,  # roofline:MODEL_PRESET_OR_GGUF[:WEIGHTS_DTYPE[:KV_DTYPE]]@HW_PRESET
     "scaled": _scaled_from_arg,  # scaled:FACTOR:SPEC (ScaledLatency: SPEC's step times times FACTOR)
 }
@@ -83,6 +90,7 @@ LATENCY_MODEL_SYNTAX = (
     "parametric:PATH.json",
     "simple:PATH.json",
     "physical:PATH.json",
+    "table:PATH.json",
     "roofline:MODEL_PRESET_OR_GGUF[:WEIGHTS_DTYPE[:KV_DTYPE]]@HW_PRESET",
     "scaled:FACTOR:SPEC",
 )

@@ -18,7 +18,7 @@ from experiments.speed_probe import SpeedProbe, calibration_probe
 from sim.backend import SimBackend
 from sim.latency import (COEFFICIENT_NAMES, ConstantLatency, ParametricLatency, decode_only_cost,
                          load_calibration, step_cost_from_chunks)
-from sim.latency_physical import PhysicalLatency, load_latency_file
+from sim.latency_physical import TABLE_REPLACES, PhysicalLatency, load_latency_file
 from sim.latency_spec import get_latency_model
 
 
@@ -77,10 +77,17 @@ def test_calibration_file_records_fit_stats_and_where_it_was_measured(calibrated
     assert "load average" in on["notes"]
 
 
-def test_latency_spec_parametric_loads_the_physical_model_and_simple_stays_selectable(calibrated):
+def test_latency_spec_parametric_loads_the_table_model_and_the_others_stay_selectable(calibrated):
     model = get_latency_model(f"parametric:{calibrated[1]}")
-    assert isinstance(model, PhysicalLatency)
+    assert isinstance(model, PhysicalLatency) and model.call_table
     assert all(v >= 0 for v in model.coefficients) and model.measured_on.model == "tiny.gguf"
+    assert model == get_latency_model(f"table:{calibrated[1]}")
+    physical = get_latency_model(f"physical:{calibrated[1]}")
+    assert isinstance(physical, PhysicalLatency) and not physical.call_table
+    # the table replaces the per-call matmul terms: the table fit leaves them at zero
+    assert all(model.terms()[name] == 0.0 for name in TABLE_REPLACES)
+    # the quick grid's calls are of 1, 4, 8, 10, 24, 32, 34 and 96 tokens: every size of 1..16 is a knot
+    assert [m for m, _ in model.call_table if m <= 16] == [1, 4, 8, 10]
     simple = get_latency_model(f"simple:{calibrated[1]}")
     assert isinstance(simple, ParametricLatency)
     assert simple.coefficients() == load_calibration(calibrated[1]).coefficients()
@@ -90,13 +97,13 @@ def test_latency_spec_parametric_loads_the_physical_model_and_simple_stays_selec
 def test_calibration_file_reports_held_out_errors_per_kind_for_both_models(calibrated):
     data = json.loads(calibrated[1].read_text())
     errors = data["cross_validation"]["errors"]
-    for model in ("simple", "physical"):
+    for model in ("simple", "physical", "table"):
         for validation in ("in_sample", "loso", "group"):
             per_kind = errors[model][validation]
             assert set(per_kind) == {"all", *KINDS}
             assert all(0 <= e["median_ape"] <= e["max_ape"] and e["mape"] <= e["max_ape"] for e in per_kind.values())
         assert errors[model]["in_sample"]["all"]["mape"] == pytest.approx(data[
-            "fit" if model == "simple" else "fit_physical"]["mape"])
+            "fit" if model == "simple" else f"fit_{model}"]["mape"])
     assert data["measurement"]["passes"] == 2 and len(data["samples"]) == len(calibration_grid(quick=True))
 
 
@@ -130,7 +137,7 @@ def test_a_probe_shape_the_grid_measured_keeps_the_grids_median(tiny):
     assert all(len(s.samples_s) == 2 for s in probe.shapes)
 
 
-def test_steps_table_has_one_row_per_shape_with_both_models(calibrated):
+def test_steps_table_has_one_row_per_shape_with_every_model(calibrated):
     steps_csv, png = side_files(calibrated[1])
     steps = pd.read_csv(steps_csv)
     assert len(steps) == len(calibration_grid(quick=True))
@@ -138,9 +145,10 @@ def test_steps_table_has_one_row_per_shape_with_both_models(calibrated):
     assert (steps["measured_s"] > 0).all() and (steps["min_s"] <= steps["measured_s"]).all()
     row = steps.iloc[0]                                  # decode of one sequence: its layout is exact
     cost = decode_only_cost(int(row["n_decode_tokens"]), int(row["attn_ctx_tokens"]))
-    assert row["predicted_s"] == pytest.approx(load_latency_file(calibrated[1]).step_time_s(cost))
+    assert row["predicted_s"] == pytest.approx(load_latency_file(calibrated[1], "physical").step_time_s(cost))
     assert row["predicted_simple_s"] == pytest.approx(load_calibration(calibrated[1]).step_time_s(cost))
-    for col in ("loso_s", "group_s", "loso_simple_s", "group_simple_s", "spread"):
+    assert row["predicted_table_s"] == pytest.approx(load_latency_file(calibrated[1]).step_time_s(cost))
+    for col in ("loso_s", "group_s", "loso_simple_s", "group_simple_s", "loso_table_s", "group_table_s", "spread"):
         assert steps[col].notna().all()
     assert png.stat().st_size > 0
 

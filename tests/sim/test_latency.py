@@ -341,7 +341,7 @@ def test_get_latency_model_parses_roofline_model_and_hardware():
 
 def test_get_latency_model_unknown_name_lists_choices():
     with pytest.raises(ValueError, match="constant:STEP_S.*default.*parametric:PATH.*roofline:"):
-        get_latency_model("table:foo.csv")
+        get_latency_model("lookup:foo.csv")
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -357,7 +357,7 @@ def test_get_latency_model_unknown_name_lists_choices():
     ("scaled::constant:0.01", "scaled:FACTOR:SPEC"),
     ("scaled:fast:constant:0.01", "FACTOR 'fast' is not a number"),
     ("scaled:0:constant:0.01", "factor must be a finite number > 0"),
-    ("scaled:2:table:x", "unknown latency model 'table:x'"),
+    ("scaled:2:lookup:x", "unknown latency model 'lookup:x'"),
 ])
 def test_get_latency_model_bad_argument_raises_value_error(spec, message):
     with pytest.raises(ValueError, match=message):

@@ -12,9 +12,10 @@ from engine.core.types import BatchPlan, Chunk, ForwardCall, KVOp
 from sim.backend import SimBackend
 from sim.latency import (ConstantLatency, MeasuredOn, ParametricLatency, StepCost, _nnls_lawson_hanson, error_summary,
                          fit_parametric, held_out_predictions, load_calibration, save_calibration)
-from sim.latency_physical import (PHYSICAL_TERMS, EngineLayout, PhysicalLatency, chunk_blocks, estimate_calls,
-                                  fit_physical, load_latency_file, load_physical, physical_design, physical_features,
-                                  save_calibration_file)
+from sim.latency_physical import (PHYSICAL_TERMS, TABLE_REPLACES, EngineLayout, PhysicalLatency, chunk_blocks,
+                                  estimate_calls, fit_physical, fit_table, hat_weights, held_out_table,
+                                  load_latency_file, load_physical, physical_design, physical_features,
+                                  save_calibration_file, table_knots)
 from sim.latency_spec import get_latency_model
 from tests.sim.test_driver import _compare_ff, assert_identical, small_chat
 from traces import PoissonArrivals, UniformLength, open_loop
@@ -288,7 +289,7 @@ def test_simple_default_and_old_files_load_the_simple_model(tmp_path):
     (lambda d: d["physical"]["terms"].update(bogus=1.0), "unknown field 'physical.terms.bogus'"),
     (lambda d: d["physical"]["layout"].update(n_threads=0), "physical.layout"),
     (lambda d: d["physical"].pop("layout"), "missing field 'physical.layout'"),
-    (lambda d: d.update(model="table"), "field 'model' must be one of"),
+    (lambda d: d.update(model="fancy"), "field 'model' must be one of"),
 ])
 def test_bad_physical_block_names_file_and_field(tmp_path, edit, message):
     simple, physical = both_fits()
@@ -305,3 +306,145 @@ def test_bad_physical_block_names_file_and_field(tmp_path, edit, message):
 def test_constant_and_simple_models_do_not_get_the_layout():
     assert not SimBackend(ConstantLatency(0.01), BPT).wants_layout
     assert SimBackend(TRUTH, BPT).wants_layout
+
+
+# --- the table model ------------------------------------------------------------------------------
+
+# a per-call cost that no linear term follows (shaped like OpenBLAS's f32 products: 2 and 3 rows dearer than 4)
+CALL_COST = {1: 0.036, 2: 0.080, 3: 0.081, 4: 0.059, 5: 0.078, 6: 0.084, 7: 0.080, 8: 0.074}
+TABLE_TRUTH = PhysicalLatency(
+    tuple(0.0 if name in TABLE_REPLACES else v for name, v in zip(PHYSICAL_TERMS, TRUTH.coefficients)), LAYOUT,
+    call_table=(*CALL_COST.items(), (16, 0.1), (64, 0.15), (65, 0.2), (512, 0.9)))
+
+
+@given(knots=st.lists(st.integers(1, 600), min_size=1, max_size=12, unique=True), m=st.integers(1, 2000))
+def test_hat_weights_interpolate_between_the_knots_around_m(knots, m):
+    knots = sorted(knots)
+    pairs = hat_weights(m, knots)
+    assert sum(w for _, w in pairs) == pytest.approx(1.0)
+    line = [3.0 * k + 7.0 for k in knots]                           # a line is reproduced, inside and beyond
+    value = sum(w * line[i] for i, w in pairs)
+    if len(knots) == 1 or m <= knots[0]:
+        assert pairs == [(0, 1.0)]
+    else:
+        assert value == pytest.approx(3.0 * m + 7.0)
+    if m in knots:
+        assert value == pytest.approx(3.0 * m + 7.0)
+
+
+def test_table_model_prices_each_call_by_its_token_count():
+    step = TABLE_TRUTH.step_time_s
+    two = one_call((0, 99, 1), (1, 99, 1))
+    three = one_call((0, 99, 1), (1, 99, 1), (2, 99, 1))
+    four = one_call(*[(s, 99, 1) for s in range(4)])
+    # four decodes cost less than three, as measured: the table follows it, a linear term cannot
+    assert step(four) < step(three)
+    base = PhysicalLatency(TABLE_TRUTH.coefficients, LAYOUT).step_time_s
+    assert step(two) - base(two) == pytest.approx(CALL_COST[2])
+    assert TABLE_TRUTH.breakdown(three)["call_table_s"] == pytest.approx(CALL_COST[3])
+    # between knots: linear; beyond the last: the last segment's line
+    chunk = one_call((0, 0, 40))
+    assert step(chunk) - base(chunk) == pytest.approx(0.1 + (40 - 16) / (64 - 16) * 0.05)
+    long = one_call((0, 0, 600))
+    assert step(long) - base(long) == pytest.approx(0.9 + (600 - 512) / (512 - 65) * 0.7)
+
+
+@settings(max_examples=40, deadline=None)
+@given(pasts=st.lists(st.integers(0, 5000), min_size=1, max_size=20), k=st.integers(0, 30))
+def test_table_decode_only_times_equal_the_step_times_of_their_layout(pasts, k):
+    decode = list(enumerate(pasts))
+    n, attn0 = len(pasts), sum(p + 1 for p in pasts)
+    expected = [TABLE_TRUTH.step_time_s(StepCost(0, n, n, attn0 + i * n, calls=(tuple((s, p + i, 1)
+                                                                                     for s, p in decode),)))
+                for i in range(k)]
+    assert TABLE_TRUTH.decode_only_times_s(n, attn0, k, decode) == pytest.approx(expected, rel=1e-12)
+
+
+def table_costs(rng, n_rows=300):
+    """synthetic_costs plus decode-only steps of 1..8 sequences and prompt chunks of 16..512 tokens, so that
+    every knot of TABLE_TRUTH is supported."""
+    costs = synthetic_costs(rng, n_rows)
+    for n in range(1, 9):
+        for past in (63, 700):
+            costs.append(one_call(*[(s, past, 1) for s in range(n)]))
+    for m in (16, 64, 65, 512):
+        for pos0 in (0, 900):
+            costs.append(StepCost(m, 0, 1, m * pos0 + m * (m + 1) // 2, 1, calls=(((0, pos0, m),),)))
+    return costs
+
+
+def test_table_fit_recovers_a_per_call_cost_no_linear_term_follows():
+    costs = table_costs(np.random.default_rng(5))
+    rows = [(c, TABLE_TRUTH.step_time_s(c)) for c in costs]
+    knots = table_knots(costs)
+    assert set(CALL_COST) <= set(knots) and knots[-1] >= 512
+    fit = fit_table(rows, LAYOUT)
+    assert fit.mape < 1e-6
+    table = dict(fit.model.call_table)
+    for m, sec in CALL_COST.items():
+        assert table[m] == pytest.approx(sec, rel=1e-5)
+    # the same timings through the physical model's linear terms: the non-monotonic part stays unexplained
+    assert fit_physical(rows, LAYOUT).mape > 10 * fit.mape
+
+
+def test_table_knots_keep_only_the_call_sizes_the_rows_support():
+    costs = [one_call(*[(s, 10, 1) for s in range(n)]) for n in (1, 2, 4, 7)]
+    costs.append(one_call((0, 0, 300)))
+    knots = table_knots(costs)
+    # 3, 5, 6 and 8..128 have no call between their neighbours; 256 and 512 bracket the 300-token call
+    assert knots == (1, 2, 4, 7, 256, 512)
+
+
+def test_held_out_call_size_is_interpolated_from_its_neighbours():
+    costs = table_costs(np.random.default_rng(6), 60)
+    t = np.array([TABLE_TRUTH.step_time_s(c) for c in costs])
+    five = [len(c.calls) == 1 and len(c.calls[0]) == 5 and all(n == 1 for *_, n in c.calls[0])
+            and c.n_prefill_tokens == 0 for c in costs]
+    groups = ["five" if f else i for i, f in enumerate(five)]
+    pred = held_out_table(costs, t, groups, LAYOUT)
+    held = np.array(five)
+    base = PhysicalLatency(TABLE_TRUTH.coefficients, LAYOUT)
+    interp = (CALL_COST[4] + CALL_COST[6]) / 2                         # what the neighbours give for 5
+    got = pred[held] - np.array([base.step_time_s(c) for c, h in zip(costs, held) if h])
+    assert got == pytest.approx([interp] * int(held.sum()), rel=1e-3)
+
+
+def test_calibration_file_holds_the_table_model(tmp_path):
+    simple, physical = both_fits()
+    costs = table_costs(np.random.default_rng(7), 40)
+    table = fit_table([(c, TABLE_TRUTH.step_time_s(c)) for c in costs], LAYOUT)
+    path = tmp_path / "cal.json"
+    save_calibration_file(path, simple, MEASURED_ON, physical=physical, table=table, model="table")
+    assert load_latency_file(path) == table.model == get_latency_model(f"table:{path}")
+    assert get_latency_model(f"parametric:{path}") == table.model
+    assert load_latency_file(path, "physical") == physical.model
+    assert json.loads(path.read_text())["fit_table"]["mape"] == pytest.approx(table.mape)
+    json.dumps(table.model.describe())
+    no_table = tmp_path / "old.json"
+    save_calibration_file(no_table, simple, MEASURED_ON, physical=physical)
+    with pytest.raises(ValueError, match="no field 'table'"):
+        get_latency_model(f"table:{no_table}")
+    with pytest.raises(ValueError, match="needs a table fit"):
+        save_calibration_file(no_table, simple, MEASURED_ON, physical=physical, model="table")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["table"].pop("call_table"), "missing field 'table.call_table'"),
+    (lambda d: d["table"].update(call_table=[]), "'table.call_table' must be a non-empty list"),
+    (lambda d: d["table"]["call_table"].__setitem__(0, [1, "x"]), r"'table.call_table\[0\]' must be"),
+    (lambda d: d["table"]["call_table"].__setitem__(0, [1.5, 0.1]), r"'table.call_table\[0\]' must be"),
+    (lambda d: d["table"]["call_table"].reverse(), "increasing integers"),
+    (lambda d: d["table"]["call_table"].__setitem__(0, [1, -0.1]), "call_table"),
+])
+def test_bad_table_block_names_file_and_field(tmp_path, edit, message):
+    simple, physical = both_fits()
+    costs = table_costs(np.random.default_rng(8), 40)
+    table = fit_table([(c, TABLE_TRUTH.step_time_s(c)) for c in costs], LAYOUT)
+    path = tmp_path / "cal.json"
+    save_calibration_file(path, simple, MEASURED_ON, physical=physical, table=table, model="table")
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=message) as err:
+        load_latency_file(path)
+    assert str(path) in str(err.value)
