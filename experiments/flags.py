@@ -336,6 +336,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag(None, ("--real-run",), "compare with this existing real-engine results directory (a `slotlab replay` or "
          "a previous validate's real/) instead of running the engine again; its options must be the same as "
          "these (the latency model may differ)", (VALIDATE,), str, metavar="DIR"),
+    Flag(None, ("--noise-floor",), "another real-engine run of the same workload and options (a previous "
+         "validate's real/ or a `slotlab replay`): compare it with this run's real one request by request, as "
+         "sim and real are compared, and report it beside the simulator's errors: how far two real runs on "
+         "this machine differ, which no latency model can beat (default: none)", (VALIDATE,), str,
+         metavar="DIR"),
     Flag(None, ("--speed-correct",), "probe = multiply the simulator's step times by the speed probe's ratio "
          "(the machine's step times around the real run / at calibration; needs a calibration and a real run "
          "with a probe) (default: off = report the ratio only)", (VALIDATE,), str, "off", "off|probe",

@@ -508,6 +508,13 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
             reused = load_results(args.real_run)
             check_same_run(reused, values, model)
             run_probes = read_run_probes(reused.path)
+        floor_run = None
+        if args.noise_floor:
+            floor_run = load_results(args.noise_floor)
+            try:
+                check_same_run(floor_run, values, model)
+            except ValueError as exc:
+                raise ValueError(f"--noise-floor {args.noise_floor}: {exc}") from exc
         if correct:
             check_speed_correction(values["latency"], cal_probe, model, args.threads, reused, run_probes)
         out = out_dir(args, VALIDATE)
@@ -568,6 +575,8 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
     title = (f"{Path(model).name}, {summary['threads']} threads vs {latency.describe().get('kind')}{scaled} latency "
              f"({summary['n_requests']} requests)")
     summary["calibration_error"] = calibration_error(latency)
+    if floor_run is not None:
+        summary["noise_floor"] = noise_floor(real, floor_run)
     steps = read_steps(real.path)
     step_report = None
     if steps is not None:
@@ -592,12 +601,45 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
                   + (f", held-out shape {100 * held['mape']:.1f}% (median {100 * held['median_ape']:.1f}%)"
                      if held else ""))
         print(format_speed(speed, speed["factor"]))
+        if floor_run is not None:
+            print(format_noise_floor(summary["noise_floor"]))
         print(f"threads {summary['threads']}, load average {load_start[0]:.2f} -> {summary['load_average_end'][0]:.2f}"
               f"; latency {values['latency']}")
         where = "real/" if reused is None else f"real: {real.path}"
         print(f"results: {out}/  ({where}, sim/, "
               f"{FILES['per_request']}, {FILES['errors']}, {FILES['summary']})")
     return 0
+
+
+# --- the noise floor: two real runs -------------------------------------------------------------------------
+
+
+def noise_floor(real: Any, other: Any) -> dict[str, Any]:
+    """validation.json's `noise_floor`: this run's real results against another real run of the same workload
+    (`other`, checked by `check_same_run`), compared as sim and real are (`compare_requests`, `other` in the
+    sim's place): per request (median and mean |rel err|, decision-match rates), aggregate (P50/P90/P99/mean
+    relative differences), and both runs' load average."""
+    per = compare_requests(real.requests, other.requests)
+    agg = aggregate_errors(real.requests, other.requests)
+    return {"real_dir": str(other.path), "what": "another real run of the same workload compared with this "
+            "one as the simulator is (its values in the sim's place)",
+            "per_request": per_request_summary(per),
+            "aggregate": [{"metric": r["metric"], "stat": r["stat"], "rel_err": r["rel_err"]}
+                          for _, r in agg.iterrows()]}
+
+
+def format_noise_floor(floor: Mapping[str, Any]) -> str:
+    per = floor["per_request"]
+    agg = {(r["metric"], r["stat"]): r["rel_err"] for r in floor["aggregate"]}
+
+    def pct(v: float) -> str:
+        return f"{100 * v:+.1f}%" if math.isfinite(v) else "n/a"
+
+    return ("noise floor (two real runs of this workload, " + floor["real_dir"] + "): per request median |diff| "
+            + ", ".join(f"{m.upper()} {100 * per[f'{m}_median_ape']:.1f}%" for m in ("ttft", "tpot", "e2e"))
+            + "; P50/P90 " + ", ".join(f"{m.upper()} {pct(agg[(m, 'p50')])}/{pct(agg[(m, 'p90')])}"
+                                       for m in ("ttft", "tpot", "e2e"))
+            + f"; same decisions {100 * per['decision_match_rate']:.0f}%")
 
 
 # --- the speed probe ---------------------------------------------------------------------------------------

@@ -176,3 +176,34 @@ def test_validate_warns_when_the_calibration_is_of_another_setup(tiny, calib, tm
     assert "warning: the latency model was calibrated with 1 thread (this run: 2)" in err
     _, _, summary = read_validation(tmp_path / "v")
     assert summary["latency_mismatch"].startswith("the latency model")
+
+
+def test_noise_floor_compares_two_real_runs_of_the_same_workload(validated, tiny, calib, tmp_path, capsys):
+    out = tmp_path / "again"
+    assert run_validate(parse("-m", tiny, "--threads", "1", "--latency", f"parametric:{calib}", "--no-plots",
+                              "--noise-floor", str(validated[1] / "real"), "--out", str(out), *WORKLOAD)) == 0
+    printed = capsys.readouterr().out
+    _, _, summary = read_validation(out)
+    floor = summary["noise_floor"]
+    assert floor["real_dir"] == str(validated[1] / "real")
+    # the floor is the two real runs compared request by request exactly as sim and real are (the other run in
+    # the sim's place)
+    other = pd.read_parquet(validated[1] / "real" / "requests.parquet")
+    this = pd.read_parquet(out / "real" / "requests.parquet")
+    expect = per_request_summary(compare_requests(this, other))
+    for m in ("ttft", "tpot", "e2e"):
+        assert floor["per_request"][f"{m}_median_ape"] == pytest.approx(expect[f"{m}_median_ape"])
+    assert floor["per_request"]["decision_match_rate"] == expect["decision_match_rate"]
+    agg = {(r["metric"], r["stat"]): r["rel_err"] for r in floor["aggregate"]}
+    assert agg[("e2e", "p50")] == pytest.approx(
+        aggregate_errors(this, other).set_index(["metric", "stat"]).loc[("e2e", "p50"), "rel_err"])
+    assert "noise floor" in printed
+
+
+def test_noise_floor_of_another_workload_is_refused(validated, tiny, calib, tmp_path, capsys):
+    args = [a if a != "6" else "5" for a in WORKLOAD]                   # --requests 5
+    assert run_validate(parse("-m", tiny, "--latency", f"parametric:{calib}", "--noise-floor",
+                              str(validated[1] / "real"), "--out", str(tmp_path), *args)) == 2
+    err = capsys.readouterr().err
+    assert "--noise-floor" in err and "ran different options" in err
+    assert not (tmp_path / "real").exists()                            # refused before the engine ran
