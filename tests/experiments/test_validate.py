@@ -120,6 +120,10 @@ def test_decision_match_needs_same_slot_and_same_cached_prefix():
     summary = per_request_summary(per)
     assert summary["decision_match_rate"] == pytest.approx(1 / 3)
     assert summary["ttft_median_ape"] == 0.5 and summary["ttft_mape"] == pytest.approx(2 / 3)
+    # the same errors over the requests whose decisions matched (request 0 only): the timing model's alone
+    assert summary["decision_matched"]["n_requests"] == 1
+    assert summary["decision_matched"]["ttft_median_ape"] == 0.5
+    assert summary["decision_matched"]["e2e_median_ape"] == 0.5
 
 
 def test_aggregate_errors_compare_percentiles_of_each_run():
