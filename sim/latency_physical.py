@@ -34,6 +34,7 @@ weight bytes of one call) are an `EngineLayout`, recorded by `slotlab calibrate`
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -171,9 +172,16 @@ def estimate_calls(cost: StepCost) -> tuple[tuple[tuple[int, int, int], ...], ..
     return (tuple(chunks),)
 
 
-def physical_features(cost: StepCost, layout: EngineLayout) -> list[float]:
-    """The regressors of PhysicalLatency for one step, in PHYSICAL_TERMS order."""
-    calls = cost.calls if cost.calls is not None else estimate_calls(cost)
+def step_calls(cost: StepCost) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """The step's forward calls as (seq, pos0, n_tokens) chunks: its layout, else `estimate_calls`."""
+    return cost.calls if cost.calls is not None else estimate_calls(cost)
+
+
+def physical_features(cost: StepCost, layout: EngineLayout, calls: Any = None) -> list[float]:
+    """The regressors of PhysicalLatency for one step, in PHYSICAL_TERMS order (`calls`: `step_calls(cost)`
+    when the caller has it already)."""
+    if calls is None:
+        calls = step_calls(cost)
     threads = layout.n_threads > 1
     batch_min = layout.decode_batch_min
     n_calls = one_token = gemm = tokens = seqs = 0
@@ -221,10 +229,9 @@ def physical_features(cost: StepCost, layout: EngineLayout) -> list[float]:
             float(cost.kv_shift_tokens)]
 
 
-def call_tokens(cost: StepCost) -> list[int]:
-    """Tokens of each forward call of a step (from its layout, else `estimate_calls`)."""
-    calls = cost.calls if cost.calls is not None else estimate_calls(cost)
-    return [sum(n for _, _, n in call) for call in calls]
+def call_tokens(cost: StepCost, calls: Any = None) -> list[int]:
+    """Tokens of each forward call of a step (`calls`: `step_calls(cost)` when the caller has it already)."""
+    return [sum(n for _, _, n in call) for call in (step_calls(cost) if calls is None else calls)]
 
 
 def hat_weights(m: float, knots: Sequence[int]) -> list[tuple[int, float]]:
@@ -237,7 +244,7 @@ def hat_weights(m: float, knots: Sequence[int]) -> list[tuple[int, float]]:
     if m >= knots[-1]:
         lo = n - 2
     else:
-        lo = int(np.searchsorted(knots, m, side="right")) - 1
+        lo = bisect.bisect_right(knots, m) - 1
     a, b = knots[lo], knots[lo + 1]
     w = (m - a) / (b - a)
     return [(lo, 1.0 - w), (lo + 1, w)]
@@ -280,6 +287,9 @@ class PhysicalLatency:
     measured_on: MeasuredOn | None = field(default=None, compare=False)
     source: str | None = field(default=None, compare=False)
     load_moved: bool | None = field(default=None, compare=False)
+    # the table's knots and seconds apart, made once (step_time_s prices every simulated step)
+    _knots: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
+    _seconds: tuple[float, ...] = field(default=(), init=False, repr=False, compare=False)
 
     wants_layout = True          # the simulated backend fills StepCost.calls / kv_save_bytes for this model
 
@@ -290,6 +300,8 @@ class PhysicalLatency:
         for name, value in zip(PHYSICAL_TERMS, self.coefficients):
             _check_non_negative("PhysicalLatency", name, value)
         object.__setattr__(self, "call_table", _check_table(self.call_table))
+        object.__setattr__(self, "_knots", tuple(k for k, _ in self.call_table))
+        object.__setattr__(self, "_seconds", tuple(v for _, v in self.call_table))
 
     @classmethod
     def from_terms(cls, terms: Mapping[str, float], layout: EngineLayout, **kw: Any) -> PhysicalLatency:
@@ -301,21 +313,27 @@ class PhysicalLatency:
     def terms(self) -> dict[str, float]:
         return dict(zip(PHYSICAL_TERMS, self.coefficients))
 
+    def _call_s(self, m: int) -> float:
+        """The table's seconds for one forward call of m tokens (`interp_call` over the cached knots)."""
+        return sum(w * self._seconds[i] for i, w in hat_weights(m, self._knots))
+
     def step_time_s(self, cost: StepCost) -> float:
+        calls = step_calls(cost)
         t = 0.0
-        for c, x in zip(self.coefficients, physical_features(cost, self.layout)):
+        for c, x in zip(self.coefficients, physical_features(cost, self.layout, calls)):
             t += c * x                      # left to right, as decode_only_times_s adds its arrays
-        if self.call_table:
-            for m in call_tokens(cost):
-                t += interp_call(self.call_table, m)
+        if self._knots:
+            for m in call_tokens(cost, calls):
+                t += self._call_s(m)
         return t
 
     def breakdown(self, cost: StepCost) -> dict[str, float]:
         """Seconds per term of one step (and `call_table_s`, the table's per-call costs, when it has one)."""
+        calls = step_calls(cost)
         out = {name: c * x for name, c, x in
-               zip(PHYSICAL_TERMS, self.coefficients, physical_features(cost, self.layout))}
-        if self.call_table:
-            out["call_table_s"] = sum(interp_call(self.call_table, m) for m in call_tokens(cost))
+               zip(PHYSICAL_TERMS, self.coefficients, physical_features(cost, self.layout, calls))}
+        if self._knots:
+            out["call_table_s"] = sum(self._call_s(m) for m in call_tokens(cost, calls))
         return out
 
     def decode_only_times_s(self, n_seqs: int, attn_ctx0: int, k: int,
@@ -348,8 +366,8 @@ class PhysicalLatency:
         t = np.zeros(k)
         for c, xi in zip(self.coefficients, x):
             t += c * xi
-        if self.call_table:
-            t += interp_call(self.call_table, n_seqs)          # one call of n_seqs one-token chunks
+        if self._knots:
+            t += self._call_s(n_seqs)                           # one call of n_seqs one-token chunks
         return t.tolist()
 
     def describe(self) -> dict:
