@@ -141,12 +141,13 @@ def aggregate_errors(real: pd.DataFrame, sim: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _ape_stats(per: pd.DataFrame, out: dict[str, Any], prefix: str = "") -> None:
+def _ape_stats(per: pd.DataFrame, out: dict[str, Any]) -> None:
+    """Median and mean |relative error| per metric of `per`'s rows into `out`."""
     for m in METRICS:
         ape = per[f"{m}_rel_err"].abs().to_numpy(dtype="float64", na_value=np.nan)
         ape = ape[np.isfinite(ape)]
-        out[f"{prefix}{m}_median_ape"] = float(np.median(ape)) if ape.size else math.nan
-        out[f"{prefix}{m}_mape"] = float(ape.mean()) if ape.size else math.nan
+        out[f"{m}_median_ape"] = float(np.median(ape)) if ape.size else math.nan
+        out[f"{m}_mape"] = float(ape.mean()) if ape.size else math.nan
 
 
 def per_request_summary(per: pd.DataFrame) -> dict[str, Any]:
@@ -166,12 +167,17 @@ def per_request_summary(per: pd.DataFrame) -> dict[str, Any]:
     return out
 
 
+def _pct(v: float) -> str:
+    """A relative error as a signed percentage, "n/a" when it is not finite."""
+    return f"{100 * v:+.1f}%" if math.isfinite(v) else "n/a"
+
+
 def format_errors(errors: pd.DataFrame, summary: Mapping[str, Any]) -> str:
     """The aggregate table for the terminal, then the per-request errors and decision-match rates."""
     names = {"ttft": "TTFT", "tpot": "TPOT", "e2e": "E2E", "queue": "queue"}
     lines = [f"{'metric':<7}{'stat':<6}{'real (s)':>11}{'sim (s)':>11}{'sim-real':>11} {'rel err':>9}"]
     for _, r in errors.iterrows():
-        rel = f"{100 * r['rel_err']:+.1f}%" if math.isfinite(r["rel_err"]) else "n/a"
+        rel = _pct(r["rel_err"])
         lines.append(f"{names[r['metric']]:<7}{r['stat']:<6}{r['real_s']:>11.4g}{r['sim_s']:>11.4g}"
                      f"{r['abs_err_s']:>+11.3g} {rel:>9}")   # a space: errors of 1000%+ stay apart
     lines.append("per request |rel err|: " + ", ".join(
@@ -449,6 +455,9 @@ def run_validate_recorded(args: argparse.Namespace, values: dict[str, Any]) -> i
         if args.speed_correct != "off":
             raise UsageError("--speed-correct probe measures this machine around a real engine run; a recorded "
                              "trace has none: drop it (or use --latency scaled:FACTOR:SPEC)")
+        if args.noise_floor:
+            raise UsageError("--noise-floor compares two real engine runs of a generated workload or trace; a "
+                             "recorded trace is one upstream run: drop it")
         trace = load_recorded(args.recorded)
         latency = get_latency_model(values["latency"])
         cfg = server_config(values, latency)
@@ -524,6 +533,9 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
             run_probes = read_run_probes(reused.path)
         floor_run = None
         if args.noise_floor:
+            if args.real_run and Path(args.noise_floor).resolve() == Path(args.real_run).resolve():
+                raise UsageError(f"--noise-floor is the run --real-run reuses ({args.real_run}): give another "
+                                 "real run of the same workload")
             floor_run = load_results(args.noise_floor)
             try:
                 check_same_run(floor_run, values, model)
@@ -631,8 +643,8 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
 def noise_floor(real: Any, other: Any) -> dict[str, Any]:
     """validation.json's `noise_floor`: this run's real results against another real run of the same workload
     (`other`, checked by `check_same_run`), compared as sim and real are (`compare_requests`, `other` in the
-    sim's place): per request (median and mean |rel err|, decision-match rates), aggregate (P50/P90/P99/mean
-    relative differences), and both runs' load average."""
+    sim's place): per request (median and mean |rel err|, decision-match rates) and aggregate (P50/P90/P99/mean
+    relative differences)."""
     per = compare_requests(real.requests, other.requests)
     agg = aggregate_errors(real.requests, other.requests)
     return {"real_dir": str(other.path), "what": "another real run of the same workload compared with this "
@@ -645,13 +657,9 @@ def noise_floor(real: Any, other: Any) -> dict[str, Any]:
 def format_noise_floor(floor: Mapping[str, Any]) -> str:
     per = floor["per_request"]
     agg = {(r["metric"], r["stat"]): r["rel_err"] for r in floor["aggregate"]}
-
-    def pct(v: float) -> str:
-        return f"{100 * v:+.1f}%" if math.isfinite(v) else "n/a"
-
     return ("noise floor (two real runs of this workload, " + floor["real_dir"] + "): per request median |diff| "
             + ", ".join(f"{m.upper()} {100 * per[f'{m}_median_ape']:.1f}%" for m in ("ttft", "tpot", "e2e"))
-            + "; P50/P90 " + ", ".join(f"{m.upper()} {pct(agg[(m, 'p50')])}/{pct(agg[(m, 'p90')])}"
+            + "; P50/P90 " + ", ".join(f"{m.upper()} {_pct(agg[(m, 'p50')])}/{_pct(agg[(m, 'p90')])}"
                                        for m in ("ttft", "tpot", "e2e"))
             + f"; same decisions {100 * per['decision_match_rate']:.0f}%")
 

@@ -211,3 +211,10 @@ def test_noise_floor_of_another_workload_is_refused(validated, tiny, calib, tmp_
     err = capsys.readouterr().err
     assert "--noise-floor" in err and "ran different options" in err
     assert not (tmp_path / "real").exists()                            # refused before the engine ran
+
+
+def test_noise_floor_of_the_reused_run_itself_is_refused(validated, tiny, calib, tmp_path, capsys):
+    real = str(validated[1] / "real")
+    assert run_validate(parse("-m", tiny, "--latency", f"parametric:{calib}", "--real-run", real, "--noise-floor",
+                              real, "--out", str(tmp_path), *WORKLOAD)) == 2
+    assert "--noise-floor is the run --real-run reuses" in capsys.readouterr().err

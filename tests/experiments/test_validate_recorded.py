@@ -68,6 +68,7 @@ def test_validate_recorded_compares_request_by_request(tmp_path, capsys):
 @pytest.mark.parametrize("extra, message", [
     (["--users", "3"], "--recorded replaces the workload: drop --users"),
     (["--real-run", "x"], "--recorded and --real-run"),
+    (["--noise-floor", "x"], "--noise-floor compares two real engine runs"),
 ])
 def test_validate_recorded_usage_errors(tmp_path, capsys, extra, message):
     trace = write_recorded(tmp_path / "r.jsonl")
