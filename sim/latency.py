@@ -565,13 +565,21 @@ def held_out_predictions(x: np.ndarray, t: np.ndarray, groups: Sequence[object],
     if len(groups) != len(t):
         raise ValueError(f"held_out_predictions: {len(groups)} groups for {len(t)} rows")
     pred = np.empty(len(t))
-    for g in dict.fromkeys(groups):
-        held = np.array([h == g for h in groups])
-        if held.all():
-            raise ValueError("held_out_predictions: a single group leaves nothing to fit on")
+    for held in held_out_folds(groups, "held_out_predictions"):
         coef, _ = fit_nonnegative(x[~held], t[~held], weighting=weighting, where="cross-validation")
         pred[held] = x[held] @ coef
     return pred
+
+
+def held_out_folds(groups: Sequence[object], where: str):
+    """For each group (in first-seen order), the boolean mask of its rows; ValueError when a single group
+    would leave nothing to fit on."""
+    groups = list(groups)
+    for g in dict.fromkeys(groups):
+        held = np.array([h == g for h in groups])
+        if held.all():
+            raise ValueError(f"{where}: a single group leaves nothing to fit on")
+        yield held
 
 
 def error_summary(pred: np.ndarray, t: np.ndarray, kinds: Sequence[str]) -> dict[str, dict[str, float]]:

@@ -54,6 +54,7 @@ from sim.latency import (
     check_decode_only_args,
     fit_nonnegative,
     fit_stats,
+    held_out_folds,
     load_calibration,
 )
 
@@ -467,12 +468,8 @@ def held_out_table(costs: Sequence[StepCost], t: np.ndarray, groups: Sequence[ob
                    weighting: str = "relative") -> np.ndarray:
     """`held_out_predictions` for the table model: each group predicted by a `fit_table` of the other groups
     (whose knots are the ones those groups support, so a held-out call size is interpolated)."""
-    groups = list(groups)
     pred = np.empty(len(t))
-    for g in dict.fromkeys(groups):
-        held = np.array([h == g for h in groups])
-        if held.all():
-            raise ValueError("held_out_table: a single group leaves nothing to fit on")
+    for held in held_out_folds(groups, "held_out_table"):
         fit = fit_table([(c, float(v)) for c, v, h in zip(costs, t, held) if not h], layout, weighting=weighting)
         pred[held] = [fit.model.step_time_s(c) for c, h in zip(costs, held) if h]
     return pred
