@@ -73,7 +73,7 @@ def _load(typingctx, arr, i):
 
 @intrinsic
 def _store(typingctx, arr, i, v):
-    """arr[i] = v with release ordering."""
+    """arr[i] = v, a sequentially consistent store (at least the release ordering the publishers need)."""
     if not _int64_array(arr):
         return None
 
