@@ -25,6 +25,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+I16 = np.int16
 I32 = np.int32
 I64 = np.int64
 F32 = np.float32
@@ -94,6 +95,40 @@ def _wide_vectors(typingctx):
         set.add(builder.function.attributes, '"prefer-vector-width"="512"')
         return context.get_dummy_value()
     return sig, codegen
+
+
+@intrinsic
+def _mad16(typingctx, a, b, c):
+    """a * b + c in 16-bit integers (wrapping; the callers' values never wrap). numba types int16 arithmetic as
+    int64, which the vectorizer then runs 4 lanes to a 256-bit vector; in i16 it runs 16."""
+    if not all(isinstance(t, types.Integer) and t.bitwidth == 16 and t.signed for t in (a, b, c)):
+        return None
+    sig = types.int16(types.int16, types.int16, types.int16)
+
+    def codegen(context, builder, signature, args):
+        return builder.add(builder.mul(args[0], args[1]), args[2])
+    return sig, codegen
+
+
+def _nibble16(high):
+    @intrinsic
+    def nibble(typingctx, q):
+        if not (isinstance(q, types.Integer) and q.bitwidth == 8 and not q.signed):
+            return None
+        sig = types.int16(types.uint8)
+
+        def codegen(context, builder, signature, args):
+            v = builder.zext(args[0], ir.IntType(16))
+            four = ir.Constant(ir.IntType(16), 4)
+            return builder.lshr(v, four) if high else builder.and_(v, ir.Constant(ir.IntType(16), 15))
+        return sig, codegen
+    return nibble
+
+
+_lo16 = _nibble16(False)
+_lo16.__doc__ = "The low nibble of a uint8 as int16."
+_hi16 = _nibble16(True)
+_hi16.__doc__ = "The high nibble of a uint8 as int16."
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -321,28 +356,33 @@ def _fma_lanes(xy, dd, acc, w):
 
 
 @njit(cache=True, nogil=True, fastmath=_CONTRACT)
-def _nib_row(qw, dw, mw, qx, dx, sx, y, r, o0, o1):
-    """One row of `dot_nib` over the outputs o0..o1-1, each weight row streamed once."""
+def _nib_row(qw, dw, mw, q16, dx, sx, y, r, o0, o1):
+    """One row of `dot_nib` over the outputs o0..o1-1, each weight row streamed once; q16 [M, n_in] the row's
+    quants as int16. The lane sums are computed in 16-bit integers, 16 outputs per 256-bit vector (float32: 8):
+    a lane sum is 4 products of a nibble (0..15) and a quant (-127..127), |sum| <= 7620, exact in int16 and in
+    float32 alike, so the bits are those of the float32 sums. Measured on one thread, SmolLM2's 120 layer
+    matrices in a row (80 MB, AMD EPYC AVX2): 23.0-24.9 ms float32 -> 19.8-22.1 ms."""
     _wide_vectors()
     nb = qw.shape[0]
     w = o1 - o0
     acc = np.zeros((8, w), F32)
     summ = np.zeros(w, F32)
     dd = np.empty(w, F32)
+    zero = I16(0)
     for b in range(nb):
         _prefetch_block(qw, dw, mw, True, b + _AHEAD, o0, o1)
         _block_scales(sx, dx, mw, dw, True, summ, dd, r, b, o0, w)
         qb = qw[b]
         for lane in range(4):
             j = 32 * b + 4 * lane
-            x0 = qx[r, j]
-            x1 = qx[r, j + 1]
-            x2 = qx[r, j + 2]
-            x3 = qx[r, j + 3]
-            c0 = qx[r, j + 16]
-            c1 = qx[r, j + 17]
-            c2 = qx[r, j + 18]
-            c3 = qx[r, j + 19]
+            x0 = q16[r, j]
+            x1 = q16[r, j + 1]
+            x2 = q16[r, j + 2]
+            x3 = q16[r, j + 3]
+            c0 = q16[r, j + 16]
+            c1 = q16[r, j + 17]
+            c2 = q16[r, j + 18]
+            c3 = q16[r, j + 19]
             q0 = qb[4 * lane, o0:o1]
             q1 = qb[4 * lane + 1, o0:o1]
             q2 = qb[4 * lane + 2, o0:o1]
@@ -350,17 +390,15 @@ def _nib_row(qw, dw, mw, qx, dx, sx, y, r, o0, o1):
             al = acc[lane]
             ah = acc[lane + 4]
             for o in range(w):
-                v0 = I32(q0[o])
-                v1 = I32(q1[o])
-                v2 = I32(q2[o])
-                v3 = I32(q3[o])
-                lo = (F32(I32(v0 & I32(15))) * x0 + F32(I32(v1 & I32(15))) * x1
-                      + F32(I32(v2 & I32(15))) * x2 + F32(I32(v3 & I32(15))) * x3)
-                hi = (F32(I32(v0 >> I32(4))) * c0 + F32(I32(v1 >> I32(4))) * c1
-                      + F32(I32(v2 >> I32(4))) * c2 + F32(I32(v3 >> I32(4))) * c3)
+                v0 = q0[o]
+                v1 = q1[o]
+                v2 = q2[o]
+                v3 = q3[o]
+                lo = _mad16(_lo16(v3), x3, _mad16(_lo16(v2), x2, _mad16(_lo16(v1), x1, _mad16(_lo16(v0), x0, zero))))
+                hi = _mad16(_hi16(v3), c3, _mad16(_hi16(v2), c2, _mad16(_hi16(v1), c1, _mad16(_hi16(v0), c0, zero))))
                 e = dd[o]
-                al[o] = _fma(lo, e, al[o])
-                ah[o] = _fma(hi, e, ah[o])
+                al[o] = _fma(F32(lo), e, al[o])
+                ah[o] = _fma(F32(hi), e, ah[o])
     _finish(acc, summ, True, y, r, o0, w)
 
 
@@ -607,8 +645,11 @@ def dot_nib(qw, dw, mw, qx, dx, sx, y, o0, o1):
     of the block, high nibble = element j + 16), dw, mw [nb, n_out] float32; qx [M, n_in], dx, sx [M, nb] from
     `quantize_q8`. Lanes 0..3 of a block are the low nibbles of bytes 4l..4l+3, lanes 4..7 their high nibbles."""
     if qx.shape[0] == 1:
+        q16 = np.empty(qx.shape, np.int16)               # integers -127..127 held as float32: exact
+        for i in range(qx.shape[1]):
+            q16[0, i] = I16(qx[0, i])
         for t0 in range(o0, o1, _ROW_TILE):
-            _nib_row(qw, dw, mw, qx, dx, sx, y, 0, t0, min(o1, t0 + _ROW_TILE))
+            _nib_row(qw, dw, mw, q16, dx, sx, y, 0, t0, min(o1, t0 + _ROW_TILE))
     else:
         _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, True, True, _TILE)
 

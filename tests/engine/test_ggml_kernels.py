@@ -160,6 +160,26 @@ def test_exact_dot_matches_numpy(type_name, m, n_in, n_out):
     assert got.dtype == np.float32 and np.array_equal(got, want)
 
 
+@pytest.mark.parametrize("m", [1, 2, 5])
+def test_q4_1_lane_sums_at_their_extremes(m):
+    """The one-row Q4_1 kernel sums its lanes in 16-bit integers: every nibble 15 and every activation quant
+    +127 or -127 (a row of +-1: amax 1, q = +-127) gives lane sums of +-7620, the largest there are; signs
+    alternate per block so that both extremes occur. `dot_nib` gives `dot_q8_1`'s bits (an int16 overflow at
+    32767 would not; neither would a sum truncated to 8 bits)."""
+    lin = _qlinear(["Q4_1"], [70], 96)
+    [part] = lin.parts
+    part.w.q[:] = 255
+    x = np.ones((m, 96), np.float32)
+    x[:, 32:64] = -1.0
+    if m > 1:
+        x[1] *= -1.0
+    qx, d16, s = G.quantize_q8_compiled(x)
+    assert np.abs(qx).min() == 127
+    want = G.dot_q8_1(part, x)
+    got = G.GgmlMatmul(1, compiled=True)(lin, x)
+    assert np.all(np.isfinite(want)) and np.array_equal(got, want)
+
+
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q5_1", "Q8_0"])
 @pytest.mark.parametrize("m", [4, 7])
 def test_row_tiles_of_any_width_give_the_numpy_product(type_name, m):
