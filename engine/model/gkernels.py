@@ -375,14 +375,8 @@ def _nib_row(qw, dw, mw, q16, dx, sx, y, r, o0, o1):
         qb = qw[b]
         for lane in range(4):
             j = 32 * b + 4 * lane
-            x0 = q16[r, j]
-            x1 = q16[r, j + 1]
-            x2 = q16[r, j + 2]
-            x3 = q16[r, j + 3]
-            c0 = q16[r, j + 16]
-            c1 = q16[r, j + 17]
-            c2 = q16[r, j + 18]
-            c3 = q16[r, j + 19]
+            x0, x1, x2, x3 = _four(q16[r], j)
+            c0, c1, c2, c3 = _four(q16[r], j + 16)
             q0 = qb[4 * lane, o0:o1]
             q1 = qb[4 * lane + 1, o0:o1]
             q2 = qb[4 * lane + 2, o0:o1]
@@ -412,14 +406,8 @@ def _nib_lanes(qb, qx, r, g, b, t0, w, xy):
         q1 = qb[4 * lane + 1, t0:t0 + w]
         q2 = qb[4 * lane + 2, t0:t0 + w]
         q3 = qb[4 * lane + 3, t0:t0 + w]
-        a0 = qx[r, j]
-        a1 = qx[r, j + 1]
-        a2 = qx[r, j + 2]
-        a3 = qx[r, j + 3]
-        c0 = qx[r, j + 16]
-        c1 = qx[r, j + 17]
-        c2 = qx[r, j + 18]
-        c3 = qx[r, j + 19]
+        a0, a1, a2, a3 = _four(qx[r], j)
+        c0, c1, c2, c3 = _four(qx[r], j + 16)
         xl = xy[0, lane]
         xh = xy[0, lane + 4]
         if g == 2:
