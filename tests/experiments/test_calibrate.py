@@ -277,6 +277,41 @@ def test_copy_plan_charges_saved_and_loaded_bytes():
     assert SimBackend(ConstantLatency(0.0), 1000).cost(plan).kv_copy_bytes == (32 + 64) * 1000
 
 
+def test_multi_slot_save_plan_saves_each_slot_then_clears_it():
+    point = GridPoint("copy", prompt=((0, 8),) * 3, save_tokens=40, save_slots=3)
+    plan = build_plan(point, ones, TASKS)
+    ops = [p for p in plan.program if not isinstance(p, ForwardCall)]
+    assert [(op.kind, op.seq) for op in ops] == [("cache_save", 0), ("seq_rm", 0), ("cache_save", 1), ("seq_rm", 1),
+                                                  ("cache_save", 2), ("seq_rm", 2)]
+    assert len({op.entry for op in ops if op.kind == "cache_save"}) == 3        # three entries, none overwritten
+    assert SimBackend(ConstantLatency(0.0), 1000).cost(plan).kv_copy_bytes == 3 * 40 * 1000
+    assert point.label == "prompt 8, prompt 8, prompt 8, save 3x40" and point.group == point.label
+
+
+def test_save_slots_beyond_the_prompts_or_without_tokens_are_refused():
+    with pytest.raises(ValueError, match="save_slots"):
+        GridPoint("copy", prompt=((0, 8),), save_tokens=40, save_slots=2)
+    with pytest.raises(ValueError, match="save_slots"):
+        GridPoint("copy", prompt=((0, 8),) * 2, save_slots=2)
+
+
+def test_a_multi_slot_save_point_runs_on_the_bench_and_leaves_the_slots_cleared(tiny):
+    model = load(tiny, n_threads=1)
+    point = GridPoint("copy", prompt=((0, 8),) * 2, save_tokens=30, save_slots=2)
+    bench = _Bench(model, [point], replay_sampling(model, 0.0, 0), np.random.default_rng(0))
+    for _ in range(2):                                   # the second run prepares from the first's state
+        cost, seconds = bench.measure(point)
+        assert cost.kv_save_bytes == 2 * 30 * model.config_facts()["kv_bytes_per_token"] and seconds > 0
+        assert [bench.backend.kv.n_tokens(s) for s in (0, 1)] == [8, 8]    # cleared, then the new chunk
+        assert not bench.backend.cache                  # the saved entries do not pile up across passes
+
+
+def test_full_grid_saves_several_slots_in_one_step():
+    grid = calibration_grid()
+    multi = [p for p in grid if p.save_slots > 1]
+    assert multi and max(p.save_slots * p.save_tokens for p in multi) >= 4096
+
+
 def test_shift_plan_discards_half_and_decodes_after_the_kept_cells():
     plan = build_plan(GridPoint("shift", decode=(100,), shift=True), ones, TASKS)
     rm, add, call = plan.program
