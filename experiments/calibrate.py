@@ -75,8 +75,7 @@ class GridPoint:
     prompt go to the host-RAM cache (`cache_save`), then an entry of `load_tokens` cells is restored into it
     (`cache_load`; the chunk then starts at pos0 = load_tokens) or, without a load, the slot is cleared.
     `save_slots` > 1 (no load): the first `save_slots` prompt sequences each save `save_tokens` cells to an
-    entry of their own and are cleared, all in the one step, as when several slots take new tasks at once
-    (up to 170 MB saved in one step of a real run with a small cache).
+    entry of their own and are cleared, all in the one step, as when several slots take new tasks at once.
     `shift`: the first decoding sequence is context-shifted before the step (n_keep 0, half of its cells
     discarded, the rest re-rotated), as `update_slots` does for a full slot. `split`: the step goes as two
     `llama_decode` calls, the first taking `split` tokens (the core's n_batch cut).
