@@ -201,7 +201,26 @@ def test_state_size_is_header_plus_bytes_per_token(tiny_model):
     assert kv.state_save(1) == struct.pack("<4sIIIIII", KV_STATE_MAGIC, 1, 0, 2, 2, 16, 0)
 
 
-def _corrupt(blob: bytes, how: str) -> bytes:
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_state_blob_is_the_documented_layout_and_a_copy(tiny_model, dtype):
+    model = tiny_model()
+    kv = _filled(model, n_seq=3, dtype=dtype)           # three sequences share the pool: seq 0 is a strided view
+    model.forward_batch(kv, [(1, PROMPT[:5], 0, False)])
+    s = kv._seq(0)
+    n = s.n
+    expected = (struct.pack("<4sIIIIII", KV_STATE_MAGIC, 1, n, 2, 2, 16, 0 if dtype == np.float32 else 1)
+                + s.pos[:n].astype("<i4").tobytes()
+                + np.ascontiguousarray(s.k[:, :, :n]).tobytes() + np.ascontiguousarray(s.v[:, :, :n]).tobytes())
+    blob = kv.state_save(0)
+    assert blob.readonly and len(blob) == kv.state_size(0)
+    assert bytes(blob) == expected
+    kv.seq_add(0, 0, -1, 3)                              # moves and re-rotates the cells the blob came from
+    _next_logits(model, kv, 0, 9)
+    assert bytes(blob) == expected
+
+
+def _corrupt(blob: bytes | memoryview, how: str) -> bytes:
+    blob = bytes(blob)
     if how == "magic":
         return b"XXXX" + blob[4:]
     if how == "version":
