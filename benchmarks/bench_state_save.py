@@ -2,9 +2,10 @@
 another checkout (`--base DIR`), interleaved in one process.
 
     .venv/bin/python benchmarks/bench_state_save.py [--base /path/to/other/tree] [--cells 512,2048,7000]
-        [--rounds 4] [--repeat 5]
+        [--rounds 4] [--repeat 5] [--kv-type f32|f16]
 
-A `KVStore` with SmolLM2-135M's shape (30 layers, 3 KV heads, head_dim 64, f16 cells, 4 sequences in a
+A `KVStore` with SmolLM2-135M's shape (30 layers, 3 KV heads, head_dim 64; f32 cells, the engine's default
+numerics, or `--kv-type f16`; 4 sequences in a
 unified pool of 4 x 8192 cells, so that a sequence is a strided view of the pool as in the server) holds one
 sequence of each `--cells` size. Each round times, per tree (the order alternates between rounds),
 `--repeat` saves of each sequence (the previous blob released before the next save, as an evicted entry is)
@@ -43,8 +44,8 @@ def _kv_module(tree: str, name: str):
     return mod
 
 
-def _store(mod, cells: list[int]):
-    kv = mod.KVStore(4, 8192, rotator=_NoRotation(), unified=True, dtype=np.float16, **SHAPE)
+def _store(mod, cells: list[int], dtype):
+    kv = mod.KVStore(4, 8192, rotator=_NoRotation(), unified=True, dtype=dtype, **SHAPE)
     rng = np.random.default_rng(0)
     for seq, n in enumerate(cells):
         (s,) = kv.prepare_append([(seq, 0, n)])
@@ -77,6 +78,7 @@ def main() -> None:
     ap.add_argument("--cells", default="512,2048,7000", help="sequence lengths, at most 3 (default %(default)s)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--kv-type", choices=("f32", "f16"), default="f32", help="cell type (default %(default)s)")
     args = ap.parse_args()
     cells = [int(c) for c in args.cells.split(",")]
     if not 1 <= len(cells) <= 3 or min(cells) < 1 or max(cells) > 8192:
@@ -84,8 +86,9 @@ def main() -> None:
     trees = {"this": _kv_module(HERE, "kv_this")}
     if args.base:
         trees = {"base": _kv_module(os.path.abspath(args.base), "kv_base"), **trees}
-    stores = {name: _store(mod, cells) for name, mod in trees.items()}
-    print(f"threads: numpy copies on 1 thread; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} "
+    dtype = np.float32 if args.kv_type == "f32" else np.float16
+    stores = {name: _store(mod, cells, dtype) for name, mod in trees.items()}
+    print(f"KV cells {args.kv_type}; threads: numpy copies on 1 thread; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} "
           f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS')}; load average before "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     res: dict = {}
