@@ -342,9 +342,11 @@ FLAGS: tuple[Flag, ...] = (
          "this machine differ, which no latency model can beat (default: none)", (VALIDATE,), str,
          metavar="DIR"),
     Flag(None, ("--speed-correct",), "probe = multiply the simulator's step times by the speed probe's ratio "
-         "(the machine's step times around the real run / at calibration; needs a calibration and a real run "
-         "with a probe) (default: off = report the ratio only)", (VALIDATE,), str, "off", "off|probe",
-         choices=("off", "probe")),
+         "(the machine's step times around the real run / the probe's at calibration); grid = by the probe "
+         "around the real run / the calibration grid's own medians of the same shapes (what the model was "
+         "fitted on: also corrects a grid that ran slower than its probe, docs/validation_sim.md §7.2); both "
+         "need a calibration and a real run with a probe (default: off = report the ratios only)", (VALIDATE,),
+         str, "off", "off|probe|grid", choices=("off", "probe", "grid")),
     # generate and calibrate
     Flag(None, ("-m", "--model"), f"GGUF model (default: {SMOLLM2_WHEEL})", (GENERATE, CALIBRATE), str,
          metavar="GGUF"),

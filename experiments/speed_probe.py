@@ -1,6 +1,7 @@
 """The speed probe: a few fixed engine step shapes timed when a latency model is calibrated and again around a
 validation's real run, so that `slotlab validate` can say how much slower or faster the machine runs than it
-did at calibration, and (`--speed-correct probe`) scale the simulator's step times by that ratio.
+did at calibration, and (`--speed-correct probe`) scale the simulator's step times by that ratio (or, with
+`--speed-correct grid`, by the ratio to the calibration grid's own medians of the same shapes).
 
 The shapes and their measurement are `experiments.calibrate`'s (`probe_points`, `measure_probe`: calibrate's
 own bench and interleaved passes). This module holds the record (`SpeedProbe`), where it is stored (a
@@ -189,6 +190,13 @@ def time_ratio(now: SpeedProbe, ref: SpeedProbe) -> dict[str, Any]:
     return {"ratio": geomean(list(per_shape.values())), "per_shape": per_shape}
 
 
+def grid_offset(calibration: SpeedProbe) -> float | None:
+    """The calibration probe's step time / the calibration grid's own median, geometric mean over the shapes
+    the grid also measured (< 1: the grid ran slower than its probe); None when it has none (--quick grid)."""
+    both = [s for s in calibration.shapes if s.grid_median_s is not None]
+    return geomean([s.median_s / s.grid_median_s for s in both]) if both else None
+
+
 def probe_mismatch(probe: SpeedProbe, model: str, threads: int) -> str | None:
     """Why a calibration's probe cannot be compared with a run of `model` at `threads` (another thread count
     or model file), or None."""
@@ -205,15 +213,18 @@ def speed_report(calibration: SpeedProbe | None, before: SpeedProbe | None, afte
     """validation.json's `speed_probe`: the three probes, the ratios now / calibration before and after the real
     run (geometric mean over shapes, and per shape), their geometric mean (`ratio.mean`, the factor
     `--speed-correct probe` applies) and after / before (`ratio.during`: how far the speed moved during the
-    run). A ratio is None when a probe is missing."""
+    run); `ratio.grid_offset` (`grid_offset`) and `ratio.grid` = mean x grid_offset, the factor `--speed-correct
+    grid` applies. A ratio is None when a probe is missing."""
     out: dict[str, Any] = {
         "calibration": None if calibration is None else calibration.to_dict(),
         "before": None if before is None else before.to_dict(),
         "after": None if after is None else after.to_dict(),
-        "ratio": {"before": None, "after": None, "mean": None, "during": None},
+        "ratio": {"before": None, "after": None, "mean": None, "during": None, "grid_offset": None, "grid": None},
         "per_shape": {}, "threshold": threshold,
         "definition": "step time now / at calibration (> 1: the machine is slower now), geometric mean over the "
-                      "probe's shapes; mean = geometric mean of before and after; during = after / before",
+                      "probe's shapes; mean = geometric mean of before and after; during = after / before; grid_offset = the "
+                      "calibration's probe / its grid's medians of the same shapes; grid = mean x grid_offset (the "
+                      "step time now / the grid's, the factor of --speed-correct grid)",
     }
     r = out["ratio"]
     if before is not None and after is not None:
@@ -225,6 +236,9 @@ def speed_report(calibration: SpeedProbe | None, before: SpeedProbe | None, afte
                 r[name], out["per_shape"][name] = got["ratio"], got["per_shape"]
         if r["before"] is not None and r["after"] is not None:
             r["mean"] = math.sqrt(r["before"] * r["after"])
+        r["grid_offset"] = grid_offset(calibration)
+        if r["mean"] is not None and r["grid_offset"] is not None:
+            r["grid"] = r["mean"] * r["grid_offset"]
     return out
 
 
@@ -240,8 +254,8 @@ def speed_warnings(report: Mapping[str, Any], latency: str, correct: str, factor
         text = (f"the machine's speed differs from when {latency} was calibrated: the speed probe's step times "
                 f"were {figures} the real run (now / calibration, > 1 = slower now; threshold "
                 f"{100 * threshold:.0f}%): ")
-        if correct == "probe":
-            text += (f"the simulator's step times were multiplied by x{factor:.3f} (--speed-correct probe); one "
+        if correct in ("probe", "grid"):
+            text += (f"the simulator's step times were multiplied by x{factor:.3f} (--speed-correct {correct}); one "
                      "factor does not follow contention that slows some step terms more than others, so "
                      "recalibrate (`slotlab calibrate`) right before validating for figures")
         else:
@@ -277,6 +291,8 @@ def format_speed(report: Mapping[str, Any], factor: float, where: str = "") -> s
         head = (f"speed probe, step time now / calibration (geometric mean over {len(report['per_shape']['before'])}"
                 f" shapes): before x{r['before']:.3f}, after x{r['after']:.3f}; calibration's probe {cal['when']} "
                 f"at load {_load1(cal['load']['after'])}")
+        if r.get("grid") is not None:
+            head += f"; now / the calibration grid's medians x{r['grid']:.3f}"
     if before is not None:
         head += f"; run's probes at load {_load1(before['load']['before'])} and {_load1(after['load']['after'])}"
     return f"{head}{where}; simulator step times x{factor:.3f}"

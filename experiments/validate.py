@@ -52,6 +52,7 @@ from experiments.speed_probe import (
     SpeedProbe,
     calibration_probe,
     format_speed,
+    grid_offset,
     probe_mismatch,
     read_run_probes,
     speed_report,
@@ -453,7 +454,7 @@ def run_validate_recorded(args: argparse.Namespace, values: dict[str, Any]) -> i
         if args.real_run:
             raise UsageError("--recorded and --real-run are two different real runs: give one")
         if args.speed_correct != "off":
-            raise UsageError("--speed-correct probe measures this machine around a real engine run; a recorded "
+            raise UsageError("--speed-correct measures this machine around a real engine run; a recorded "
                              "trace has none: drop it (or use --latency scaled:FACTOR:SPEC)")
         if args.noise_floor:
             raise UsageError("--noise-floor compares two real engine runs of a generated workload or trace; a "
@@ -517,7 +518,7 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
     values = option_values(args)
     if args.recorded:
         return run_validate_recorded(args, values)
-    correct = args.speed_correct == "probe"
+    correct = args.speed_correct in ("probe", "grid")
     try:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
@@ -542,7 +543,8 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
             except ValueError as exc:
                 raise ValueError(f"--noise-floor {args.noise_floor}: {exc}") from exc
         if correct:
-            check_speed_correction(values["latency"], cal_probe, model, args.threads, reused, run_probes)
+            check_speed_correction(values["latency"], cal_probe, model, args.threads, reused, run_probes,
+                                   args.speed_correct)
         out = out_dir(args, VALIDATE)
     except (UsageError, ValueError, OSError) as exc:
         print(f"slotlab validate: error: {exc}", file=sys.stderr)
@@ -691,39 +693,46 @@ def probe_unusable(cal_probe: SpeedProbe, run_probes: tuple[SpeedProbe, SpeedPro
 
 
 def check_speed_correction(spec: str, cal_probe: SpeedProbe | None, model: str, threads: int, reused: Any,
-                           run_probes: tuple[SpeedProbe, SpeedProbe] | None) -> None:
-    """UsageError unless `--speed-correct probe` has what it needs, checked before the engine runs: a
-    calibration with a probe comparable with this run's, and (with --real-run) probes stored with the run."""
+                           run_probes: tuple[SpeedProbe, SpeedProbe] | None, correct: str = "probe") -> None:
+    """UsageError unless `--speed-correct probe|grid` has what it needs, checked before the engine runs: a
+    calibration with a probe comparable with this run's, (grid) the grid's own medians of the probe's shapes,
+    and (with --real-run) probes stored with the run."""
+    flag = f"--speed-correct {correct}"
     if cal_probe is None:
-        raise UsageError(f"--speed-correct probe needs a calibration with a speed probe, and {spec} has none (not a "
+        raise UsageError(f"{flag} needs a calibration with a speed probe, and {spec} has none (not a "
                          "calibration file, or one written before the probe): calibrate this setup with "
                          f"`slotlab calibrate -m {model} --threads {threads} --out cal.json` and pass "
                          "--latency parametric:cal.json, or use --speed-correct off")
+    if correct == "grid" and grid_offset(cal_probe) is None:
+        raise UsageError(f"{flag}: {spec}'s grid did not measure the speed probe's shapes (a --quick "
+                         "calibration): use the full grid (`slotlab calibrate` without --quick), or "
+                         "--speed-correct probe")
     if reused is not None and run_probes is None:
-        raise UsageError(f"--speed-correct probe: {reused.path} has no {PROBE_FILE} (a `slotlab replay` run, or "
+        raise UsageError(f"{flag}: {reused.path} has no {PROBE_FILE} (a `slotlab replay` run, or "
                          "a validate run made before the speed probe): rerun validate without --real-run, or use "
                          "--speed-correct off")
     why = probe_unusable(cal_probe, run_probes, model, threads)
     if why:
-        raise UsageError(f"--speed-correct probe: {spec} is not comparable with this run: the calibration's {why}")
+        raise UsageError(f"{flag}: {spec} is not comparable with this run: the calibration's {why}")
 
 
 def speed_correction(cal_probe: SpeedProbe | None, run_probes: tuple[SpeedProbe, SpeedProbe] | None, model: str,
                      threads: int, correct: str, latency: Any) -> tuple[dict[str, Any], Any]:
     """validation.json's `speed_probe` (ratios, `correct`, the `factor` used) and the latency model the
-    simulator runs with: `latency`, or with `correct` = "probe" ScaledLatency(latency, ratio.mean). A
-    calibration probe that is not comparable gives no ratio (`calibration_unusable` says why)."""
+    simulator runs with: `latency`, or ScaledLatency(latency, ratio.mean) with `correct` = "probe",
+    ScaledLatency(latency, ratio.grid) with "grid". A calibration probe that is not comparable gives no ratio
+    (`calibration_unusable` says why)."""
     before, after = run_probes if run_probes else (None, None)
     why = probe_unusable(cal_probe, run_probes, model, threads) if cal_probe is not None else None
     report = speed_report(None if why else cal_probe, before, after)
     report["calibration_unusable"] = why
     if cal_probe is not None:
         report["calibration"] = cal_probe.to_dict()
-    factor = report["ratio"]["mean"] if correct == "probe" else 1.0
+    factor = {"probe": report["ratio"]["mean"], "grid": report["ratio"]["grid"]}.get(correct, 1.0)
     if factor is None:                # check_speed_correction rules this out before the run
-        raise RuntimeError(f"--speed-correct probe without a ratio ({why or 'a probe is missing'})")
+        raise RuntimeError(f"--speed-correct {correct} without a ratio ({why or 'a probe is missing'})")
     report.update(correct=correct, factor=factor)
-    return report, (ScaledLatency(latency, factor) if correct == "probe" else latency)
+    return report, (ScaledLatency(latency, factor) if correct in ("probe", "grid") else latency)
 
 
 def calibration_error(latency: Any) -> dict[str, Any] | None:
@@ -779,7 +788,10 @@ def _speed_clause(summary: dict) -> str:
     ratio = (speed.get("ratio") or {}).get("mean")
     if ratio is None:
         return ""
-    return f", speed probe now / calibration x{ratio:.3f}" + (" (corrected)" if speed.get("correct") == "probe" else "")
+    out = f", speed probe now / calibration x{ratio:.3f}"
+    if speed.get("correct") in ("probe", "grid"):
+        out += f" (corrected: --speed-correct {speed['correct']} x{speed['factor']:.3f})"
+    return out
 
 
 def _steps_clause(summary: dict) -> str:

@@ -15,6 +15,7 @@ from experiments.speed_probe import (
     SpeedProbe,
     calibration_probe,
     format_speed,
+    grid_offset,
     probe_mismatch,
     read_run_probes,
     speed_report,
@@ -123,6 +124,36 @@ def test_report_gives_before_after_their_mean_and_the_drift_during_the_run():
     assert r["during"] == pytest.approx(1.5 / 1.2, rel=1e-12)
     assert report["calibration"]["shapes"][0]["label"] == LABELS[0] and report["threshold"] == SPEED_THRESHOLD
     assert set(report["per_shape"]) == {"before", "after"}
+
+
+GRID_SLOWER = [1.2, 1.1, 1.0]                # the grid's medians of the probe's shapes / the probe's own
+
+
+def with_grid(probe, slower=GRID_SLOWER):
+    """`probe` with grid medians: each shape's median times its factor in `slower` (the grid ran slower)."""
+    shapes = tuple(ProbeShape(s.label, s.median_s, s.samples_s, s.median_s * f) for s, f in zip(probe.shapes, slower))
+    return SpeedProbe(shapes, *(getattr(probe, f) for f in ("statistic", "load_before", "load_after", "when",
+                                                               "wall_s", "threads", "model", "engine")))
+
+
+def test_grid_ratio_is_the_probe_ratio_times_the_calibration_probes_offset_from_its_grid():
+    cal = with_grid(make_probe(CAL_S))
+    offset = (1 / 1.2 * 1 / 1.1 * 1 / 1.0) ** (1 / 3)
+    assert grid_offset(cal) == pytest.approx(offset, rel=1e-12)
+    report = speed_report(cal, make_probe(scaled(CAL_S, 1.1)), make_probe(scaled(CAL_S, 1.3)))
+    r = report["ratio"]
+    assert r["mean"] == pytest.approx(math.sqrt(1.1 * 1.3), rel=1e-12)
+    assert r["grid_offset"] == pytest.approx(offset, rel=1e-12)
+    assert r["grid"] == pytest.approx(math.sqrt(1.1 * 1.3) * offset, rel=1e-12)
+    assert f"now / the calibration grid's medians x{r['grid']:.3f}" in format_speed(report, r["grid"])
+    assert SpeedProbe.from_dict(cal.to_dict(), "cal.json") == cal         # the grid medians are stored
+
+
+def test_a_calibration_probe_without_grid_medians_gives_no_grid_ratio():
+    report = speed_report(make_probe(CAL_S), make_probe(CAL_S), make_probe(CAL_S))
+    assert grid_offset(make_probe(CAL_S)) is None
+    assert report["ratio"]["grid_offset"] is None and report["ratio"]["grid"] is None
+    assert report["ratio"]["mean"] == pytest.approx(1.0, rel=1e-12)
 
 
 def test_report_without_a_calibration_probe_still_gives_the_drift():

@@ -15,7 +15,15 @@ import pytest
 from experiments.speed_probe import PROBE_FILE, SPEED_THRESHOLD, read_run_probes, write_run_probes
 from experiments.validate import read_validation, run_validate
 from sim.latency import ParametricLatency, save_calibration
-from tests.experiments.test_speed_probe import CAL_S, LABELS, MEASURED_ON, make_probe, scaled
+from tests.experiments.test_speed_probe import (
+    CAL_S,
+    GRID_SLOWER,
+    LABELS,
+    MEASURED_ON,
+    make_probe,
+    scaled,
+    with_grid,
+)
 from tests.experiments.test_validate import parse
 
 BEFORE, AFTER = 1.2, 1.3                      # injected: step times x1.2 before the real run, x1.3 after
@@ -180,3 +188,26 @@ def test_speed_correct_multiplies_the_simulated_times_by_the_factor(setup, tmp_p
         assert list(probe[col]) == pytest.approx(list(speed["factor"] * off[col]), rel=0, abs=bound), col
     # tpot = (e2e - ttft) / (n_output - 1): twice the bound over at least one token
     assert list(probe["tpot_s"]) == pytest.approx(list(speed["factor"] * off["tpot_s"]), rel=0, abs=2 * bound)
+
+
+def test_speed_correct_grid_needs_the_grids_medians_of_the_probes_shapes(setup, tmp_path, capsys):
+    probe = injected(1.0, 1.0)
+    assert validate(setup, tmp_path / "v", "--speed-correct", "grid", speed_probe=probe) == 2
+    assert "grid did not measure the speed probe's shapes (a --quick calibration)" in capsys.readouterr().err
+    assert probe.calls == [] and not (tmp_path / "v").exists()          # refused before the engine runs
+
+
+def test_speed_correct_grid_multiplies_by_the_ratio_to_the_grids_medians(setup, tmp_path):
+    cal = tmp_path / "cal_grid.json"
+    data = json.loads(setup["cal"].read_text())
+    data["probe"] = with_grid(make_probe(CAL_S)).to_dict()
+    cal.write_text(json.dumps(data))
+    real = str(setup["out"] / "real")                                   # its probes: x1.2 before, x1.3 after
+    assert validate(setup, tmp_path / "g", "--real-run", real, "--speed-correct", "grid", cal=cal) == 0
+    _, _, summary = read_validation(tmp_path / "g")
+    speed = summary["speed_probe"]
+    offset = math.prod(1 / f for f in GRID_SLOWER) ** (1 / len(GRID_SLOWER))
+    assert speed["correct"] == "grid" and speed["factor"] == speed["ratio"]["grid"]
+    assert speed["factor"] == pytest.approx(FACTOR * offset, rel=1e-12)
+    assert summary["latency_model"]["kind"] == "scaled" and summary["latency_model"]["factor"] == speed["factor"]
+
