@@ -88,7 +88,8 @@ def main() -> None:
         trees = {"base": _kv_module(os.path.abspath(args.base), "kv_base"), **trees}
     dtype = np.float32 if args.kv_type == "f32" else np.float16
     stores = {name: _store(mod, cells, dtype) for name, mod in trees.items()}
-    print(f"KV cells {args.kv_type}; threads: numpy copies on 1 thread; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} "
+    print(f"KV cells {args.kv_type}; threads: numpy copies on 1 thread; "
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} "
           f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS')}; load average before "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     res: dict = {}

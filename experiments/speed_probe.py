@@ -222,9 +222,9 @@ def speed_report(calibration: SpeedProbe | None, before: SpeedProbe | None, afte
         "ratio": {"before": None, "after": None, "mean": None, "during": None, "grid_offset": None, "grid": None},
         "per_shape": {}, "threshold": threshold,
         "definition": "step time now / at calibration (> 1: the machine is slower now), geometric mean over the "
-                      "probe's shapes; mean = geometric mean of before and after; during = after / before; grid_offset = the "
-                      "calibration's probe / its grid's medians of the same shapes; grid = mean x grid_offset (the "
-                      "step time now / the grid's, the factor of --speed-correct grid)",
+                      "probe's shapes; mean = geometric mean of before and after; during = after / before; "
+                      "grid_offset = the calibration's probe / its grid's medians of the same shapes; grid = mean "
+                      "x grid_offset (the step time now / the grid's, the factor of --speed-correct grid)",
     }
     r = out["ratio"]
     if before is not None and after is not None:
