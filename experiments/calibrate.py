@@ -42,7 +42,7 @@ from engine.model.sampling import SamplingParams
 from experiments.flags import CALIBRATE, add_flags
 from experiments.results import new_results_dir
 from experiments.runs import resolve_model
-from experiments.speed_probe import ProbeShape, SpeedProbe, format_probe
+from experiments.speed_probe import ProbeShape, SpeedProbe, SpeedTrack, TrackPass, format_probe
 from sim.backend import SimBackend
 from sim.latency import ConstantLatency, cost_features, error_summary, fit_parametric, held_out_predictions
 from sim.latency_physical import (
@@ -502,6 +502,54 @@ def measure_probe(model: Any, sampling: Any, *, repeats: int = PROBE_REPEATS, se
                       datetime.datetime.now().astimezone().isoformat(timespec="seconds"), m.wall_s,
                       int(model.n_threads) if model.n_threads else None, Path(model.path).name,
                       f"threading={model.threading}, {model.threads_desc}")
+
+
+class InRunProbe:
+    """The speed probe during a real run: one pass over `probe_points()` (shuffled, one execution each) every
+    `every_s` wall seconds, taken between two of the run's steps as a `NumpyBackend.on_step` observer.
+
+    The passes run on a bench of their own (`_Bench`: its own KV cells and sequences; the same model, weights
+    and threads), so the run's cells, slots and prompt cache are untouched, and the run's clock does not see
+    them: replay's clock advances by the measured times of the run's own steps and its idle gaps, and a pass is
+    neither (it costs wall time only: ~0.2 s per pass for SmolLM2 at 2 threads). `start(run_clock)` before the
+    first step; `track()` afterwards (experiments.speed_probe.SpeedTrack)."""
+
+    def __init__(self, model: Any, sampling: Any, every_s: float, *, seed: int = 0,
+                 clock: Callable[[], float] = time.perf_counter, load_reader: LoadReader = os.getloadavg) -> None:
+        if not every_s > 0:
+            raise ValueError(f"InRunProbe: every_s must be > 0, got {every_s!r}")
+        self.every_s = float(every_s)
+        self.points = probe_points()
+        self._rng = np.random.default_rng(seed)
+        self.bench = _Bench(model, self.points, sampling, self._rng)
+        for p in self.points:                      # warm-up (as measure_grid's), not recorded
+            self.bench.measure(p)
+        self._clock, self._load = clock, load_reader
+        self._run_clock: Callable[[], float] = lambda: 0.0
+        self._t0 = self._next = 0.0
+        self.passes: list[TrackPass] = []
+
+    def start(self, run_clock: Callable[[], float]) -> None:
+        """The run starts now; `run_clock()` reads its clock (seconds) between steps."""
+        self._run_clock = run_clock
+        self._t0 = self._clock()
+        self._next = self._t0 + self.every_s
+
+    def __call__(self, plan: Any, elapsed_s: float) -> None:
+        now = self._clock()
+        if now < self._next:
+            return
+        shapes = {}
+        for i in self._rng.permutation(len(self.points)).tolist():
+            p = self.points[i]
+            shapes[p.label] = self.bench.measure(p)[1]
+        # the run's clock at this step's end (run_clock reads its start while the step is being committed)
+        self.passes.append(TrackPass(float(self._run_clock()) + elapsed_s, now - self._t0, shapes,
+                                     float(self._load()[0])))
+        self._next = self._clock() + self.every_s
+
+    def track(self) -> SpeedTrack:
+        return SpeedTrack(self.every_s, tuple(self.passes))
 
 
 # --- fitting and cross-validation ------------------------------------------------------------------------

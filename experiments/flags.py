@@ -344,9 +344,16 @@ FLAGS: tuple[Flag, ...] = (
     Flag(None, ("--speed-correct",), "probe = multiply the simulator's step times by the speed probe's ratio "
          "(the machine's step times around the real run / the probe's at calibration); grid = by the probe "
          "around the real run / the calibration grid's own medians of the same shapes (what the model was "
-         "fitted on: also corrects a grid that ran slower than its probe, docs/validation_sim.md §7.2); both "
-         "need a calibration and a real run with a probe (default: off = report the ratios only)", (VALIDATE,),
-         str, "off", "off|probe|grid", choices=("off", "probe", "grid")),
+         "fitted on: also corrects a grid that ran slower than its probe, docs/validation_sim.md §7.2); track = "
+         "by a factor that follows the run's clock, through the probe before the run, its passes during it "
+         "(--probe-every) and the probe after, each over the grid's medians (a machine whose speed moves "
+         "during the run, §8); all need a calibration and a real run with a probe (default: off = report the "
+         "ratios only)", (VALIDATE,), str, "off", "off|probe|grid|track",
+         choices=("off", "probe", "grid", "track")),
+    Flag(None, ("--probe-every",), "during the real run, one pass of the speed probe's shapes every this many "
+         "wall seconds, between two steps and on its own KV cells: outside the run's clock (replay's clock "
+         "advances by the run's own step times), stored as real/speed_track.json, the knots of --speed-correct "
+         "track (default: 10; 0 = off)", (VALIDATE,), float, 10.0, "SECONDS"),
     # generate and calibrate
     Flag(None, ("-m", "--model"), f"GGUF model (default: {SMOLLM2_WHEEL})", (GENERATE, CALIBRATE), str,
          metavar="GGUF"),

@@ -87,14 +87,23 @@ def engine_simulation(model: Any, cfg: ServerConfig, seed: int, temp: float, *, 
 
 def run_replay(values: dict[str, Any], workload, model_path: str, threads: int, temp: float,
                out_dir: str, context: dict[str, Any], csv: bool, plots: bool, progress=None,
-               loaded: Any = None) -> dict[str, Any]:
+               loaded: Any = None, probe: Any = None) -> dict[str, Any]:
     """Load the model (or take `loaded`, the model `model_path` loaded with `threads`), replay `workload` on it,
-    write the results directory; returns the summary row."""
+    write the results directory; returns the summary row. `probe`: an observer of every step besides the step
+    log (`experiments.calibrate.InRunProbe`), started with the run's clock before the first step."""
     model = loaded if loaded is not None else load(model_path, n_threads=threads)
     sim, cfg = engine_simulation(model, server_config({**values, "kv_bytes_per_token": None}), values["seed"], temp,
                                  keep_n_ctx_train=values["ctx_size"] != 0, progress=progress)
-    steps = StepLog(sim.backend.kv_bytes_per_token)
-    sim.backend.on_step = steps
+    steps = StepLog(sim.backend.kv_bytes_per_token, run_clock=lambda: sim.now_s)
+    if probe is None:
+        sim.backend.on_step = steps
+    else:
+        probe.start(lambda: sim.now_s)
+
+        def on_step(plan: Any, elapsed_s: float) -> None:
+            steps(plan, elapsed_s)
+            probe(plan, elapsed_s)
+        sim.backend.on_step = on_step
     result = sim.run(workload)
     sim.backend.on_step = None
     threads = {"threads": sim.backend.n_threads, "threads_desc": model.threads_desc}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -254,7 +255,11 @@ def speed_warnings(report: Mapping[str, Any], latency: str, correct: str, factor
         text = (f"the machine's speed differs from when {latency} was calibrated: the speed probe's step times "
                 f"were {figures} the real run (now / calibration, > 1 = slower now; threshold "
                 f"{100 * threshold:.0f}%): ")
-        if correct in ("probe", "grid"):
+        if correct == "track":
+            text += ("the simulator's step times were multiplied by a factor following the run's clock "
+                     "(--speed-correct track); it does not follow contention that slows some step terms more "
+                     "than others, so recalibrate (`slotlab calibrate`) right before validating for figures")
+        elif correct in ("probe", "grid"):
             text += (f"the simulator's step times were multiplied by x{factor:.3f} (--speed-correct {correct}); one "
                      "factor does not follow contention that slows some step terms more than others, so "
                      "recalibrate (`slotlab calibrate`) right before validating for figures")
@@ -266,10 +271,12 @@ def speed_warnings(report: Mapping[str, Any], latency: str, correct: str, factor
         out.append(text)
     during = r["during"]
     if during is not None and abs(during - 1) > threshold:
+        fix = ("--speed-correct track follows it through the probe passes taken during the run" if correct == "track"
+               else "no single factor corrects them: `--speed-correct track --real-run "
+                    f"{real_dir}` follows the speed through the probe passes taken during the run")
         out.append(f"the machine's speed moved during the real run (speed probe after / before x{during:.3f}, "
-                   f"more than {100 * threshold:.0f}%): the real run's step times mix speeds and no single factor "
-                   "corrects them; rerun on a steadier machine (validation.json real_step_errors.drift shows "
-                   "when the speed moved)")
+                   f"more than {100 * threshold:.0f}%): the real run's step times mix speeds; {fix}; or rerun on a "
+                   "steadier machine (validation.json real_step_errors.drift shows when the speed moved)")
     return out
 
 
@@ -295,4 +302,128 @@ def format_speed(report: Mapping[str, Any], factor: float, where: str = "") -> s
             head += f"; now / the calibration grid's medians x{r['grid']:.3f}"
     if before is not None:
         head += f"; run's probes at load {_load1(before['load']['before'])} and {_load1(after['load']['after'])}"
+    track = report.get("track")
+    if track:
+        lo, hi = track["range"]
+        head += (f"; over the run (probe before, {track['n_in_run']} passes during, after; / the grid's medians) "
+                 f"x{lo:.3f}-x{hi:.3f}")
+    if report.get("correct") == "track" and track:
+        return f"{head}{where}; simulator step times x{lo:.3f}-x{hi:.3f}, following the run's clock"
     return f"{head}{where}; simulator step times x{factor:.3f}"
+
+
+# --- the speed track: the probe during the real run ---------------------------------------------------------
+
+TRACK_FILE = "speed_track.json"    # beside a real run's results: the probe passes taken during that run
+TRACK_EVERY_S = 10.0               # validate's default: one probe pass every this many wall seconds of the run
+TRACK_SMOOTH = 5                   # knots in the centred rolling median of the track's factors
+
+
+@dataclass(frozen=True, slots=True)
+class TrackPass:
+    """One pass of the probe's shapes during a real run (one execution each, seconds by label): when on the run's
+    own clock (`clock_s`, replay's simulated seconds: the axis the simulator's times are on), when in wall
+    seconds since the run started, and the 1-minute load average then."""
+
+    clock_s: float
+    wall_s: float
+    shapes_s: dict[str, float]
+    load1: float
+
+
+@dataclass(frozen=True, slots=True)
+class SpeedTrack:
+    """Every probe pass taken during one real run, one each `every_s` wall seconds (between two steps)."""
+
+    every_s: float
+    passes: tuple[TrackPass, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"every_s": self.every_s,
+                "passes": [{"clock_s": p.clock_s, "wall_s": p.wall_s, "shapes_s": dict(p.shapes_s),
+                            "load1": p.load1} for p in self.passes]}
+
+    @classmethod
+    def from_dict(cls, data: object, where: str) -> SpeedTrack:
+        """The track of a JSON object; ValueError naming `where` and the field when malformed."""
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: top level must be a JSON object")
+        every = data.get("every_s")
+        if not _is_number(every) or every < 0:
+            raise ValueError(f"{where}: field 'every_s' must be a number >= 0, got {every!r}")
+        rows = data.get("passes")
+        if not isinstance(rows, list):
+            raise ValueError(f"{where}: field 'passes' must be a list")
+        passes = []
+        for i, row in enumerate(rows):
+            def bad(name: str, what: str) -> ValueError:
+                return ValueError(f"{where}: field 'passes[{i}].{name}' {what}")
+            if not isinstance(row, dict):
+                raise bad("", "must be a JSON object")
+            for name in ("clock_s", "wall_s", "load1"):
+                if not _is_number(row.get(name)) or not math.isfinite(row[name]):
+                    raise bad(name, f"must be a finite number, got {row.get(name)!r}")
+            shapes = row.get("shapes_s")
+            if not isinstance(shapes, dict) or not shapes:
+                raise bad("shapes_s", "must be a non-empty object of label: seconds")
+            passes.append(TrackPass(float(row["clock_s"]), float(row["wall_s"]),
+                                    {str(k): _positive(v, lambda what, k=k: bad(f"shapes_s.{k}", what))
+                                     for k, v in shapes.items()}, float(row["load1"])))
+        if any(b.clock_s < a.clock_s for a, b in zip(passes, passes[1:])):
+            raise ValueError(f"{where}: field 'passes' must be in clock order")
+        return cls(float(every), tuple(passes))
+
+
+def write_run_track(run_dir: str | Path, track: SpeedTrack) -> Path:
+    """Store the probe passes of a real run with that run's files (a later `validate --real-run` reuses them)."""
+    path = Path(run_dir) / TRACK_FILE
+    path.write_text(json.dumps(track.to_dict(), indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def read_run_track(run_dir: str | Path) -> SpeedTrack | None:
+    """The probe passes of a real run; None when it has none (probing was off, or a run of before the track)."""
+    path = Path(run_dir) / TRACK_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read the speed track: {exc}") from exc
+    return SpeedTrack.from_dict(data, str(path))
+
+
+def _rolling_median(values: Sequence[float], width: int) -> list[float]:
+    half = width // 2
+    return [statistics.median(values[max(0, i - half):i + half + 1]) for i in range(len(values))]
+
+
+def track_knots(calibration: SpeedProbe, before: SpeedProbe, after: SpeedProbe, track: SpeedTrack | None,
+                end_clock_s: float, smooth: int = TRACK_SMOOTH) -> dict[str, Any]:
+    """The knots of `--speed-correct track` (sim.latency.TrackedLatency): the probe before the run at clock 0,
+    each pass of `track` at its clock, the probe after the run at `end_clock_s`; each knot's `raw` factor is its
+    step times / the calibration grid's own medians of the same shapes (geometric mean over the shapes both
+    have: the factor `--speed-correct grid` would take from that knot alone), `factor` the centred rolling
+    median of `smooth` raw factors (one pass executes each shape once: single executions vary by several
+    percent). ValueError when the calibration's grid did not measure the probe's shapes."""
+    grid = {s.label: s.grid_median_s for s in calibration.shapes if s.grid_median_s is not None}
+    if not grid:
+        raise ValueError("the calibration's grid did not measure the speed probe's shapes (a --quick calibration)")
+
+    def factor(shapes_s: Mapping[str, float]) -> float:
+        common = [label for label in grid if label in shapes_s]
+        if not common:
+            raise ValueError(f"a probe pass shares no shape with the calibration grid ({sorted(shapes_s)})")
+        return geomean([shapes_s[label] / grid[label] for label in common])
+
+    passes = track.passes if track is not None else ()
+    clock = [0.0] + [p.clock_s for p in passes] + [max(float(end_clock_s), passes[-1].clock_s if passes else 0.0)]
+    raw = [factor(before.medians_s)] + [factor(p.shapes_s) for p in passes] + [factor(after.medians_s)]
+    smoothed = _rolling_median(raw, max(1, smooth))
+    return {"clock_s": clock, "raw": raw, "factor": smoothed, "n_in_run": len(passes),
+            "every_s": None if track is None else track.every_s, "smooth": smooth,
+            "range": [min(smoothed), max(smoothed)],
+            "definition": "knots: the probe before the run (clock 0), every pass during it, the probe after (the "
+                          "run's end); raw = step time / the calibration grid's median of the same shape, geometric "
+                          "mean over shapes; factor = centred rolling median of `smooth` raws; the simulator's step "
+                          "times are multiplied by the factor interpolated at their clock"}

@@ -5,6 +5,8 @@ the engine measured.
 row per `NumpyBackend.execute` call, in order, with
 
 - `t_s`: when the step started, wall seconds since the first step;
+- `clock_s`: when the step started on the run's own clock (replay: the driver's simulated seconds, which advance
+  by the measured step times and the idle gaps, the axis the simulator's times are on; NaN when not given);
 - `elapsed_s`: the engine's measured time of the step (the value the driver's clock advanced by);
 - the plan as the simulated backend counts it (`SimBackend.layout_cost`): `n_prefill_tokens`,
   `n_decode_tokens`, `n_seqs`, `attn_ctx_tokens`, `n_forward_calls`, `kv_copy_bytes`, `kv_save_bytes`,
@@ -68,7 +70,9 @@ class StepLog:
     given to every step that started in it."""
 
     def __init__(self, kv_bytes_per_token: int, *, cpu_reader: Callable[[], tuple[float, float] | None] = proc_cpu_seconds,
-                 clock: Callable[[], float] = time.perf_counter, window_s: float = 0.5) -> None:
+                 clock: Callable[[], float] = time.perf_counter, window_s: float = 0.5,
+                 run_clock: Callable[[], float] | None = None) -> None:
+        self._run_clock = run_clock
         self._costs = SimBackend(ConstantLatency(0.0), kv_bytes_per_token)
         self._cpu = cpu_reader
         self._clock = clock
@@ -89,7 +93,8 @@ class StepLog:
         cost = self._costs.layout_cost(plan)
         charged = bool(plan.tasks) or any(type(p) is ForwardCall for p in plan.program)
         row = {"t_s": start - self._t0, "elapsed_s": elapsed_s, "kind": step_kind(cost), "charged": charged,
-               "others_cores": math.nan}
+               "others_cores": math.nan,
+               "clock_s": self._run_clock() if self._run_clock is not None else math.nan}
         for name in COST_COLUMNS:
             row[name] = getattr(cost, name)
         row["calls"] = json.dumps([[list(c) for c in call] for call in cost.calls or ()], separators=(",", ":"))
@@ -110,7 +115,7 @@ class StepLog:
     def frame(self) -> pd.DataFrame:
         if self._win_start < len(self.rows):
             self._close_window(self._clock())
-        cols = ["t_s", "elapsed_s", "kind", "charged", *COST_COLUMNS, "calls", "others_cores"]
+        cols = ["t_s", "elapsed_s", "kind", "charged", *COST_COLUMNS, "calls", "others_cores", "clock_s"]
         return pd.DataFrame(self.rows, columns=cols)
 
     def write(self, run_dir: str | Path) -> Path:
@@ -148,9 +153,19 @@ def step_costs(steps: pd.DataFrame, with_layout: bool = True) -> list[StepCost]:
 
 
 def predict_steps(steps: pd.DataFrame, latency: Any) -> np.ndarray:
-    """What `latency` charges for each logged step (0 where the simulator charges nothing)."""
+    """What `latency` charges for each logged step (0 where the simulator charges nothing). A model whose
+    factor follows the clock (`TrackedLatency`) is priced at each step's `clock_s` (the run's clock at its start);
+    ValueError for a log without that column (written before it existed)."""
     layout = bool(getattr(latency, "wants_layout", False))
     charged = steps["charged"].to_numpy(bool)
+    factor_at = getattr(latency, "factor_at", None)
+    if factor_at is not None:
+        if "clock_s" not in steps.columns or steps["clock_s"].isna().any():
+            raise ValueError("this step log has no run clock (clock_s): a clock-tracked latency model cannot "
+                             "price it")
+        base = latency.base
+        return np.array([factor_at(t) * base.step_time_s(c) if ok else 0.0
+                         for c, ok, t in zip(step_costs(steps, layout), charged, steps["clock_s"])], dtype=float)
     return np.array([latency.step_time_s(c) if ok else 0.0
                      for c, ok in zip(step_costs(steps, layout), charged)], dtype=float)
 

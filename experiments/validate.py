@@ -43,21 +43,27 @@ from experiments.flags import (
     option_values,
     simulate_argv,
 )
-from experiments.calibrate import measure_probe, probe_points, replay_sampling
+from experiments.calibrate import InRunProbe, measure_probe, probe_points, replay_sampling
 from experiments.replay import run_replay
 from experiments.results import load_results, write_json, write_run
 from experiments.runs import follow, out_dir, resolve_model, run_context, server_config
 from experiments.speed_probe import (
     PROBE_FILE,
     SpeedProbe,
+    TRACK_EVERY_S,
+    SpeedTrack,
     calibration_probe,
     format_speed,
+    geomean,
     grid_offset,
     probe_mismatch,
     read_run_probes,
+    read_run_track,
     speed_report,
     speed_warnings,
+    track_knots,
     write_run_probes,
+    write_run_track,
 )
 from experiments.steplog import (
     format_step_errors,
@@ -69,11 +75,12 @@ from experiments.steplog import (
 )
 from experiments.workloads import build_workload
 from sim.driver import Simulation
-from sim.latency import ScaledLatency, unscaled
+from sim.latency import ScaledLatency, TrackedLatency, unscaled
 from sim.latency_spec import get_latency_model
 from traces import Trace, read_trace
 
 METRICS = ("ttft", "tpot", "e2e", "queue")
+CORRECTIONS = ("probe", "grid", "track")      # --speed-correct values that change the simulator's step times
 STATS = ("p50", "p90", "p99", "mean")
 MEASURED_CALIBRATION = Path(__file__).resolve().parents[1] / "sim" / "data" / "smollm2_numpy_2threads.json"
 FILES = {"per_request": "validation.csv", "errors": "errors.csv", "summary": "validation.json",
@@ -343,10 +350,11 @@ def add_validate_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _validate_argv(values: Mapping[str, Any], model: str, threads: int, temp: float,
-                   speed_correct: str = "off") -> list[str]:
+                   speed_correct: str = "off", probe_every: float = TRACK_EVERY_S) -> list[str]:
     correct = [] if speed_correct == "off" else ["--speed-correct", speed_correct]
+    every = [] if probe_every == TRACK_EVERY_S else ["--probe-every", f"{probe_every:g}"]
     return ["validate", *simulate_argv(values)[2:], "-m", model, "--threads", str(threads), "--temp", str(temp),
-            *correct]
+            *correct, *every]
 
 
 def _options_key(argv: list[str]) -> list[str]:
@@ -518,20 +526,23 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
     values = option_values(args)
     if args.recorded:
         return run_validate_recorded(args, values)
-    correct = args.speed_correct in ("probe", "grid")
+    correct = args.speed_correct in CORRECTIONS
     try:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        if not (math.isfinite(args.probe_every) and args.probe_every >= 0):
+            raise ValueError(f"--probe-every must be a number of seconds >= 0 (0 = off), got {args.probe_every}")
         model = resolve_model(args.model)
         workload, desc = build_workload(values)
         latency = get_latency_model(values["latency"])
         server_config({**values, "kv_bytes_per_token": None})
         cal_probe = calibration_probe_of(latency)
-        reused = run_probes = None
+        reused = run_probes = track = None
         if args.real_run:
             reused = load_results(args.real_run)
             check_same_run(reused, values, model)
             run_probes = read_run_probes(reused.path)
+            track = read_run_track(reused.path)
         floor_run = None
         if args.noise_floor:
             if args.real_run and Path(args.noise_floor).resolve() == Path(args.real_run).resolve():
@@ -555,7 +566,7 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
     if getattr(latency, "load_moved", None):
         print(f"slotlab validate: warning: the machine's load moved while {values['latency']} was calibrated "
               f"(load_moved in the file): its step times mix loads", file=sys.stderr)
-    argv = _validate_argv(values, model, args.threads, args.temp, args.speed_correct)
+    argv = _validate_argv(values, model, args.threads, args.temp, args.speed_correct, args.probe_every)
     context = run_context(argv, desc)
     load_start = os.getloadavg()
 
@@ -569,18 +580,24 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
             def speed_probe(m: Any) -> SpeedProbe:
                 return measure_probe(m, replay_sampling(m, args.temp, values["seed"]), seed=values["seed"])
         before = speed_probe(loaded)                  # immediately before and after the real run, same engine
+        in_run = (InRunProbe(loaded, replay_sampling(loaded, args.temp, values["seed"]), args.probe_every,
+                             seed=values["seed"]) if args.probe_every > 0 else None)
         with bar("real") as b:
             run_replay(values, workload, model, args.threads, args.temp, str(out / "real"), context,
-                       csv=args.csv, plots=not args.no_plots, progress=follow(b), loaded=loaded)
+                       csv=args.csv, plots=not args.no_plots, progress=follow(b), loaded=loaded, probe=in_run)
         after = speed_probe(loaded)
-        del loaded
         write_run_probes(out / "real", before, after)
         run_probes = (before, after)
+        if in_run is not None:
+            track = in_run.track()
+            write_run_track(out / "real", track)
+        del loaded, in_run
         real = load_results(out / "real")
     else:
         real = reused
     load_mid = os.getloadavg()
-    speed, sim_latency = speed_correction(cal_probe, run_probes, model, args.threads, args.speed_correct, latency)
+    speed, sim_latency = speed_correction(cal_probe, run_probes, model, args.threads, args.speed_correct, latency,
+                                          track=track, end_clock_s=real.summary.get("sim_s") or 0.0)
     speed["run_probes"] = ("measured with this real run" if reused is None else
                            f"stored with the real run ({PROBE_FILE})" if run_probes else None)
     for warning in speed_warnings(speed, values["latency"], args.speed_correct, speed["factor"], real.path):
@@ -599,7 +616,7 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
         real_reused=reused is not None, sim_dir=str(out / "sim"), real_sim_s=real.summary.get("sim_s"),
         sim_sim_s=sim.summary.get("sim_s"), real_steps=real.run.get("steps"), sim_steps=sim.run.get("steps"),
         command=context["command"], speed_probe=speed)
-    scaled = f" x{speed['factor']:.3f}" if correct else ""
+    scaled = f" {factor_text(speed)}" if correct else ""
     title = (f"{Path(model).name}, {summary['threads']} threads vs {latency.describe().get('kind')}{scaled} latency "
              f"({summary['n_requests']} requests)")
     summary["calibration_error"] = calibration_error(latency)
@@ -703,7 +720,7 @@ def check_speed_correction(spec: str, cal_probe: SpeedProbe | None, model: str, 
                          "calibration file, or one written before the probe): calibrate this setup with "
                          f"`slotlab calibrate -m {model} --threads {threads} --out cal.json` and pass "
                          "--latency parametric:cal.json, or use --speed-correct off")
-    if correct == "grid" and grid_offset(cal_probe) is None:
+    if correct in ("grid", "track") and grid_offset(cal_probe) is None:
         raise UsageError(f"{flag}: {spec}'s grid did not measure the speed probe's shapes (a --quick "
                          "calibration): use the full grid (`slotlab calibrate` without --quick), or "
                          "--speed-correct probe")
@@ -717,22 +734,44 @@ def check_speed_correction(spec: str, cal_probe: SpeedProbe | None, model: str, 
 
 
 def speed_correction(cal_probe: SpeedProbe | None, run_probes: tuple[SpeedProbe, SpeedProbe] | None, model: str,
-                     threads: int, correct: str, latency: Any) -> tuple[dict[str, Any], Any]:
+                     threads: int, correct: str, latency: Any, *, track: SpeedTrack | None = None,
+                     end_clock_s: float = 0.0) -> tuple[dict[str, Any], Any]:
     """validation.json's `speed_probe` (ratios, `correct`, the `factor` used) and the latency model the
     simulator runs with: `latency`, or ScaledLatency(latency, ratio.mean) with `correct` = "probe",
-    ScaledLatency(latency, ratio.grid) with "grid". A calibration probe that is not comparable gives no ratio
-    (`calibration_unusable` says why)."""
+    ScaledLatency(latency, ratio.grid) with "grid", TrackedLatency through `track_knots` (the probes before and
+    after the run, `track`'s passes during it; `end_clock_s` the run's end on its clock) with "track", whose
+    `factor` is then the geometric mean of the knots' factors. A calibration probe that is not comparable gives
+    no ratio (`calibration_unusable` says why). With a track, `track` holds its knots whatever `correct` is."""
     before, after = run_probes if run_probes else (None, None)
     why = probe_unusable(cal_probe, run_probes, model, threads) if cal_probe is not None else None
     report = speed_report(None if why else cal_probe, before, after)
     report["calibration_unusable"] = why
     if cal_probe is not None:
         report["calibration"] = cal_probe.to_dict()
+    knots = None
+    if cal_probe is not None and not why and before is not None and grid_offset(cal_probe) is not None:
+        knots = track_knots(cal_probe, before, after, track, end_clock_s)
+    report["track"] = knots
+    if correct == "track":
+        if knots is None:             # check_speed_correction rules this out before the run
+            raise RuntimeError(f"--speed-correct track without knots ({why or 'a probe is missing'})")
+        factor = geomean(knots["factor"])
+        report.update(correct=correct, factor=factor)
+        return report, TrackedLatency(latency, knots["clock_s"], knots["factor"])
     factor = {"probe": report["ratio"]["mean"], "grid": report["ratio"]["grid"]}.get(correct, 1.0)
     if factor is None:                # check_speed_correction rules this out before the run
         raise RuntimeError(f"--speed-correct {correct} without a ratio ({why or 'a probe is missing'})")
     report.update(correct=correct, factor=factor)
     return report, (ScaledLatency(latency, factor) if correct in ("probe", "grid") else latency)
+
+
+def factor_text(speed: Mapping[str, Any]) -> str:
+    """The simulator's step-time factor as printed: x0.913, or for a tracked correction its range and knots."""
+    if speed.get("correct") == "track" and speed.get("track"):
+        k = speed["track"]
+        lo, hi = k["range"]
+        return f"x{lo:.3f}-x{hi:.3f} (tracked: {len(k['clock_s'])} knots, {k['n_in_run']} during the run)"
+    return f"x{speed['factor']:.3f}"
 
 
 def calibration_error(latency: Any) -> dict[str, Any] | None:
@@ -789,8 +828,8 @@ def _speed_clause(summary: dict) -> str:
     if ratio is None:
         return ""
     out = f", speed probe now / calibration x{ratio:.3f}"
-    if speed.get("correct") in ("probe", "grid"):
-        out += f" (corrected: --speed-correct {speed['correct']} x{speed['factor']:.3f})"
+    if speed.get("correct") in CORRECTIONS:
+        out += f" (corrected: --speed-correct {speed['correct']} {factor_text(speed)})"
     return out
 
 

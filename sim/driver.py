@@ -116,6 +116,9 @@ class Simulation:
         if backend is None and latency is None:
             raise ValueError("Simulation needs a latency model or a backend")
         self.backend = backend if backend is not None else SimBackend(latency, server_config.kv_bytes_per_token)
+        bind_clock = getattr(latency, "bind_clock", None)
+        if backend is None and bind_clock is not None:
+            bind_clock(lambda: self.now_s)           # a model whose step times follow the clock (TrackedLatency)
         self.space = TokenSpace(vocab_size, frozenset(server_config.eog_ids) | reserved_tokens)
         self.materializer = PromptMaterializer(self.space, seed)
         draw = self.materializer.tokens_array if self._token_arrays else self.materializer.tokens

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -218,9 +218,84 @@ class ScaledLatency:
         return {"kind": "scaled", "factor": self.factor, "base": base, "source": base.get("source")}
 
 
+class TrackedLatency:
+    """Another model's step times multiplied by a factor that follows the simulated clock: t = f(now) · base(cost),
+    f linear between the knots (times_s[i], factors[i]) and constant before the first and after the last.
+
+    What `slotlab validate --speed-correct track` simulates with: the knots are the speed probe measured before,
+    during (every few seconds of wall time, outside the run's clock) and after the real run, each the probe's
+    step times / the calibration grid's own medians of the same shapes (docs/validation_sim.md §8). It follows a
+    machine whose speed moves during the run, which one factor cannot. `now` is the clock the simulation binds
+    with `bind_clock` (the server's last step start: within one step of the step priced, while the knots are
+    seconds apart); unbound, the clock reads 0. In a fast-forwarded stretch the i-th step is placed at now +
+    f(now) · Σ of the base times before it, so `decode_only_times_s` equals pricing the steps one by one up to
+    that placement (not bit for bit: the one deviation from the LatencyModel contract, by design)."""
+
+    def __init__(self, base: LatencyModel, times_s: Sequence[float], factors: Sequence[float]) -> None:
+        if not isinstance(base, LatencyModel):
+            raise ValueError(f"TrackedLatency: base must be a latency model, got {type(base).__name__}")
+        t = [float(x) for x in times_s]
+        f = [float(x) for x in factors]
+        if not t or len(t) != len(f):
+            raise ValueError(f"TrackedLatency: needs as many factors as times, at least one (got {len(t)} times, "
+                             f"{len(f)} factors)")
+        if any(not math.isfinite(x) for x in t) or any(b < a for a, b in zip(t, t[1:])):
+            raise ValueError(f"TrackedLatency: times must be finite and non-decreasing, got {t}")
+        if any(not math.isfinite(x) or x <= 0 for x in f):
+            raise ValueError(f"TrackedLatency: factors must be finite numbers > 0, got {f}")
+        self.base = base
+        self.times_s = tuple(t)
+        self.factors = tuple(f)
+        self._t = np.array(t)
+        self._f = np.array(f)
+        self._clock: Callable[[], float] = lambda: 0.0
+
+    def bind_clock(self, clock: Callable[[], float]) -> None:
+        """Read the simulated time (seconds) from `clock` (the Simulation calls this with its own)."""
+        self._clock = clock
+
+    @property
+    def wants_layout(self) -> bool:
+        return bool(getattr(self.base, "wants_layout", False))
+
+    @property
+    def measured_on(self) -> MeasuredOn | None:
+        return getattr(self.base, "measured_on", None)
+
+    @property
+    def source(self) -> str | None:
+        return getattr(self.base, "source", None)
+
+    @property
+    def load_moved(self) -> bool | None:
+        return getattr(self.base, "load_moved", None)
+
+    def factor_at(self, t_s: float) -> float:
+        return float(np.interp(t_s, self._t, self._f))
+
+    def step_time_s(self, cost: StepCost) -> float:
+        return self.factor_at(self._clock()) * self.base.step_time_s(cost)
+
+    def decode_only_times_s(self, n_seqs: int, attn_ctx0: int, k: int,
+                            decode: Sequence[tuple[int, int]] | None = None) -> list[float]:
+        times = np.asarray(self.base.decode_only_times_s(n_seqs, attn_ctx0, k) if decode is None
+                           else self.base.decode_only_times_s(n_seqs, attn_ctx0, k, decode), dtype=float)
+        if not times.size:
+            return []
+        t0 = self._clock()
+        before = np.concatenate(([0.0], np.cumsum(times[:-1])))       # base time of the steps before each
+        at = t0 + self.factor_at(t0) * before
+        return (np.interp(at, self._t, self._f) * times).tolist()
+
+    def describe(self) -> dict:
+        base = self.base.describe()
+        return {"kind": "tracked", "times_s": list(self.times_s), "factors": list(self.factors), "base": base,
+                "source": base.get("source")}
+
+
 def unscaled(latency: LatencyModel) -> LatencyModel:
-    """The model under any ScaledLatency wrappers."""
-    while isinstance(latency, ScaledLatency):
+    """The model under any ScaledLatency or TrackedLatency wrappers."""
+    while isinstance(latency, (ScaledLatency, TrackedLatency)):
         latency = latency.base
     return latency
 

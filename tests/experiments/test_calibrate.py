@@ -345,3 +345,66 @@ def test_full_grid_covers_the_shapes_the_core_produces():
     chunks = {n for p in grid if p.kind == "prefill" for _, n in p.prompt}
     assert {1, 16} <= decodes and {64, 2048} <= contexts and {16, 512} <= chunks
     assert {p.kind for p in grid} == set(KINDS)
+
+
+# --- the probe during a real run ----------------------------------------------------------------------------
+
+
+def test_in_run_probe_takes_one_pass_each_interval_at_the_runs_clock(tiny):
+    from experiments.calibrate import InRunProbe, probe_points, replay_sampling
+    model = load(tiny, n_threads=1)
+    wall, run_clock = [100.0], [3.0]
+    probe = InRunProbe(model, replay_sampling(model, 0.0, 0), 5.0, clock=lambda: wall[0],
+                       load_reader=lambda: (0.25, 0.2, 0.1))
+    probe.start(lambda: run_clock[0])
+    for t in (100.0, 104.9):                        # less than every_s since the start: no pass
+        wall[0] = t
+        probe(None, 0.1)
+    assert probe.passes == []
+    wall[0] = 105.0
+    probe(None, 0.1)                                # at its start (run_clock 3.0), a step of 0.1 s ended
+    (first,) = probe.passes
+    assert first.clock_s == pytest.approx(3.1) and first.wall_s == 5.0 and first.load1 == 0.25
+    assert sorted(first.shapes_s) == sorted(p.label for p in probe_points())
+    assert all(s > 0 for s in first.shapes_s.values())
+    wall[0], run_clock[0] = 109.0, 7.0
+    probe(None, 0.2)                                # the next pass is due every_s after the last one ended
+    assert len(probe.passes) == 1
+    wall[0] = 110.0
+    probe(None, 0.2)
+    assert [p.clock_s for p in probe.track().passes] == pytest.approx([3.1, 7.2]) and probe.track().every_s == 5.0
+    with pytest.raises(ValueError, match="every_s must be > 0"):
+        InRunProbe(model, replay_sampling(model, 0.0, 0), 0.0)
+
+
+def test_probe_passes_during_a_replay_change_none_of_its_steps(tiny, tmp_path):
+    """Every request arrives at t = 0 (decisions follow from the order of events alone): the same plans with a
+    probe pass after every step as without, and the run's clock (clock_s) never includes a pass's time."""
+    from experiments.calibrate import InRunProbe, replay_sampling
+    from experiments.replay import run_replay
+    from experiments.steplog import read_steps
+    from experiments.workloads import build_workload
+    from experiments.flags import option_values
+    from tests.experiments.test_validate import parse as parse_validate
+    from tests.experiments.test_validate_speed import write_trace
+    args = parse_validate("-m", tiny, "--threads", "1", "--quiet", "--no-plots", "--trace",
+                          str(write_trace(tmp_path / "t.jsonl")), "-np", "2", "-c", "512", "--seed", "5",
+                          "--latency", "constant:0.01")
+    values = option_values(args)
+    workload, desc = build_workload(values)
+    model = load(tiny, n_threads=1)
+    probe = InRunProbe(model, replay_sampling(model, 0.0, 5), 1e-9)         # a pass after every step
+    runs = {}
+    for name, p in (("plain", None), ("probed", probe)):
+        run_replay(values, workload, tiny, 1, 0.0, str(tmp_path / name), {"command": "test"}, csv=False,
+                   plots=False, loaded=model, probe=p)
+        runs[name] = read_steps(tmp_path / name)
+    plain, probed = runs["plain"], runs["probed"]
+    cols = ["kind", "n_prefill_tokens", "n_decode_tokens", "n_seqs", "attn_ctx_tokens", "kv_copy_bytes", "calls"]
+    pd.testing.assert_frame_equal(plain[cols], probed[cols])
+    assert len(probe.passes) == len(probed)
+    # the run's clock: each step starts where the one before it ended (all arrivals at 0: no idle gap)
+    ends = (probed["clock_s"] + probed["elapsed_s"]).to_numpy()
+    assert probed["clock_s"].iloc[0] == 0.0
+    np.testing.assert_allclose(probed["clock_s"].to_numpy()[1:], ends[:-1], rtol=0, atol=2e-9)
+    np.testing.assert_allclose([p.clock_s for p in probe.passes], ends, rtol=0, atol=2e-9)

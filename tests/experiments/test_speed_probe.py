@@ -11,17 +11,23 @@ from experiments.calibrate import probe_points
 from experiments.speed_probe import (
     PROBE_FILE,
     SPEED_THRESHOLD,
+    TRACK_FILE,
     ProbeShape,
     SpeedProbe,
+    SpeedTrack,
+    TrackPass,
     calibration_probe,
     format_speed,
     grid_offset,
     probe_mismatch,
     read_run_probes,
+    read_run_track,
     speed_report,
     speed_warnings,
     time_ratio,
+    track_knots,
     write_run_probes,
+    write_run_track,
 )
 from experiments.validate import MEASURED_CALIBRATION
 from sim.latency import ParametricLatency, save_calibration
@@ -196,3 +202,77 @@ def test_a_probe_of_another_thread_count_or_model_is_not_comparable():
     assert probe_mismatch(probe, "/m/SmolLM2.gguf", 2) is None
     assert probe_mismatch(probe, "/m/SmolLM2.gguf", 1) == "speed probe ran 2 threads (this run: 1)"
     assert "model SmolLM2.gguf (this run: tiny.gguf)" in probe_mismatch(probe, "/t/tiny.gguf", 2)
+
+
+# --- the speed track ---------------------------------------------------------------------------------------
+
+
+def track_of(clock_ratios, every=10.0):
+    """A track with one pass per (clock_s, ratio): every shape at the grid's median times the ratio."""
+    grid = {s.label: s.grid_median_s for s in with_grid(make_probe(CAL_S)).shapes}
+    return SpeedTrack(every, tuple(TrackPass(c, 10.0 * i, {k: v * r for k, v in grid.items()}, 0.5)
+                                   for i, (c, r) in enumerate(clock_ratios)))
+
+
+def test_track_knots_run_from_the_probe_before_through_the_passes_to_the_probe_after():
+    cal = with_grid(make_probe(CAL_S))
+    offset = grid_offset(cal)
+    before, after = make_probe(scaled(CAL_S, 1.1)), make_probe(scaled(CAL_S, 1.3))
+    ratios = [1.0, 1.2, 2.0, 1.2, 1.1]
+    k = track_knots(cal, before, after, track_of(zip((5.0, 15.0, 25.0, 35.0, 45.0), ratios)), 50.0, smooth=3)
+    assert k["clock_s"] == [0.0, 5.0, 15.0, 25.0, 35.0, 45.0, 50.0] and k["n_in_run"] == 5
+    # a knot's raw factor: its step times / the grid's medians (the probes: ratio to the calibration's probe x offset)
+    assert k["raw"] == pytest.approx([1.1 * offset, *ratios, 1.3 * offset], rel=1e-12)
+    # centred medians of 3 (2 at the ends): 1.1·offset = 1.003 and 1.3·offset = 1.185
+    o = offset
+    assert k["factor"] == pytest.approx([(1.1 * o + 1.0) / 2, 1.1 * o, 1.2, 1.2, 1.2, 1.3 * o, (1.1 + 1.3 * o) / 2],
+                                        rel=1e-12)
+    assert max(k["factor"]) == pytest.approx(1.2, rel=1e-12)           # the one pass at x2.0 is smoothed away
+    assert k["range"] == [min(k["factor"]), max(k["factor"])] and k["every_s"] == 10.0
+
+
+def test_track_knots_without_passes_are_the_probes_before_and_after():
+    cal = with_grid(make_probe(CAL_S))
+    k = track_knots(cal, make_probe(scaled(CAL_S, 1.0)), make_probe(scaled(CAL_S, 1.2)), None, 30.0, smooth=1)
+    assert k["clock_s"] == [0.0, 30.0] and k["n_in_run"] == 0 and k["every_s"] is None
+    assert k["factor"] == pytest.approx([grid_offset(cal), 1.2 * grid_offset(cal)], rel=1e-12)
+
+
+def test_track_knots_need_the_grids_medians():
+    with pytest.raises(ValueError, match="did not measure the speed probe's shapes"):
+        track_knots(make_probe(CAL_S), make_probe(CAL_S), make_probe(CAL_S), None, 1.0)
+
+
+def test_speed_track_round_trips_through_its_file(tmp_path):
+    track = track_of([(1.5, 1.0), (12.0, 1.1)])
+    write_run_track(tmp_path, track)
+    assert read_run_track(tmp_path) == track and (tmp_path / TRACK_FILE).is_file()
+    assert read_run_track(tmp_path / "nothing") is None
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda d: d.pop("every_s"), "'every_s'"),
+    (lambda d: d.update(passes={}), "'passes'"),
+    (lambda d: d["passes"][1].update(clock_s="x"), "'passes[1].clock_s'"),
+    (lambda d: d["passes"][0].update(shapes_s={}), "'passes[0].shapes_s'"),
+    (lambda d: d["passes"][0]["shapes_s"].update({LABELS[0]: -1.0}), f"'passes[0].shapes_s.{LABELS[0]}'"),
+    (lambda d: d["passes"].reverse(), "in clock order"),
+])
+def test_a_malformed_speed_track_names_file_and_field(tmp_path, edit, field):
+    data = track_of([(1.5, 1.0), (12.0, 1.1)]).to_dict()
+    edit(data)
+    (tmp_path / TRACK_FILE).write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / TRACK_FILE))) as err:
+        read_run_track(tmp_path)
+    assert field in str(err.value)
+
+
+def test_format_speed_gives_the_tracks_range():
+    cal = with_grid(make_probe(CAL_S))
+    report = speed_report(cal, make_probe(scaled(CAL_S, 1.0)), make_probe(scaled(CAL_S, 1.2)))
+    report["track"] = track_knots(cal, make_probe(scaled(CAL_S, 1.0)), make_probe(scaled(CAL_S, 1.2)),
+                                  track_of([(3.0, 1.05)]), 9.0)
+    lo, hi = report["track"]["range"]
+    assert f"1 passes during, after; / the grid's medians) x{lo:.3f}-x{hi:.3f}" in format_speed(report, 1.0)
+    report["correct"] = "track"
+    assert format_speed(report, 1.0).endswith(f"simulator step times x{lo:.3f}-x{hi:.3f}, following the run's clock")

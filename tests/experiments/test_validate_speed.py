@@ -12,7 +12,17 @@ import shutil
 import pandas as pd
 import pytest
 
-from experiments.speed_probe import PROBE_FILE, SPEED_THRESHOLD, read_run_probes, write_run_probes
+from experiments.speed_probe import (
+    PROBE_FILE,
+    SPEED_THRESHOLD,
+    TRACK_EVERY_S,
+    SpeedTrack,
+    TrackPass,
+    read_run_probes,
+    read_run_track,
+    write_run_probes,
+    write_run_track,
+)
 from experiments.validate import read_validation, run_validate
 from sim.latency import ParametricLatency, save_calibration
 from tests.experiments.test_speed_probe import (
@@ -211,3 +221,84 @@ def test_speed_correct_grid_multiplies_by_the_ratio_to_the_grids_medians(setup, 
     assert speed["factor"] == pytest.approx(FACTOR * offset, rel=1e-12)
     assert summary["latency_model"]["kind"] == "scaled" and summary["latency_model"]["factor"] == speed["factor"]
 
+
+
+# --- --speed-correct track ----------------------------------------------------------------------------------
+
+
+def grid_calibration(setup, tmp_path):
+    cal = tmp_path / "cal_grid.json"
+    data = json.loads(setup["cal"].read_text())
+    data["probe"] = with_grid(make_probe(CAL_S)).to_dict()
+    cal.write_text(json.dumps(data))
+    return cal
+
+
+def test_the_real_run_stores_its_speed_track(setup):
+    track = read_run_track(setup["out"] / "real")
+    assert track is not None and track.every_s == TRACK_EVERY_S     # a run of a second: no pass was due
+    _, _, summary = read_validation(setup["out"])
+    assert summary["speed_probe"]["track"] is None                    # the calibration's grid has no probe medians
+
+
+def test_speed_correct_track_with_a_flat_track_equals_the_grid_correction(setup, tmp_path):
+    cal = grid_calibration(setup, tmp_path)
+    real = tmp_path / "real"
+    shutil.copytree(setup["out"] / "real", real)
+    ratio = 1.25
+    write_run_probes(real, make_probe(scaled(CAL_S, ratio)), make_probe(scaled(CAL_S, ratio)))
+    # passes at the probe's ratio: every knot's factor is ratio x grid offset, the grid correction's factor
+    write_run_track(real, SpeedTrack(5.0, tuple(TrackPass(0.2 * i, 5.0 * i, scaled(CAL_S, ratio), 0.5)
+                                                for i in range(1, 4))))
+    for name in ("grid", "track"):
+        assert validate(setup, tmp_path / name, "--real-run", str(real), "--speed-correct", name, cal=cal) == 0
+    _, _, summary = read_validation(tmp_path / "track")
+    speed, model = summary["speed_probe"], summary["latency_model"]
+    offset = math.prod(1 / f for f in GRID_SLOWER) ** (1 / len(GRID_SLOWER))
+    assert speed["correct"] == "track" and speed["track"]["n_in_run"] == 3
+    assert model["kind"] == "tracked" and model["times_s"] == speed["track"]["clock_s"]
+    assert model["factors"] == pytest.approx([ratio * offset] * 5, rel=1e-12)
+    assert speed["factor"] == pytest.approx(ratio * offset, rel=1e-12)
+    grid, track = (pd.read_parquet(tmp_path / d / "sim" / "requests.parquet").sort_values("request")
+                   .reset_index(drop=True) for d in ("grid", "track"))
+    for col in ("slot", "n_cached", "finish"):
+        assert list(track[col]) == list(grid[col])
+    for col in ("ttft_s", "e2e_s", "tpot_s"):
+        assert list(track[col]) == pytest.approx(list(grid[col]), rel=1e-9), col
+    # the real run's steps priced at the factor of their clock: the same as the grid's single factor
+    assert summary["real_step_errors"]["all"]["median_err"] == pytest.approx(
+        read_validation(tmp_path / "grid")[2]["real_step_errors"]["all"]["median_err"], rel=1e-9, abs=1e-12)
+
+
+def test_speed_correct_track_follows_a_slower_second_half(setup, tmp_path):
+    """A track that doubles the step times after the first request finished: every request that finished later
+    takes longer than under a flat track, the first one not."""
+    cal = grid_calibration(setup, tmp_path)
+    real = tmp_path / "real"
+    shutil.copytree(setup["out"] / "real", real)
+    write_run_probes(real, make_probe(scaled(CAL_S, 1.0)), make_probe(scaled(CAL_S, 1.0)))
+    assert validate(setup, tmp_path / "flat", "--real-run", str(real), "--speed-correct", "track", cal=cal) == 0
+    flat = pd.read_parquet(tmp_path / "flat" / "sim" / "requests.parquet").sort_values("e2e_s")
+    t_first = float(flat["e2e_s"].iloc[0])
+    later = [TrackPass(t_first + 1e-6 * i, 5.0 * i, scaled(CAL_S, 2.0), 0.5) for i in range(1, 6)]
+    write_run_track(real, SpeedTrack(5.0, tuple([TrackPass(t_first / 2, 1.0, scaled(CAL_S, 1.0), 0.5)] + later)))
+    assert validate(setup, tmp_path / "slow", "--real-run", str(real), "--speed-correct", "track", cal=cal) == 0
+    slow = pd.read_parquet(tmp_path / "slow" / "sim" / "requests.parquet").set_index("request")
+    flat = flat.set_index("request")
+    first = flat["e2e_s"].idxmin()
+    assert slow.loc[first, "ttft_s"] == pytest.approx(flat.loc[first, "ttft_s"], rel=1e-9)
+    others = flat.index.drop(first)
+    assert (slow.loc[others, "e2e_s"] > 1.2 * flat.loc[others, "e2e_s"]).all()
+
+
+def test_speed_correct_track_is_refused_without_the_grids_medians(setup, tmp_path, capsys):
+    probe = injected(1.0, 1.0)
+    assert validate(setup, tmp_path / "v", "--speed-correct", "track", speed_probe=probe) == 2
+    assert "grid did not measure the speed probe's shapes" in capsys.readouterr().err
+    assert probe.calls == [] and not (tmp_path / "v").exists()
+
+
+@pytest.mark.parametrize("every", ["-1", "nan"])
+def test_probe_every_must_be_a_non_negative_number(setup, tmp_path, capsys, every):
+    assert validate(setup, tmp_path / "v", "--probe-every", every, speed_probe=injected(1.0, 1.0)) == 2
+    assert "--probe-every must be a number of seconds >= 0" in capsys.readouterr().err

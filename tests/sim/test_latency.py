@@ -16,6 +16,7 @@ from sim.latency import (
     ParametricLatency,
     ScaledLatency,
     StepCost,
+    TrackedLatency,
     _nnls_lawson_hanson,
     decode_only_cost,
     fit_parametric,
@@ -307,6 +308,98 @@ def test_scaled_model_rejects_a_factor_that_is_not_positive_and_finite(factor):
 def test_scaled_model_needs_a_latency_model():
     with pytest.raises(ValueError, match="base must be a latency model"):
         ScaledLatency(0.01, 2.0)
+
+
+# --- tracked (a factor that follows the clock) ------------------------------------------------------
+
+
+def tracked(base=PARAMETRIC, times=(0.0, 10.0, 30.0), factors=(1.0, 2.0, 0.5), now=0.0):
+    model = TrackedLatency(base, times, factors)
+    clock = [now]
+    model.bind_clock(lambda: clock[0])
+    return model, clock
+
+
+def test_tracked_factor_is_linear_between_knots_and_constant_outside():
+    model, _ = tracked()
+    assert [model.factor_at(t) for t in (-5.0, 0.0, 5.0, 10.0, 20.0, 30.0, 99.0)] == \
+        [1.0, 1.0, 1.5, 2.0, 1.25, 0.5, 0.5]
+
+
+def test_tracked_step_time_is_the_factor_at_the_bound_clock_times_the_base():
+    model, clock = tracked()
+    cost = STEPS[0]
+    for now, f in ((0.0, 1.0), (5.0, 1.5), (20.0, 1.25), (40.0, 0.5)):
+        clock[0] = now
+        assert model.step_time_s(cost) == f * PARAMETRIC.step_time_s(cost)
+    assert TrackedLatency(PARAMETRIC, (0.0,), (3.0,)).step_time_s(cost) == 3.0 * PARAMETRIC.step_time_s(cost)
+
+
+@pytest.mark.parametrize("now", [0.0, 9.9, 25.0])
+def test_tracked_decode_stretch_places_each_step_after_the_ones_before_it(now):
+    model, clock = tracked(now=now)
+    base = PARAMETRIC.decode_only_times_s(3, 900, 400)
+    got = model.decode_only_times_s(3, 900, 400)
+    # step i is placed at now + f(now) * (sum of the base times before it) and priced at the factor there
+    at, expected = now, []
+    for b in base:
+        expected.append(model.factor_at(at) * b)
+        at += model.factor_at(now) * b
+    assert got == pytest.approx(expected, rel=1e-12)
+    assert len({round(g / b, 9) for g, b in zip(got, base)}) > 1       # the stretch crossed a knot: factors differ
+    assert model.decode_only_times_s(3, 900, 0) == []
+
+
+def test_a_flat_track_equals_the_scaled_model():
+    model, clock = tracked(times=(0.0, 50.0), factors=(1.3, 1.3), now=12.0)
+    scaled = ScaledLatency(PARAMETRIC, 1.3)
+    for cost in STEPS:
+        assert model.step_time_s(cost) == scaled.step_time_s(cost)
+    assert model.decode_only_times_s(2, 500, 60) == pytest.approx(scaled.decode_only_times_s(2, 500, 60), rel=1e-15)
+
+
+def test_tracked_model_keeps_the_layout_and_the_calibrations_record(tmp_path):
+    path = tmp_path / "cal.json"
+    save_calibration(PARAMETRIC, path, MEASURED_ON)
+    base = load_calibration(path)
+    model = TrackedLatency(base, (0.0, 1.0), (1.0, 1.1))
+    assert model.measured_on == MEASURED_ON and model.source == str(path) and unscaled(model) is base
+    assert TrackedLatency(PHYSICAL, (0.0,), (1.0,)).wants_layout is True and model.wants_layout is False
+    desc = model.describe()
+    assert desc["kind"] == "tracked" and desc["times_s"] == [0.0, 1.0] and desc["factors"] == [1.0, 1.1]
+    assert desc["base"] == base.describe() and desc["source"] == str(path)
+    decode = [(0, 100), (3, 700)]
+    phys = TrackedLatency(PHYSICAL, (0.0,), (2.0,))
+    assert phys.decode_only_times_s(2, 802, 5, decode) == [2.0 * t for t in PHYSICAL.decode_only_times_s(2, 802, 5,
+                                                                                                         decode)]
+
+
+@pytest.mark.parametrize("times, factors, match", [
+    ((), (), "at least one"),
+    ((0.0, 1.0), (1.0,), "as many factors as times"),
+    ((1.0, 0.0), (1.0, 1.0), "non-decreasing"),
+    ((0.0, math.nan), (1.0, 1.0), "finite and non-decreasing"),
+    ((0.0,), (0.0,), "factors must be finite numbers > 0"),
+    ((0.0,), (math.inf,), "factors must be finite numbers > 0"),
+])
+def test_tracked_model_rejects_bad_knots(times, factors, match):
+    with pytest.raises(ValueError, match=match):
+        TrackedLatency(PARAMETRIC, times, factors)
+
+
+def test_a_simulation_binds_its_clock_to_a_tracked_model():
+    """Two requests, one before and one long after a knot that doubles the step times: the second takes twice
+    as long in every phase (both alone on the server, same lengths)."""
+    from engine.core import ServerConfig
+    from sim.driver import Simulation
+    from traces import Trace, TraceRequest
+    reqs = [TraceRequest(0, 0.0, 40, 8), TraceRequest(1, 100.0, 40, 8)]
+    model = TrackedLatency(ConstantLatency(0.01, 1e-4), (50.0, 50.001), (1.0, 2.0))
+    rows = Simulation(ServerConfig(n_ctx=1024, n_parallel=1, cache_prompt=False), model).run(
+        Trace(reqs, "native", "test")).requests
+    first, second = sorted(rows, key=lambda r: r["request"])
+    for col in ("ttft_s", "e2e_s"):
+        assert second[col] == pytest.approx(2 * first[col], rel=1e-6), col
 
 
 # --- registry -------------------------------------------------------------------------------------
