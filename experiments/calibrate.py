@@ -42,7 +42,7 @@ from engine.model.sampling import SamplingParams
 from experiments.flags import CALIBRATE, add_flags
 from experiments.results import new_results_dir
 from experiments.runs import resolve_model
-from experiments.speed_probe import ProbeShape, SpeedProbe, SpeedTrack, TrackPass, format_probe
+from experiments.speed_probe import TRACK_REPEATS, ProbeShape, SpeedProbe, SpeedTrack, TrackPass, format_probe
 from sim.backend import SimBackend
 from sim.latency import ConstantLatency, cost_features, error_summary, fit_parametric, held_out_predictions
 from sim.latency_physical import (
@@ -487,6 +487,21 @@ def load_figures(m: Measurement, threshold: float) -> dict[str, Any]:
     }
 
 
+def probe_predictions(latency: Any, kv_bytes_per_token: int) -> dict[str, float]:
+    """What `latency` charges for each of the probe's shapes (seconds by label): each shape's plan as the bench
+    executes it (`build_plan`), counted as the simulator counts it (`SimBackend`, with the layout when the model
+    prices it). The reference of `--speed-correct track` (experiments.speed_probe.track_knots)."""
+    counter = SimBackend(ConstantLatency(0.0), kv_bytes_per_token)
+    layout = bool(getattr(latency, "wants_layout", False))
+    points = probe_points()
+    tasks = [Task(id=seq, tokens=[0]) for seq in range(max(p.n_sequences for p in points))]
+    out = {}
+    for p in points:
+        plan = build_plan(p, lambda n: [0] * n, tasks)
+        out[p.label] = float(latency.step_time_s(counter.layout_cost(plan) if layout else counter.cost(plan)))
+    return out
+
+
 def measure_probe(model: Any, sampling: Any, *, repeats: int = PROBE_REPEATS, seed: int = 0,
                   grid: Measurement | None = None, load_reader: LoadReader = os.getloadavg,
                   cpu_reader: CpuReader = proc_cpu_seconds) -> SpeedProbe:
@@ -505,20 +520,25 @@ def measure_probe(model: Any, sampling: Any, *, repeats: int = PROBE_REPEATS, se
 
 
 class InRunProbe:
-    """The speed probe during a real run: one pass over `probe_points()` (shuffled, one execution each) every
-    `every_s` wall seconds, taken between two of the run's steps as a `NumpyBackend.on_step` observer.
+    """The speed probe during a real run: one pass over `probe_points()` every `every_s` wall seconds, taken
+    between two of the run's steps as a `NumpyBackend.on_step` observer. A pass executes every shape `repeats`
+    times (interleaved rounds in shuffled order) and keeps the median per shape: one execution of a 40 ms
+    shape samples 40 ms of a host whose speed moves within a second.
 
     The passes run on a bench of their own (`_Bench`: its own KV cells and sequences; the same model, weights
     and threads), so the run's cells, slots and prompt cache are untouched, and the run's clock does not see
     them: replay's clock advances by the measured times of the run's own steps and its idle gaps, and a pass is
-    neither (it costs wall time only: ~0.2 s per pass for SmolLM2 at 2 threads). `start(run_clock)` before the
-    first step; `track()` afterwards (experiments.speed_probe.SpeedTrack)."""
+    neither (it costs wall time only: 0.7-1.0 s per pass of 3 rounds for SmolLM2 at 2 threads).
+    `start(run_clock)` before the first step; `track()` afterwards (experiments.speed_probe.SpeedTrack)."""
 
-    def __init__(self, model: Any, sampling: Any, every_s: float, *, seed: int = 0,
+    def __init__(self, model: Any, sampling: Any, every_s: float, *, repeats: int = TRACK_REPEATS, seed: int = 0,
                  clock: Callable[[], float] = time.perf_counter, load_reader: LoadReader = os.getloadavg) -> None:
         if not every_s > 0:
             raise ValueError(f"InRunProbe: every_s must be > 0, got {every_s!r}")
+        if repeats < 1:
+            raise ValueError(f"InRunProbe: repeats must be >= 1, got {repeats!r}")
         self.every_s = float(every_s)
+        self.repeats = int(repeats)
         self.points = probe_points()
         self._rng = np.random.default_rng(seed)
         self.bench = _Bench(model, self.points, sampling, self._rng)
@@ -539,17 +559,19 @@ class InRunProbe:
         now = self._clock()
         if now < self._next:
             return
-        shapes = {}
-        for i in self._rng.permutation(len(self.points)).tolist():
-            p = self.points[i]
-            shapes[p.label] = self.bench.measure(p)[1]
+        samples: dict[str, list[float]] = {p.label: [] for p in self.points}
+        for _ in range(self.repeats):              # interleaved rounds, each in its own shuffled order
+            for i in self._rng.permutation(len(self.points)).tolist():
+                p = self.points[i]
+                samples[p.label].append(self.bench.measure(p)[1])
+        shapes = {label: statistics.median(v) for label, v in samples.items()}
         # the run's clock at this step's end (run_clock reads its start while the step is being committed)
         self.passes.append(TrackPass(float(self._run_clock()) + elapsed_s, now - self._t0, shapes,
                                      float(self._load()[0])))
         self._next = self._clock() + self.every_s
 
     def track(self) -> SpeedTrack:
-        return SpeedTrack(self.every_s, tuple(self.passes))
+        return SpeedTrack(self.every_s, tuple(self.passes), self.repeats)
 
 
 # --- fitting and cross-validation ------------------------------------------------------------------------

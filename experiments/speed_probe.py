@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -305,10 +305,11 @@ def format_speed(report: Mapping[str, Any], factor: float, where: str = "") -> s
     track = report.get("track")
     if track:
         lo, hi = track["range"]
-        head += (f"; over the run (probe before, {track['n_in_run']} passes during, after; / the grid's medians) "
-                 f"x{lo:.3f}-x{hi:.3f}")
+        plo, phi = track["range_prompt"]
+        span = f"decode x{lo:.3f}-x{hi:.3f}, prompt x{plo:.3f}-x{phi:.3f}"
+        head += f"; over the run (probe before, {track['n_in_run']} passes during, after; / the model's times) {span}"
     if report.get("correct") == "track" and track:
-        return f"{head}{where}; simulator step times x{lo:.3f}-x{hi:.3f}, following the run's clock"
+        return f"{head}{where}; simulator step times {span}, following the run's clock"
     return f"{head}{where}; simulator step times x{factor:.3f}"
 
 
@@ -317,6 +318,7 @@ def format_speed(report: Mapping[str, Any], factor: float, where: str = "") -> s
 TRACK_FILE = "speed_track.json"    # beside a real run's results: the probe passes taken during that run
 TRACK_EVERY_S = 10.0               # validate's default: one probe pass every this many wall seconds of the run
 TRACK_SMOOTH = 5                   # knots in the centred rolling median of the track's factors
+TRACK_REPEATS = 3                  # executions of each shape per pass (interleaved rounds; the median is kept)
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,13 +335,15 @@ class TrackPass:
 
 @dataclass(frozen=True, slots=True)
 class SpeedTrack:
-    """Every probe pass taken during one real run, one each `every_s` wall seconds (between two steps)."""
+    """Every probe pass taken during one real run, one each `every_s` wall seconds (between two steps), each
+    the median of `repeats` executions per shape."""
 
     every_s: float
     passes: tuple[TrackPass, ...]
+    repeats: int = 1
 
     def to_dict(self) -> dict[str, Any]:
-        return {"every_s": self.every_s,
+        return {"every_s": self.every_s, "repeats": self.repeats,
                 "passes": [{"clock_s": p.clock_s, "wall_s": p.wall_s, "shapes_s": dict(p.shapes_s),
                             "load1": p.load1} for p in self.passes]}
 
@@ -371,7 +375,10 @@ class SpeedTrack:
                                      for k, v in shapes.items()}, float(row["load1"])))
         if any(b.clock_s < a.clock_s for a, b in zip(passes, passes[1:])):
             raise ValueError(f"{where}: field 'passes' must be in clock order")
-        return cls(float(every), tuple(passes))
+        repeats = data.get("repeats", 1)
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"{where}: field 'repeats' must be an integer >= 1, got {repeats!r}")
+        return cls(float(every), tuple(passes), repeats)
 
 
 def write_run_track(run_dir: str | Path, track: SpeedTrack) -> Path:
@@ -398,32 +405,45 @@ def _rolling_median(values: Sequence[float], width: int) -> list[float]:
     return [statistics.median(values[max(0, i - half):i + half + 1]) for i in range(len(values))]
 
 
-def track_knots(calibration: SpeedProbe, before: SpeedProbe, after: SpeedProbe, track: SpeedTrack | None,
-                end_clock_s: float, smooth: int = TRACK_SMOOTH) -> dict[str, Any]:
+def track_knots(reference: Mapping[str, float], before: SpeedProbe, after: SpeedProbe, track: SpeedTrack | None,
+                end_clock_s: float, prompt_labels: Collection[str] = (), smooth: int = TRACK_SMOOTH) -> dict[str, Any]:
     """The knots of `--speed-correct track` (sim.latency.TrackedLatency): the probe before the run at clock 0,
-    each pass of `track` at its clock, the probe after the run at `end_clock_s`; each knot's `raw` factor is its
-    step times / the calibration grid's own medians of the same shapes (geometric mean over the shapes both
-    have: the factor `--speed-correct grid` would take from that knot alone), `factor` the centred rolling
-    median of `smooth` raw factors (one pass executes each shape once: single executions vary by several
-    percent). ValueError when the calibration's grid did not measure the probe's shapes."""
-    grid = {s.label: s.grid_median_s for s in calibration.shapes if s.grid_median_s is not None}
-    if not grid:
-        raise ValueError("the calibration's grid did not measure the speed probe's shapes (a --quick calibration)")
+    each pass of `track` at its clock, the probe after the run at `end_clock_s`.
 
-    def factor(shapes_s: Mapping[str, float]) -> float:
-        common = [label for label in grid if label in shapes_s]
-        if not common:
-            raise ValueError(f"a probe pass shares no shape with the calibration grid ({sorted(shapes_s)})")
-        return geomean([shapes_s[label] / grid[label] for label in common])
+    Each knot's factor is its step times / `reference` (seconds by shape label: what the simulator's latency
+    model charges for the probe's shapes, `experiments.calibrate.probe_predictions`), geometric mean over the
+    shapes: the factor that makes the model's times those of the machine at that moment, on shapes fixed in
+    advance (not the run's own steps). Two factors, one per compute path: `raw` over the decode shapes (those
+    not in `prompt_labels`), for steps without prompt tokens; `raw_prompt` over the prompt shapes
+    (`prompt_labels`), for steps with (the decode factor where there is no prompt shape). `factor` and
+    `factor_prompt` are the centred rolling medians of `smooth` raw factors (one pass executes each shape
+    once, and single executions vary by several percent). ValueError when a knot shares no decode shape with
+    `reference`."""
+    decode = [label for label in reference if label not in prompt_labels]
+    prompt = [label for label in reference if label in prompt_labels]
+
+    def factor(shapes_s: Mapping[str, float], labels: Sequence[str]) -> float | None:
+        common = [label for label in labels if label in shapes_s]
+        return geomean([shapes_s[label] / reference[label] for label in common]) if common else None
 
     passes = track.passes if track is not None else ()
     clock = [0.0] + [p.clock_s for p in passes] + [max(float(end_clock_s), passes[-1].clock_s if passes else 0.0)]
-    raw = [factor(before.medians_s)] + [factor(p.shapes_s) for p in passes] + [factor(after.medians_s)]
+    knots = [before.medians_s] + [p.shapes_s for p in passes] + [after.medians_s]
+    raw = [factor(k, decode) for k in knots]
+    if any(r is None for r in raw):
+        raise ValueError(f"a probe pass shares no decode shape with the latency model's probe shapes "
+                         f"({sorted(next(k for k, r in zip(knots, raw) if r is None))} against {sorted(decode)})")
+    raw_prompt = [factor(k, prompt) or r for k, r in zip(knots, raw)]
     smoothed = _rolling_median(raw, max(1, smooth))
-    return {"clock_s": clock, "raw": raw, "factor": smoothed, "n_in_run": len(passes),
+    smoothed_prompt = _rolling_median(raw_prompt, max(1, smooth))
+    return {"clock_s": clock, "raw": raw, "factor": smoothed, "raw_prompt": raw_prompt,
+            "factor_prompt": smoothed_prompt, "n_in_run": len(passes),
             "every_s": None if track is None else track.every_s, "smooth": smooth,
-            "range": [min(smoothed), max(smoothed)],
+            "range": [min(smoothed), max(smoothed)], "range_prompt": [min(smoothed_prompt), max(smoothed_prompt)],
+            "reference_s": dict(reference), "prompt_labels": prompt,
             "definition": "knots: the probe before the run (clock 0), every pass during it, the probe after (the "
-                          "run's end); raw = step time / the calibration grid's median of the same shape, geometric "
-                          "mean over shapes; factor = centred rolling median of `smooth` raws; the simulator's step "
-                          "times are multiplied by the factor interpolated at their clock"}
+                          "run's end); raw = step time / the latency model's time of the same shape, geometric "
+                          "mean over the decode shapes (raw_prompt: over the prompt shapes); factor, factor_prompt "
+                          "= centred rolling medians of `smooth` raws; the simulator multiplies a step's time by "
+                          "the factor of its path (factor_prompt when it processes prompt tokens) interpolated "
+                          "at its clock"}

@@ -43,7 +43,7 @@ from experiments.flags import (
     option_values,
     simulate_argv,
 )
-from experiments.calibrate import InRunProbe, measure_probe, probe_points, replay_sampling
+from experiments.calibrate import InRunProbe, measure_probe, probe_points, probe_predictions, replay_sampling
 from experiments.replay import run_replay
 from experiments.results import load_results, write_json, write_run
 from experiments.runs import follow, out_dir, resolve_model, run_context, server_config
@@ -555,7 +555,7 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
                 raise ValueError(f"--noise-floor {args.noise_floor}: {exc}") from exc
         if correct:
             check_speed_correction(values["latency"], cal_probe, model, args.threads, reused, run_probes,
-                                   args.speed_correct)
+                                   args.speed_correct, args.probe_every)
         out = out_dir(args, VALIDATE)
     except (UsageError, ValueError, OSError) as exc:
         print(f"slotlab validate: error: {exc}", file=sys.stderr)
@@ -596,8 +596,10 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
     else:
         real = reused
     load_mid = os.getloadavg()
-    speed, sim_latency = speed_correction(cal_probe, run_probes, model, args.threads, args.speed_correct, latency,
-                                          track=track, end_clock_s=real.summary.get("sim_s") or 0.0)
+    speed, sim_latency = speed_correction(
+        cal_probe, run_probes, model, args.threads, args.speed_correct, latency, track=track,
+        end_clock_s=real.summary.get("sim_s") or 0.0,
+        kv_bytes_per_token=int((real.config.get("server_config") or {}).get("kv_bytes_per_token") or 0))
     speed["run_probes"] = ("measured with this real run" if reused is None else
                            f"stored with the real run ({PROBE_FILE})" if run_probes else None)
     for warning in speed_warnings(speed, values["latency"], args.speed_correct, speed["factor"], real.path):
@@ -710,24 +712,31 @@ def probe_unusable(cal_probe: SpeedProbe, run_probes: tuple[SpeedProbe, SpeedPro
 
 
 def check_speed_correction(spec: str, cal_probe: SpeedProbe | None, model: str, threads: int, reused: Any,
-                           run_probes: tuple[SpeedProbe, SpeedProbe] | None, correct: str = "probe") -> None:
-    """UsageError unless `--speed-correct probe|grid` has what it needs, checked before the engine runs: a
-    calibration with a probe comparable with this run's, (grid) the grid's own medians of the probe's shapes,
-    and (with --real-run) probes stored with the run."""
+                           run_probes: tuple[SpeedProbe, SpeedProbe] | None, correct: str = "probe",
+                           probe_every: float = TRACK_EVERY_S) -> None:
+    """UsageError unless `--speed-correct probe|grid|track` has what it needs, checked before the engine runs:
+    (probe, grid) a calibration with a probe comparable with this run's and (grid) the grid's own medians of the
+    probe's shapes; (all) with --real-run, probes stored with the run. track compares the run's probes with the
+    latency model's own times of the probe's shapes: it needs no calibration probe."""
     flag = f"--speed-correct {correct}"
-    if cal_probe is None:
+    if reused is None and correct == "track" and probe_every == 0:
+        raise UsageError(f"{flag} follows the probe passes taken during the real run, and --probe-every 0 turns "
+                         "them off: leave --probe-every at its default (10 s) or give a number of seconds")
+    if correct != "track" and cal_probe is None:
         raise UsageError(f"{flag} needs a calibration with a speed probe, and {spec} has none (not a "
                          "calibration file, or one written before the probe): calibrate this setup with "
                          f"`slotlab calibrate -m {model} --threads {threads} --out cal.json` and pass "
-                         "--latency parametric:cal.json, or use --speed-correct off")
-    if correct in ("grid", "track") and grid_offset(cal_probe) is None:
+                         "--latency parametric:cal.json, or use --speed-correct track or off")
+    if correct == "grid" and grid_offset(cal_probe) is None:
         raise UsageError(f"{flag}: {spec}'s grid did not measure the speed probe's shapes (a --quick "
                          "calibration): use the full grid (`slotlab calibrate` without --quick), or "
-                         "--speed-correct probe")
+                         "--speed-correct probe or track")
     if reused is not None and run_probes is None:
         raise UsageError(f"{flag}: {reused.path} has no {PROBE_FILE} (a `slotlab replay` run, or "
                          "a validate run made before the speed probe): rerun validate without --real-run, or use "
                          "--speed-correct off")
+    if correct == "track":
+        return
     why = probe_unusable(cal_probe, run_probes, model, threads)
     if why:
         raise UsageError(f"{flag}: {spec} is not comparable with this run: the calibration's {why}")
@@ -735,13 +744,15 @@ def check_speed_correction(spec: str, cal_probe: SpeedProbe | None, model: str, 
 
 def speed_correction(cal_probe: SpeedProbe | None, run_probes: tuple[SpeedProbe, SpeedProbe] | None, model: str,
                      threads: int, correct: str, latency: Any, *, track: SpeedTrack | None = None,
-                     end_clock_s: float = 0.0) -> tuple[dict[str, Any], Any]:
+                     end_clock_s: float = 0.0, kv_bytes_per_token: int = 0) -> tuple[dict[str, Any], Any]:
     """validation.json's `speed_probe` (ratios, `correct`, the `factor` used) and the latency model the
     simulator runs with: `latency`, or ScaledLatency(latency, ratio.mean) with `correct` = "probe",
-    ScaledLatency(latency, ratio.grid) with "grid", TrackedLatency through `track_knots` (the probes before and
-    after the run, `track`'s passes during it; `end_clock_s` the run's end on its clock) with "track", whose
-    `factor` is then the geometric mean of the knots' factors. A calibration probe that is not comparable gives
-    no ratio (`calibration_unusable` says why). With a track, `track` holds its knots whatever `correct` is."""
+    ScaledLatency(latency, ratio.grid) with "grid", TrackedLatency through `track_knots` with "track": the
+    probes before and after the run and `track`'s passes during it (`end_clock_s`: the run's end on its clock)
+    over what `latency` charges for the probe's shapes (`probe_predictions`; `kv_bytes_per_token` of the run's
+    server), whose `factor` is then the geometric mean of the knots' factors; the track needs no calibration
+    probe. A calibration probe that is not comparable gives no ratio (`calibration_unusable` says why). With the
+    run's probes, `track` holds the knots whatever `correct` is."""
     before, after = run_probes if run_probes else (None, None)
     why = probe_unusable(cal_probe, run_probes, model, threads) if cal_probe is not None else None
     report = speed_report(None if why else cal_probe, before, after)
@@ -749,15 +760,16 @@ def speed_correction(cal_probe: SpeedProbe | None, run_probes: tuple[SpeedProbe,
     if cal_probe is not None:
         report["calibration"] = cal_probe.to_dict()
     knots = None
-    if cal_probe is not None and not why and before is not None and grid_offset(cal_probe) is not None:
-        knots = track_knots(cal_probe, before, after, track, end_clock_s)
+    if before is not None and after is not None:
+        knots = track_knots(probe_predictions(latency, kv_bytes_per_token), before, after, track, end_clock_s,
+                            prompt_labels=[p.label for p in probe_points() if p.prompt])
     report["track"] = knots
     if correct == "track":
         if knots is None:             # check_speed_correction rules this out before the run
             raise RuntimeError(f"--speed-correct track without knots ({why or 'a probe is missing'})")
         factor = geomean(knots["factor"])
         report.update(correct=correct, factor=factor)
-        return report, TrackedLatency(latency, knots["clock_s"], knots["factor"])
+        return report, TrackedLatency(latency, knots["clock_s"], knots["factor"], knots["factor_prompt"])
     factor = {"probe": report["ratio"]["mean"], "grid": report["ratio"]["grid"]}.get(correct, 1.0)
     if factor is None:                # check_speed_correction rules this out before the run
         raise RuntimeError(f"--speed-correct {correct} without a ratio ({why or 'a probe is missing'})")
@@ -770,7 +782,9 @@ def factor_text(speed: Mapping[str, Any]) -> str:
     if speed.get("correct") == "track" and speed.get("track"):
         k = speed["track"]
         lo, hi = k["range"]
-        return f"x{lo:.3f}-x{hi:.3f} (tracked: {len(k['clock_s'])} knots, {k['n_in_run']} during the run)"
+        plo, phi = k["range_prompt"]
+        return (f"decode x{lo:.3f}-x{hi:.3f}, prompt x{plo:.3f}-x{phi:.3f} (tracked: {len(k['clock_s'])} knots, "
+                f"{k['n_in_run']} during the run)")
     return f"x{speed['factor']:.3f}"
 
 

@@ -220,34 +220,41 @@ class ScaledLatency:
 
 class TrackedLatency:
     """Another model's step times multiplied by a factor that follows the simulated clock: t = f(now) · base(cost),
-    f linear between the knots (times_s[i], factors[i]) and constant before the first and after the last.
+    f linear between the knots (times_s[i], factors[i]) and constant before the first and after the last. With
+    `prompt_factors`, a step that processes prompt tokens takes those instead (one factor per compute path: a
+    decode step streams the weights once for a few rows, a prompt chunk runs the dense products on many; the
+    machine's speed moves them differently, docs/validation_sim.md §8).
 
     What `slotlab validate --speed-correct track` simulates with: the knots are the speed probe measured before,
     during (every few seconds of wall time, outside the run's clock) and after the real run, each the probe's
-    step times / the calibration grid's own medians of the same shapes (docs/validation_sim.md §8). It follows a
-    machine whose speed moves during the run, which one factor cannot. `now` is the clock the simulation binds
-    with `bind_clock` (the server's last step start: within one step of the step priced, while the knots are
-    seconds apart); unbound, the clock reads 0. In a fast-forwarded stretch the i-th step is placed at now +
-    f(now) · Σ of the base times before it, so `decode_only_times_s` equals pricing the steps one by one up to
-    that placement (not bit for bit: the one deviation from the LatencyModel contract, by design)."""
+    step times / the latency model's own times of the same shapes. It follows a machine whose speed moves during
+    the run, which one factor cannot. `now` is the clock the simulation binds with `bind_clock` (the server's
+    last step start: within one step of the step priced, while the knots are seconds apart); unbound, the clock
+    reads 0. In a fast-forwarded decode stretch the i-th step is placed at now + f(now) · Σ of the base times
+    before it, so `decode_only_times_s` equals pricing the steps one by one up to that placement (not bit for
+    bit: the one deviation from the LatencyModel contract, by design)."""
 
-    def __init__(self, base: LatencyModel, times_s: Sequence[float], factors: Sequence[float]) -> None:
+    def __init__(self, base: LatencyModel, times_s: Sequence[float], factors: Sequence[float],
+                 prompt_factors: Sequence[float] | None = None) -> None:
         if not isinstance(base, LatencyModel):
             raise ValueError(f"TrackedLatency: base must be a latency model, got {type(base).__name__}")
         t = [float(x) for x in times_s]
         f = [float(x) for x in factors]
-        if not t or len(t) != len(f):
+        fp = f if prompt_factors is None else [float(x) for x in prompt_factors]
+        if not t or len(t) != len(f) or len(t) != len(fp):
             raise ValueError(f"TrackedLatency: needs as many factors as times, at least one (got {len(t)} times, "
-                             f"{len(f)} factors)")
+                             f"{len(f)} factors, {len(fp)} prompt factors)")
         if any(not math.isfinite(x) for x in t) or any(b < a for a, b in zip(t, t[1:])):
             raise ValueError(f"TrackedLatency: times must be finite and non-decreasing, got {t}")
-        if any(not math.isfinite(x) or x <= 0 for x in f):
-            raise ValueError(f"TrackedLatency: factors must be finite numbers > 0, got {f}")
+        if any(not math.isfinite(x) or x <= 0 for x in f + fp):
+            raise ValueError(f"TrackedLatency: factors must be finite numbers > 0, got {f} and {fp}")
         self.base = base
         self.times_s = tuple(t)
         self.factors = tuple(f)
+        self.prompt_factors = tuple(fp)
         self._t = np.array(t)
         self._f = np.array(f)
+        self._fp = np.array(fp)
         self._clock: Callable[[], float] = lambda: 0.0
 
     def bind_clock(self, clock: Callable[[], float]) -> None:
@@ -270,11 +277,15 @@ class TrackedLatency:
     def load_moved(self) -> bool | None:
         return getattr(self.base, "load_moved", None)
 
-    def factor_at(self, t_s: float) -> float:
-        return float(np.interp(t_s, self._t, self._f))
+    def factor_at(self, t_s: float, prompt: bool = False) -> float:
+        """The factor at simulated time t_s: of a step that processes prompt tokens when `prompt`."""
+        return float(np.interp(t_s, self._t, self._fp if prompt else self._f))
+
+    def cost_factor_at(self, t_s: float, cost: StepCost) -> float:
+        return self.factor_at(t_s, cost.n_prefill_tokens > 0)
 
     def step_time_s(self, cost: StepCost) -> float:
-        return self.factor_at(self._clock()) * self.base.step_time_s(cost)
+        return self.cost_factor_at(self._clock(), cost) * self.base.step_time_s(cost)
 
     def decode_only_times_s(self, n_seqs: int, attn_ctx0: int, k: int,
                             decode: Sequence[tuple[int, int]] | None = None) -> list[float]:
@@ -289,8 +300,8 @@ class TrackedLatency:
 
     def describe(self) -> dict:
         base = self.base.describe()
-        return {"kind": "tracked", "times_s": list(self.times_s), "factors": list(self.factors), "base": base,
-                "source": base.get("source")}
+        return {"kind": "tracked", "times_s": list(self.times_s), "factors": list(self.factors),
+                "prompt_factors": list(self.prompt_factors), "base": base, "source": base.get("source")}
 
 
 def unscaled(latency: LatencyModel) -> LatencyModel:

@@ -408,3 +408,31 @@ def test_probe_passes_during_a_replay_change_none_of_its_steps(tiny, tmp_path):
     assert probed["clock_s"].iloc[0] == 0.0
     np.testing.assert_allclose(probed["clock_s"].to_numpy()[1:], ends[:-1], rtol=0, atol=2e-9)
     np.testing.assert_allclose([p.clock_s for p in probe.passes], ends, rtol=0, atol=2e-9)
+
+
+def test_a_probe_pass_keeps_the_median_of_its_rounds(tiny):
+    from experiments.calibrate import InRunProbe, probe_points, replay_sampling
+    model = load(tiny, n_threads=1)
+    wall = [0.0]
+    probe = InRunProbe(model, replay_sampling(model, 0.0, 0), 1.0, repeats=3, clock=lambda: wall[0])
+    times = iter([0.05, 0.01, 0.03] * 3)            # each shape's k-th execution, in the order they run
+    executed = []
+
+    def measure(point):
+        executed.append(point.label)
+        return None, next(times)
+    probe.bench.measure = measure
+    probe.start(lambda: 0.0)
+    wall[0] = 1.0
+    probe(None, 0.0)
+    labels = [p.label for p in probe_points()]
+    assert sorted(executed) == sorted(labels * 3)                # three interleaved rounds
+    assert all(sorted(executed[3 * r:3 * r + 3]) == sorted(labels) for r in range(3))
+    # the times handed out in execution order: each shape's median of its three
+    got = {label: [] for label in labels}
+    for label, t in zip(executed, [0.05, 0.01, 0.03] * 3):
+        got[label].append(t)
+    assert probe.passes[0].shapes_s == {label: sorted(v)[1] for label, v in got.items()}
+    assert probe.track().repeats == 3
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        InRunProbe(model, replay_sampling(model, 0.0, 0), 1.0, repeats=0)

@@ -207,40 +207,60 @@ def test_a_probe_of_another_thread_count_or_model_is_not_comparable():
 # --- the speed track ---------------------------------------------------------------------------------------
 
 
+REFERENCE = {label: m * f for (label, m), f in zip(CAL_S.items(), (0.9, 1.0, 1.1))}   # a model's probe-shape times
+
+
 def track_of(clock_ratios, every=10.0):
-    """A track with one pass per (clock_s, ratio): every shape at the grid's median times the ratio."""
-    grid = {s.label: s.grid_median_s for s in with_grid(make_probe(CAL_S)).shapes}
-    return SpeedTrack(every, tuple(TrackPass(c, 10.0 * i, {k: v * r for k, v in grid.items()}, 0.5)
+    """A track with one pass per (clock_s, ratio): every shape at REFERENCE's time times the ratio."""
+    return SpeedTrack(every, tuple(TrackPass(c, 10.0 * i, scaled(REFERENCE, r), 0.5)
                                    for i, (c, r) in enumerate(clock_ratios)))
 
 
+PROMPT = [LABELS[2]]                          # "prompt 64": the probe's one prompt shape
+
+
 def test_track_knots_run_from_the_probe_before_through_the_passes_to_the_probe_after():
-    cal = with_grid(make_probe(CAL_S))
-    offset = grid_offset(cal)
-    before, after = make_probe(scaled(CAL_S, 1.1)), make_probe(scaled(CAL_S, 1.3))
+    before, after = make_probe(scaled(REFERENCE, 1.1)), make_probe(scaled(REFERENCE, 1.3))
     ratios = [1.0, 1.2, 2.0, 1.2, 1.1]
-    k = track_knots(cal, before, after, track_of(zip((5.0, 15.0, 25.0, 35.0, 45.0), ratios)), 50.0, smooth=3)
+    k = track_knots(REFERENCE, before, after, track_of(zip((5.0, 15.0, 25.0, 35.0, 45.0), ratios)), 50.0,
+                    prompt_labels=PROMPT, smooth=3)
     assert k["clock_s"] == [0.0, 5.0, 15.0, 25.0, 35.0, 45.0, 50.0] and k["n_in_run"] == 5
-    # a knot's raw factor: its step times / the grid's medians (the probes: ratio to the calibration's probe x offset)
-    assert k["raw"] == pytest.approx([1.1 * offset, *ratios, 1.3 * offset], rel=1e-12)
-    # centred medians of 3 (2 at the ends): 1.1·offset = 1.003 and 1.3·offset = 1.185
-    o = offset
-    assert k["factor"] == pytest.approx([(1.1 * o + 1.0) / 2, 1.1 * o, 1.2, 1.2, 1.2, 1.3 * o, (1.1 + 1.3 * o) / 2],
-                                        rel=1e-12)
-    assert max(k["factor"]) == pytest.approx(1.2, rel=1e-12)           # the one pass at x2.0 is smoothed away
+    # a knot's raw factor: its step times / the model's times of the same shapes
+    assert k["raw"] == pytest.approx([1.1, *ratios, 1.3], rel=1e-12)
+    # centred medians of 3 (of 2 at the ends): the one pass at x2.0 is smoothed away
+    assert k["factor"] == pytest.approx([1.05, 1.1, 1.2, 1.2, 1.2, 1.2, 1.2], rel=1e-12)
+    assert k["factor_prompt"] == pytest.approx(k["factor"], rel=1e-12)     # every shape moved alike
     assert k["range"] == [min(k["factor"]), max(k["factor"])] and k["every_s"] == 10.0
+    assert k["reference_s"] == REFERENCE and k["prompt_labels"] == PROMPT
+
+
+def test_track_knots_give_the_decode_and_the_prompt_path_a_factor_each():
+    # decode shapes at x1.0 and x1.25 of the model's times, the prompt shape at x1.5
+    ratios = (1.0, 1.25, 1.5)
+    k = track_knots(REFERENCE, make_probe(scaled(REFERENCE, ratios)), make_probe(scaled(REFERENCE, 1.0)), None,
+                    1.0, prompt_labels=PROMPT, smooth=1)
+    assert k["raw"][0] == pytest.approx(1.25 ** 0.5, rel=1e-12)             # geometric mean of the decode shapes
+    assert k["raw_prompt"] == pytest.approx([1.5, 1.0], rel=1e-12) and k["range_prompt"] == pytest.approx([1.0, 1.5])
+    # without prompt labels, every shape counts for both paths
+    k = track_knots(REFERENCE, make_probe(scaled(REFERENCE, ratios)), make_probe(scaled(REFERENCE, 1.0)), None,
+                    1.0, smooth=1)
+    assert k["raw"][0] == pytest.approx((1.0 * 1.25 * 1.5) ** (1 / 3), rel=1e-12) and k["raw_prompt"] == k["raw"]
 
 
 def test_track_knots_without_passes_are_the_probes_before_and_after():
-    cal = with_grid(make_probe(CAL_S))
-    k = track_knots(cal, make_probe(scaled(CAL_S, 1.0)), make_probe(scaled(CAL_S, 1.2)), None, 30.0, smooth=1)
+    k = track_knots(REFERENCE, make_probe(scaled(REFERENCE, 1.0)), make_probe(scaled(REFERENCE, 1.2)), None, 30.0,
+                    prompt_labels=PROMPT, smooth=1)
     assert k["clock_s"] == [0.0, 30.0] and k["n_in_run"] == 0 and k["every_s"] is None
-    assert k["factor"] == pytest.approx([grid_offset(cal), 1.2 * grid_offset(cal)], rel=1e-12)
+    assert k["factor"] == pytest.approx([1.0, 1.2], rel=1e-12)
 
 
-def test_track_knots_need_the_grids_medians():
-    with pytest.raises(ValueError, match="did not measure the speed probe's shapes"):
-        track_knots(make_probe(CAL_S), make_probe(CAL_S), make_probe(CAL_S), None, 1.0)
+def test_track_knots_need_a_decode_shape_in_common_with_the_reference():
+    with pytest.raises(ValueError, match="shares no decode shape with the latency model's probe shapes"):
+        track_knots({"other shape": 0.1}, make_probe(CAL_S), make_probe(CAL_S), None, 1.0)
+    # a knot without the prompt shape takes its decode factor for both paths
+    only_decode = make_probe({label: v for label, v in scaled(REFERENCE, 1.2).items() if label not in PROMPT})
+    k = track_knots(REFERENCE, only_decode, make_probe(REFERENCE), None, 1.0, prompt_labels=PROMPT, smooth=1)
+    assert k["raw_prompt"] == pytest.approx([1.2, 1.0], rel=1e-12)
 
 
 def test_speed_track_round_trips_through_its_file(tmp_path):
@@ -257,6 +277,7 @@ def test_speed_track_round_trips_through_its_file(tmp_path):
     (lambda d: d["passes"][0].update(shapes_s={}), "'passes[0].shapes_s'"),
     (lambda d: d["passes"][0]["shapes_s"].update({LABELS[0]: -1.0}), f"'passes[0].shapes_s.{LABELS[0]}'"),
     (lambda d: d["passes"].reverse(), "in clock order"),
+    (lambda d: d.update(repeats=0), "'repeats'"),
 ])
 def test_a_malformed_speed_track_names_file_and_field(tmp_path, edit, field):
     data = track_of([(1.5, 1.0), (12.0, 1.1)]).to_dict()
@@ -268,11 +289,12 @@ def test_a_malformed_speed_track_names_file_and_field(tmp_path, edit, field):
 
 
 def test_format_speed_gives_the_tracks_range():
-    cal = with_grid(make_probe(CAL_S))
-    report = speed_report(cal, make_probe(scaled(CAL_S, 1.0)), make_probe(scaled(CAL_S, 1.2)))
-    report["track"] = track_knots(cal, make_probe(scaled(CAL_S, 1.0)), make_probe(scaled(CAL_S, 1.2)),
-                                  track_of([(3.0, 1.05)]), 9.0)
+    report = speed_report(make_probe(CAL_S), make_probe(scaled(CAL_S, 1.0)), make_probe(scaled(CAL_S, 1.2)))
+    report["track"] = track_knots(REFERENCE, make_probe(scaled(REFERENCE, 1.0)), make_probe(scaled(REFERENCE, 1.2)),
+                                  track_of([(3.0, 1.05)]), 9.0, prompt_labels=PROMPT)
     lo, hi = report["track"]["range"]
-    assert f"1 passes during, after; / the grid's medians) x{lo:.3f}-x{hi:.3f}" in format_speed(report, 1.0)
+    plo, phi = report["track"]["range_prompt"]
+    span = f"decode x{lo:.3f}-x{hi:.3f}, prompt x{plo:.3f}-x{phi:.3f}"
+    assert f"1 passes during, after; / the model's times) {span}" in format_speed(report, 1.0)
     report["correct"] = "track"
-    assert format_speed(report, 1.0).endswith(f"simulator step times x{lo:.3f}-x{hi:.3f}, following the run's clock")
+    assert format_speed(report, 1.0).endswith(f"simulator step times {span}, following the run's clock")

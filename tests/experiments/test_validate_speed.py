@@ -226,75 +226,86 @@ def test_speed_correct_grid_multiplies_by_the_ratio_to_the_grids_medians(setup, 
 # --- --speed-correct track ----------------------------------------------------------------------------------
 
 
-def grid_calibration(setup, tmp_path):
-    cal = tmp_path / "cal_grid.json"
-    data = json.loads(setup["cal"].read_text())
-    data["probe"] = with_grid(make_probe(CAL_S)).to_dict()
-    cal.write_text(json.dumps(data))
-    return cal
+def model_times(setup):
+    """What the setup's calibration model charges for the probe's shapes (the reference of the track)."""
+    from experiments.calibrate import probe_predictions
+    from sim.latency_spec import get_latency_model
+    kv = json.loads((setup["out"] / "real" / "config.json").read_text())["server_config"]["kv_bytes_per_token"]
+    return probe_predictions(get_latency_model(f"parametric:{setup['cal']}"), kv)
 
 
 def test_the_real_run_stores_its_speed_track(setup):
     track = read_run_track(setup["out"] / "real")
     assert track is not None and track.every_s == TRACK_EVERY_S     # a run of a second: no pass was due
     _, _, summary = read_validation(setup["out"])
-    assert summary["speed_probe"]["track"] is None                    # the calibration's grid has no probe medians
+    k = summary["speed_probe"]["track"]                               # knots from the probes before and after
+    assert k["n_in_run"] == 0 and len(k["clock_s"]) == 2 and k["reference_s"] == pytest.approx(model_times(setup))
 
 
-def test_speed_correct_track_with_a_flat_track_equals_the_grid_correction(setup, tmp_path):
-    cal = grid_calibration(setup, tmp_path)
+def test_probe_predictions_are_the_models_times_of_the_probes_plans():
+    from experiments.calibrate import probe_points, probe_predictions
+    from sim.latency import ConstantLatency
+    times = probe_predictions(ConstantLatency(0.01, 1e-3), 1000)
+    # 1x decode: 1 token; 4x decode: 4 tokens; prompt 64: 64 tokens
+    assert times == pytest.approx(dict(zip([p.label for p in probe_points()], (0.011, 0.014, 0.074))), rel=1e-12)
+
+
+def with_track(setup, tmp_path, ratio_of_pass, before=1.0, after=1.0, n=3):
+    """A copy of the setup's real run whose probes and passes run at the given ratios to the model's times."""
+    ref = model_times(setup)
     real = tmp_path / "real"
     shutil.copytree(setup["out"] / "real", real)
+    write_run_probes(real, make_probe(scaled(ref, before)), make_probe(scaled(ref, after)))
+    write_run_track(real, SpeedTrack(5.0, tuple(TrackPass(c, 5.0 * i, scaled(ref, r), 0.5)
+                                                for i, (c, r) in enumerate(ratio_of_pass(n)))))
+    return real
+
+
+def test_speed_correct_track_with_a_flat_track_multiplies_by_its_factor(setup, tmp_path):
     ratio = 1.25
-    write_run_probes(real, make_probe(scaled(CAL_S, ratio)), make_probe(scaled(CAL_S, ratio)))
-    # passes at the probe's ratio: every knot's factor is ratio x grid offset, the grid correction's factor
-    write_run_track(real, SpeedTrack(5.0, tuple(TrackPass(0.2 * i, 5.0 * i, scaled(CAL_S, ratio), 0.5)
-                                                for i in range(1, 4))))
-    for name in ("grid", "track"):
-        assert validate(setup, tmp_path / name, "--real-run", str(real), "--speed-correct", name, cal=cal) == 0
+    real = with_track(setup, tmp_path, lambda n: [(0.2 * i, ratio) for i in range(1, n + 1)], ratio, ratio)
+    assert validate(setup, tmp_path / "off", "--real-run", str(real)) == 0
+    assert validate(setup, tmp_path / "track", "--real-run", str(real), "--speed-correct", "track",
+                    cal=setup["plain"]) == 0                         # no calibration probe needed
     _, _, summary = read_validation(tmp_path / "track")
     speed, model = summary["speed_probe"], summary["latency_model"]
-    offset = math.prod(1 / f for f in GRID_SLOWER) ** (1 / len(GRID_SLOWER))
     assert speed["correct"] == "track" and speed["track"]["n_in_run"] == 3
     assert model["kind"] == "tracked" and model["times_s"] == speed["track"]["clock_s"]
-    assert model["factors"] == pytest.approx([ratio * offset] * 5, rel=1e-12)
-    assert speed["factor"] == pytest.approx(ratio * offset, rel=1e-12)
-    grid, track = (pd.read_parquet(tmp_path / d / "sim" / "requests.parquet").sort_values("request")
-                   .reset_index(drop=True) for d in ("grid", "track"))
+    assert model["factors"] == pytest.approx([ratio] * 5, rel=1e-12) and speed["factor"] == pytest.approx(ratio)
+    assert model["prompt_factors"] == pytest.approx([ratio] * 5, rel=1e-12)
+    assert speed["track"]["prompt_labels"] == ["prompt 64"]
+    off, track = (pd.read_parquet(tmp_path / d / "sim" / "requests.parquet").sort_values("request")
+                  .reset_index(drop=True) for d in ("off", "track"))
     for col in ("slot", "n_cached", "finish"):
-        assert list(track[col]) == list(grid[col])
-    for col in ("ttft_s", "e2e_s", "tpot_s"):
-        assert list(track[col]) == pytest.approx(list(grid[col]), rel=1e-9), col
-    # the real run's steps priced at the factor of their clock: the same as the grid's single factor
-    assert summary["real_step_errors"]["all"]["median_err"] == pytest.approx(
-        read_validation(tmp_path / "grid")[2]["real_step_errors"]["all"]["median_err"], rel=1e-9, abs=1e-12)
+        assert list(track[col]) == list(off[col])
+    for col in ("ttft_s", "e2e_s", "tpot_s"):                       # (the ns rounding bound of the probe test)
+        assert list(track[col]) == pytest.approx(list(ratio * off[col]), rel=1e-6), col
+    # the real run's steps priced at the factor of their clock: ratio x the unscaled model
+    off_err = read_validation(tmp_path / "off")[2]["real_step_errors"]["all"]["busy_err"]
+    assert summary["real_step_errors"]["all"]["busy_err"] == pytest.approx(ratio * (1 + off_err) - 1, rel=1e-9)
 
 
 def test_speed_correct_track_follows_a_slower_second_half(setup, tmp_path):
     """A track that doubles the step times after the first request finished: every request that finished later
     takes longer than under a flat track, the first one not."""
-    cal = grid_calibration(setup, tmp_path)
-    real = tmp_path / "real"
-    shutil.copytree(setup["out"] / "real", real)
-    write_run_probes(real, make_probe(scaled(CAL_S, 1.0)), make_probe(scaled(CAL_S, 1.0)))
-    assert validate(setup, tmp_path / "flat", "--real-run", str(real), "--speed-correct", "track", cal=cal) == 0
-    flat = pd.read_parquet(tmp_path / "flat" / "sim" / "requests.parquet").sort_values("e2e_s")
-    t_first = float(flat["e2e_s"].iloc[0])
-    later = [TrackPass(t_first + 1e-6 * i, 5.0 * i, scaled(CAL_S, 2.0), 0.5) for i in range(1, 6)]
-    write_run_track(real, SpeedTrack(5.0, tuple([TrackPass(t_first / 2, 1.0, scaled(CAL_S, 1.0), 0.5)] + later)))
-    assert validate(setup, tmp_path / "slow", "--real-run", str(real), "--speed-correct", "track", cal=cal) == 0
-    slow = pd.read_parquet(tmp_path / "slow" / "sim" / "requests.parquet").set_index("request")
-    flat = flat.set_index("request")
+    flat_real = with_track(setup, tmp_path / "a", lambda n: [])
+    assert validate(setup, tmp_path / "flat", "--real-run", str(flat_real), "--speed-correct", "track") == 0
+    flat = pd.read_parquet(tmp_path / "flat" / "sim" / "requests.parquet").set_index("request")
     first = flat["e2e_s"].idxmin()
+    t_first = float(flat.loc[first, "e2e_s"])
+    real = with_track(setup, tmp_path / "b", lambda n: [(t_first / 2, 1.0)]
+                      + [(t_first + 1e-6 * i, 2.0) for i in range(1, 6)], after=2.0)
+    assert validate(setup, tmp_path / "slow", "--real-run", str(real), "--speed-correct", "track") == 0
+    slow = pd.read_parquet(tmp_path / "slow" / "sim" / "requests.parquet").set_index("request")
     assert slow.loc[first, "ttft_s"] == pytest.approx(flat.loc[first, "ttft_s"], rel=1e-9)
     others = flat.index.drop(first)
     assert (slow.loc[others, "e2e_s"] > 1.2 * flat.loc[others, "e2e_s"]).all()
 
 
-def test_speed_correct_track_is_refused_without_the_grids_medians(setup, tmp_path, capsys):
+def test_speed_correct_track_is_refused_with_the_passes_turned_off(setup, tmp_path, capsys):
     probe = injected(1.0, 1.0)
-    assert validate(setup, tmp_path / "v", "--speed-correct", "track", speed_probe=probe) == 2
-    assert "grid did not measure the speed probe's shapes" in capsys.readouterr().err
+    assert validate(setup, tmp_path / "v", "--speed-correct", "track", "--probe-every", "0", speed_probe=probe) == 2
+    assert "--probe-every 0 turns them off" in capsys.readouterr().err
     assert probe.calls == [] and not (tmp_path / "v").exists()
 
 

@@ -374,6 +374,23 @@ def test_tracked_model_keeps_the_layout_and_the_calibrations_record(tmp_path):
                                                                                                          decode)]
 
 
+def test_a_step_with_prompt_tokens_takes_the_prompt_factor():
+    model = TrackedLatency(PARAMETRIC, (0.0, 10.0), (1.0, 2.0), prompt_factors=(3.0, 5.0))
+    model.bind_clock(lambda: 5.0)
+    prompt, decode = step_cost_from_chunks([(0, 64)]), decode_only_cost(4, 1000)
+    mixed = step_cost_from_chunks([(0, 16)], [100, 200])
+    assert model.step_time_s(prompt) == 4.0 * PARAMETRIC.step_time_s(prompt)
+    assert model.step_time_s(mixed) == 4.0 * PARAMETRIC.step_time_s(mixed)
+    assert model.step_time_s(decode) == 1.5 * PARAMETRIC.step_time_s(decode)
+    assert model.decode_only_times_s(4, 1000, 1) == pytest.approx([1.5 * PARAMETRIC.step_time_s(decode)], rel=1e-15)
+    assert model.describe()["prompt_factors"] == [3.0, 5.0]
+    assert TrackedLatency(PARAMETRIC, (0.0,), (2.0,)).describe()["prompt_factors"] == [2.0]   # default: the same
+    with pytest.raises(ValueError, match="prompt factors"):
+        TrackedLatency(PARAMETRIC, (0.0, 1.0), (1.0, 1.0), prompt_factors=(1.0,))
+    with pytest.raises(ValueError, match="factors must be finite numbers > 0"):
+        TrackedLatency(PARAMETRIC, (0.0,), (1.0,), prompt_factors=(-1.0,))
+
+
 @pytest.mark.parametrize("times, factors, match", [
     ((), (), "at least one"),
     ((0.0, 1.0), (1.0,), "as many factors as times"),
