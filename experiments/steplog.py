@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -253,9 +253,12 @@ def format_step_errors(errors: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-def plot_step_ratio(steps: pd.DataFrame, predicted: Sequence[float], path: str | Path, title: str) -> Path:
+def plot_step_ratio(steps: pd.DataFrame, predicted: Sequence[float], path: str | Path, title: str,
+                    probe: Mapping[str, Any] | None = None) -> Path:
     """Measured / predicted time of every real step over the run (rolling median), with other processes'
-    CPU on a second axis: where the line leaves 1, the model or the machine moved."""
+    CPU on a second axis: where the line leaves 1, the model or the machine moved. `probe`: the speed track's
+    knots (`experiments.speed_probe.track_knots`), drawn as the probe's decode factor at each knot, placed on
+    the wall-time axis through the steps' run clock: where the markers follow the line, the machine moved."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -275,6 +278,10 @@ def plot_step_ratio(steps: pd.DataFrame, predicted: Sequence[float], path: str |
     if len(ratio):
         ax.plot(t, ratio.rolling(max(5, len(ratio) // 50), center=True, min_periods=1).median(), color="black",
                 lw=1.2, label="rolling median")
+    if probe and "clock_s" in steps.columns and steps["clock_s"].notna().all() and len(steps):
+        at = np.interp(probe["clock_s"], steps["clock_s"].to_numpy(float), steps["t_s"].to_numpy(float))
+        ax.plot(at, probe["raw"], "D", color="tab:purple", ms=3, label="speed probe, decode shapes / model")
+        ax.plot(at, probe["factor"], color="tab:purple", lw=1, alpha=0.7, label="its rolling median (the track)")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("wall time of the real run (s)")
     ax.set_ylabel("measured / predicted step time")

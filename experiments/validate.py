@@ -632,7 +632,9 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
         for warning in step_warnings(step_report):
             print(f"slotlab validate: warning: {warning}", file=sys.stderr)
         if not args.no_plots:
-            plot_step_ratio(steps, predicted, out / FILES["steps"], title)
+            # the probe's knots beside the ratio to the model as it is: not to a model that already follows them
+            knots = speed.get("track") if speed.get("correct") != "track" else None
+            plot_step_ratio(steps, predicted, out / FILES["steps"], title, probe=knots)
     _write_comparison(out, per, errors, summary, real.requests, sim.requests, None if args.no_plots else title)
     if args.quiet:
         _print_quiet(errors, summary, out, "requests")

@@ -208,3 +208,35 @@ def test_validate_reports_the_models_error_on_the_real_steps_and_the_calibration
     assert summary["calibration_error"] is None            # a constant model has no calibration file
     assert (out / FILES["steps"]).exists()
     assert math.isfinite(got["drift_range"])
+
+
+def test_each_step_records_the_runs_clock_when_given_one():
+    fake, run_clock = Fake(), [12.5]
+    log = StepLog(BPT, cpu_reader=fake.cpu, clock=fake.clock, window_s=10.0, run_clock=lambda: run_clock[0])
+    for t in (12.5, 13.0):
+        run_clock[0] = t
+        fake.t += 0.1
+        log(plan(call(Chunk(0, 0, [5], 10, (0,), False)), sample=(0,)), 0.1)
+    assert list(log.frame()["clock_s"]) == [12.5, 13.0]
+    plain = StepLog(BPT, cpu_reader=fake.cpu, clock=fake.clock)
+    plain(plan(call(Chunk(0, 0, [5], 10, (0,), False)), sample=(0,)), 0.1)
+    assert plain.frame()["clock_s"].isna().all()
+
+
+def test_a_tracked_model_prices_each_step_at_its_clock_and_path():
+    from sim.latency import TrackedLatency
+    steps = frame([0.01] * 3).assign(clock_s=[0.0, 5.0, 10.0], n_prefill_tokens=[0, 0, 4])
+    model = TrackedLatency(ConstantLatency(0.01), (0.0, 10.0), (1.0, 2.0), prompt_factors=(3.0, 3.0))
+    assert list(predict_steps(steps, model)) == pytest.approx([0.01, 0.015, 0.03], rel=1e-12)
+    with pytest.raises(ValueError, match="no run clock"):
+        predict_steps(steps.drop(columns="clock_s"), model)
+
+
+def test_the_step_ratio_plot_draws_the_speed_track(tmp_path):
+    from experiments.steplog import plot_step_ratio
+    steps = frame([0.01] * 20).assign(clock_s=np.arange(20) * 0.5)
+    knots = {"clock_s": [0.0, 5.0, 9.5], "raw": [1.0, 1.3, 1.1], "factor": [1.1, 1.1, 1.1]}
+    out = plot_step_ratio(steps, [0.01] * 20, tmp_path / "ratio.png", "test", probe=knots)
+    assert out.stat().st_size > 1000
+    assert plot_step_ratio(steps.drop(columns="clock_s"), [0.01] * 20, tmp_path / "plain.png", "test",
+                           probe=knots).exists()                    # an old step log: no track drawn, no error
