@@ -165,8 +165,32 @@ class ConstantLatency:
 # --- scaled ---------------------------------------------------------------------------------------
 
 
+class _Wrapper:
+    """What a model wrapping another (`base`) forwards, so that the checks on a calibration see through it: the
+    base's `wants_layout` (a physical base still gets the layout), `measured_on`, `source`, `load_moved`."""
+
+    __slots__ = ()
+    base: LatencyModel
+
+    @property
+    def wants_layout(self) -> bool:
+        return bool(getattr(self.base, "wants_layout", False))
+
+    @property
+    def measured_on(self) -> MeasuredOn | None:
+        return getattr(self.base, "measured_on", None)
+
+    @property
+    def source(self) -> str | None:
+        return getattr(self.base, "source", None)
+
+    @property
+    def load_moved(self) -> bool | None:
+        return getattr(self.base, "load_moved", None)
+
+
 @dataclass(frozen=True, slots=True)
-class ScaledLatency:
+class ScaledLatency(_Wrapper):
     """Another model's step times multiplied by `factor` (> 0): t = factor · base(cost).
 
     What `slotlab validate --speed-correct probe` simulates with, `factor` being the speed probe's ratio (the
@@ -185,22 +209,6 @@ class ScaledLatency:
         if not isinstance(self.base, LatencyModel):
             raise ValueError(f"ScaledLatency: base must be a latency model, got {type(self.base).__name__}")
 
-    @property
-    def wants_layout(self) -> bool:
-        return bool(getattr(self.base, "wants_layout", False))
-
-    @property
-    def measured_on(self) -> MeasuredOn | None:
-        return getattr(self.base, "measured_on", None)
-
-    @property
-    def source(self) -> str | None:
-        return getattr(self.base, "source", None)
-
-    @property
-    def load_moved(self) -> bool | None:
-        return getattr(self.base, "load_moved", None)
-
     def step_time_s(self, cost: StepCost) -> float:
         return self.factor * self.base.step_time_s(cost)
 
@@ -218,7 +226,7 @@ class ScaledLatency:
         return {"kind": "scaled", "factor": self.factor, "base": base, "source": base.get("source")}
 
 
-class TrackedLatency:
+class TrackedLatency(_Wrapper):
     """Another model's step times multiplied by a factor that follows the simulated clock: t = f(now) · base(cost),
     f linear between the knots (times_s[i], factors[i]) and constant before the first and after the last. With
     `prompt_factors`, a step that processes prompt tokens takes those instead (one factor per compute path: a
@@ -260,22 +268,6 @@ class TrackedLatency:
     def bind_clock(self, clock: Callable[[], float]) -> None:
         """Read the simulated time (seconds) from `clock` (the Simulation calls this with its own)."""
         self._clock = clock
-
-    @property
-    def wants_layout(self) -> bool:
-        return bool(getattr(self.base, "wants_layout", False))
-
-    @property
-    def measured_on(self) -> MeasuredOn | None:
-        return getattr(self.base, "measured_on", None)
-
-    @property
-    def source(self) -> str | None:
-        return getattr(self.base, "source", None)
-
-    @property
-    def load_moved(self) -> bool | None:
-        return getattr(self.base, "load_moved", None)
 
     def factor_at(self, t_s: float, prompt: bool = False) -> float:
         """The factor at simulated time t_s: of a step that processes prompt tokens when `prompt`."""
