@@ -277,6 +277,15 @@ def speed_warnings(report: Mapping[str, Any], latency: str, correct: str, factor
         out.append(f"the machine's speed moved during the real run (speed probe after / before x{during:.3f}, "
                    f"more than {100 * threshold:.0f}%): the real run's step times mix speeds; {fix}; or rerun on a "
                    "steadier machine (validation.json real_step_errors.drift shows when the speed moved)")
+    track = report.get("track")
+    if track and track["n_in_run"] and (during is None or abs(during - 1) <= threshold):
+        lo, hi = track["range"]
+        if hi / lo - 1 > threshold:              # moved and came back: the probes around the run cannot see it
+            fix = ("--speed-correct track follows it" if correct == "track" else
+                   f"`--speed-correct track --real-run {real_dir}` follows it")
+            out.append(f"the machine's speed moved during the real run while the probes before and after it "
+                       f"agree: the probe passes taken during it read x{lo:.3f}-x{hi:.3f} of the latency model's "
+                       f"times on the decode shapes (more than {100 * threshold:.0f}% apart); {fix}")
     return out
 
 

@@ -298,3 +298,16 @@ def test_format_speed_gives_the_tracks_range():
     assert f"1 passes during, after; / the model's times) {span}" in format_speed(report, 1.0)
     report["correct"] = "track"
     assert format_speed(report, 1.0).endswith(f"simulator step times {span}, following the run's clock")
+
+
+def test_a_speed_that_moved_and_came_back_is_warned_about_from_the_track():
+    before = after = make_probe(scaled(REFERENCE, 1.0))
+    report = speed_report(make_probe(CAL_S), before, after)
+    moved = track_of([(5.0, 1.0), (10.0, 1.3), (15.0, 1.3), (20.0, 1.3), (25.0, 1.0)])
+    report["track"] = track_knots(REFERENCE, before, after, moved, 30.0, prompt_labels=PROMPT)
+    (text,) = [w for w in speed_warnings(report, "parametric:cal.json", "off", 1.0, "V/real")
+               if "while the probes before and after it agree" in w]
+    lo, hi = report["track"]["range"]
+    assert f"x{lo:.3f}-x{hi:.3f}" in text and "`--speed-correct track --real-run V/real` follows it" in text
+    report["track"] = track_knots(REFERENCE, before, after, track_of([(5.0, 1.01), (10.0, 1.02)]), 30.0)
+    assert not any("while the probes" in w for w in speed_warnings(report, "x", "off", 1.0))
