@@ -491,15 +491,11 @@ def probe_predictions(latency: Any, kv_bytes_per_token: int) -> dict[str, float]
     """What `latency` charges for each of the probe's shapes (seconds by label): each shape's plan as the bench
     executes it (`build_plan`), counted as the simulator counts it (`SimBackend`, with the layout when the model
     prices it). The reference of `--speed-correct track` (experiments.speed_probe.track_knots)."""
-    counter = SimBackend(ConstantLatency(0.0), kv_bytes_per_token)
-    layout = bool(getattr(latency, "wants_layout", False))
+    counter = SimBackend(latency, kv_bytes_per_token)     # its cost() adds the layout when the model prices it
     points = probe_points()
     tasks = [Task(id=seq, tokens=[0]) for seq in range(max(p.n_sequences for p in points))]
-    out = {}
-    for p in points:
-        plan = build_plan(p, lambda n: [0] * n, tasks)
-        out[p.label] = float(latency.step_time_s(counter.layout_cost(plan) if layout else counter.cost(plan)))
-    return out
+    return {p.label: float(latency.step_time_s(counter.cost(build_plan(p, lambda n: [0] * n, tasks))))
+            for p in points}
 
 
 def measure_probe(model: Any, sampling: Any, *, repeats: int = PROBE_REPEATS, seed: int = 0,

@@ -346,9 +346,10 @@ FLAGS: tuple[Flag, ...] = (
          "around the real run / the calibration grid's own medians of the same shapes (what the model was "
          "fitted on: also corrects a grid that ran slower than its probe, docs/validation_sim.md §7.2); track = "
          "by a factor that follows the run's clock, through the probe before the run, its passes during it "
-         "(--probe-every) and the probe after, each over the grid's medians (a machine whose speed moves "
-         "during the run, §8); all need a calibration and a real run with a probe (default: off = report the "
-         "ratios only)", (VALIDATE,), str, "off", "off|probe|grid|track",
+         "(--probe-every) and the probe after, each over the latency model's own times of the same shapes, "
+         "one factor for decode steps and one for steps with prompt tokens (a machine whose speed moves during "
+         "the run, §8); probe and grid need a calibration with a probe, all a real run with its probes "
+         "(default: off = report the ratios only)", (VALIDATE,), str, "off", "off|probe|grid|track",
          choices=("off", "probe", "grid", "track")),
     Flag(None, ("--probe-every",), "during the real run, one pass of the speed probe's shapes every this many "
          "wall seconds, between two steps and on its own KV cells: outside the run's clock (replay's clock "

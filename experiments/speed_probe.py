@@ -289,6 +289,12 @@ def speed_warnings(report: Mapping[str, Any], latency: str, correct: str, factor
     return out
 
 
+def track_span(knots: Mapping[str, Any]) -> str:
+    """The range of a track's two factors as printed: decode x0.930-x1.260, prompt x1.010-x1.270."""
+    (lo, hi), (plo, phi) = knots["range"], knots["range_prompt"]
+    return f"decode x{lo:.3f}-x{hi:.3f}, prompt x{plo:.3f}-x{phi:.3f}"
+
+
 def _load1(load: Sequence[float]) -> str:
     return f"{load[0]:.2f}" if load else "?"
 
@@ -313,9 +319,7 @@ def format_speed(report: Mapping[str, Any], factor: float, where: str = "") -> s
         head += f"; run's probes at load {_load1(before['load']['before'])} and {_load1(after['load']['after'])}"
     track = report.get("track")
     if track:
-        lo, hi = track["range"]
-        plo, phi = track["range_prompt"]
-        span = f"decode x{lo:.3f}-x{hi:.3f}, prompt x{plo:.3f}-x{phi:.3f}"
+        span = track_span(track)
         head += f"; over the run (probe before, {track['n_in_run']} passes during, after; / the model's times) {span}"
     if report.get("correct") == "track" and track:
         return f"{head}{where}; simulator step times {span}, following the run's clock"

@@ -159,15 +159,14 @@ def predict_steps(steps: pd.DataFrame, latency: Any) -> np.ndarray:
     layout = bool(getattr(latency, "wants_layout", False))
     charged = steps["charged"].to_numpy(bool)
     factor_at = getattr(latency, "cost_factor_at", None)
-    if factor_at is not None:
-        if "clock_s" not in steps.columns or steps["clock_s"].isna().any():
-            raise ValueError("this step log has no run clock (clock_s): a clock-tracked latency model cannot "
-                             "price it")
-        base = latency.base
-        return np.array([factor_at(t, c) * base.step_time_s(c) if ok else 0.0
-                         for c, ok, t in zip(step_costs(steps, layout), charged, steps["clock_s"])], dtype=float)
-    return np.array([latency.step_time_s(c) if ok else 0.0
-                     for c, ok in zip(step_costs(steps, layout), charged)], dtype=float)
+    if factor_at is None:
+        return np.array([latency.step_time_s(c) if ok else 0.0
+                         for c, ok in zip(step_costs(steps, layout), charged)], dtype=float)
+    if "clock_s" not in steps.columns or steps["clock_s"].isna().any():
+        raise ValueError("this step log has no run clock (clock_s): a clock-tracked latency model cannot price it")
+    base = latency.base                      # the tracked model's own clock is the simulation's, not this log's
+    return np.array([factor_at(t, c) * base.step_time_s(c) if ok else 0.0
+                     for c, ok, t in zip(step_costs(steps, layout), charged, steps["clock_s"])], dtype=float)
 
 
 def _errors(measured: np.ndarray, predicted: np.ndarray) -> dict[str, float]:

@@ -62,6 +62,7 @@ from experiments.speed_probe import (
     speed_report,
     speed_warnings,
     track_knots,
+    track_span,
     write_run_probes,
     write_run_track,
 )
@@ -783,10 +784,7 @@ def factor_text(speed: Mapping[str, Any]) -> str:
     """The simulator's step-time factor as printed: x0.913, or for a tracked correction its range and knots."""
     if speed.get("correct") == "track" and speed.get("track"):
         k = speed["track"]
-        lo, hi = k["range"]
-        plo, phi = k["range_prompt"]
-        return (f"decode x{lo:.3f}-x{hi:.3f}, prompt x{plo:.3f}-x{phi:.3f} (tracked: {len(k['clock_s'])} knots, "
-                f"{k['n_in_run']} during the run)")
+        return f"{track_span(k)} (tracked: {len(k['clock_s'])} knots, {k['n_in_run']} during the run)"
     return f"x{speed['factor']:.3f}"
 
 

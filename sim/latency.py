@@ -188,6 +188,14 @@ class _Wrapper:
     def load_moved(self) -> bool | None:
         return getattr(self.base, "load_moved", None)
 
+    def _base_decode_times(self, n_seqs: int, attn_ctx0: int, k: int,
+                           decode: Sequence[tuple[int, int]] | None) -> list[float]:
+        """The base's decode-stretch times; `decode` (the sequences' (seq, n_past)) goes to a base that prices
+        the layout, as the simulator passes it."""
+        if decode is None:
+            return self.base.decode_only_times_s(n_seqs, attn_ctx0, k)
+        return self.base.decode_only_times_s(n_seqs, attn_ctx0, k, decode)
+
 
 @dataclass(frozen=True, slots=True)
 class ScaledLatency(_Wrapper):
@@ -216,8 +224,7 @@ class ScaledLatency(_Wrapper):
                             decode: Sequence[tuple[int, int]] | None = None) -> list[float]:
         """The base's times, each multiplied by the factor; `decode` (the sequences' (seq, n_past)) goes to a
         base that prices the layout, as the simulator passes it."""
-        times = (self.base.decode_only_times_s(n_seqs, attn_ctx0, k) if decode is None
-                 else self.base.decode_only_times_s(n_seqs, attn_ctx0, k, decode))
+        times = self._base_decode_times(n_seqs, attn_ctx0, k, decode)
         f = self.factor
         return [f * t for t in times]
 
@@ -281,8 +288,7 @@ class TrackedLatency(_Wrapper):
 
     def decode_only_times_s(self, n_seqs: int, attn_ctx0: int, k: int,
                             decode: Sequence[tuple[int, int]] | None = None) -> list[float]:
-        times = np.asarray(self.base.decode_only_times_s(n_seqs, attn_ctx0, k) if decode is None
-                           else self.base.decode_only_times_s(n_seqs, attn_ctx0, k, decode), dtype=float)
+        times = np.asarray(self._base_decode_times(n_seqs, attn_ctx0, k, decode), dtype=float)
         if not times.size:
             return []
         t0 = self._clock()
@@ -297,8 +303,8 @@ class TrackedLatency(_Wrapper):
 
 
 def unscaled(latency: LatencyModel) -> LatencyModel:
-    """The model under any ScaledLatency or TrackedLatency wrappers."""
-    while isinstance(latency, (ScaledLatency, TrackedLatency)):
+    """The model under any wrappers (ScaledLatency, TrackedLatency)."""
+    while isinstance(latency, _Wrapper):
         latency = latency.base
     return latency
 
