@@ -488,6 +488,7 @@ class GgmlMatmul(Matmul):
         # the exact dot products' output ranges go to workers that poll (`spin.SpinPool`): a split product costs
         # no thread wake-up; other work (attention blocks, BLAS parts) keeps `Matmul`'s queue threads
         self._spin = None
+        self._fused: tuple[Any, Any] | None = None     # (weights, their `gdecode.Layer`s): `decode_one`
         if compiled and self.n_threads > 1 and USE_SPIN_POOL:
             from engine.model import spinjobs
             self._spin = spinjobs.pool(self.n_threads - 1)
@@ -545,6 +546,50 @@ class GgmlMatmul(Matmul):
         if self._spin is not None:
             self._spin.close()
             self._spin = None
+
+
+def decode_one(w: Any, hp: HParams, rope: Rope, mm: Matmul, kv: KVStore, s: SeqKV, x: np.ndarray, pos: int) -> bool:
+    """`Numerics.decode_one` of the compiled kernels: every layer of a one-token step of sequence `s` on x [1, D]
+    in one compiled call each (`gdecode.decode_layers`, the layer loop's bits). False, nothing done, unless the
+    matmul is the compiled one with 1 thread or polling workers, the KV store fp16, head_dim a multiple of 16,
+    and every layer matrix one exact part."""
+    if (not isinstance(mm, GgmlMatmul) or not mm.compiled or (mm.n_threads > 1 and mm._spin is None)
+            or kv.dtype != np.float16 or hp.head_dim % 16 or x.shape[0] != 1):
+        return False
+    layers = _fused_layers(mm, w)
+    if layers is None:
+        return False
+    from engine.model import gdecode
+    gdecode.decode_layers(layers, hp, rope, kv, s, x, pos, mm._spin, mm.n_threads * _SPIN_PIECES_PER_THREAD,
+                          _SPLIT_MIN_MACS, attention_scale(hp.head_dim))
+    return True
+
+
+def _exact_part(lin: Any) -> tuple[int, np.ndarray, np.ndarray, np.ndarray] | None:
+    """(kind, quants as uint8, d, m or d again) of a `QLinear` that is one exact part, else None."""
+    from engine.model import spinjobs as sj
+    if not isinstance(lin, QLinear) or len(lin.parts) != 1 or isinstance(lin.parts[0], BlasPart):
+        return None
+    w = lin.parts[0].w
+    kind = sj.DOT_Q8_0 if not w.has_m else sj.DOT_NIB if w.nib else sj.DOT_BYTE
+    return kind, w.q.view(np.uint8), w.d, (w.m if w.has_m else w.d)
+
+
+def _fused_layers(mm: GgmlMatmul, w: Any) -> list | None:
+    """`gdecode.Layer`s of weights `w`, or None when a layer matrix is not one exact part; kept by the model's
+    matmul (`Weights` cannot hold it: frozen, slots)."""
+    if mm._fused is not None and mm._fused[0] is w:
+        return mm._fused[1]
+    from engine.model import gdecode
+    layers: list | None = []
+    for lw in w.layers:
+        prods = [_exact_part(lin) for lin in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)]
+        if any(p is None for p in prods):
+            layers = None
+            break
+        layers.append(gdecode.layer(lw.attn_norm, lw.ffn_norm, prods, lw.bqkv))
+    mm._fused = (w, layers)
+    return layers
 
 
 # --- RoPE, norm -------------------------------------------------------------------------------------------------

@@ -188,6 +188,36 @@ def f16_round(x):
     return np.uint32(r).view(np.float32)
 
 
+@njit(cache=True, nogil=True)
+def f16_bits(x):
+    """The fp16 bits (uint16) of float32 x rounded to nearest, half to even (`f16_round`), as x.astype(float16)
+    gives them for every non-NaN x. A NaN keeps its sign and the top 10 bits of its mantissa (at least 1), as
+    numpy's software conversion does (a hardware conversion would also set the quiet bit): the KV cells of a
+    model that produced a NaN are lost anyway."""
+    u = I64(F32(x).view(np.uint32))
+    sign = (u >> 16) & 0x8000
+    a = u & 0x7FFFFFFF
+    fr = F32(f16_round(x))                               # an fp16 value held in float32
+    r = I64(F32(fr).view(np.uint32)) & 0x7FFFFFFF
+    if a > 0x7F800000:                                   # NaN
+        top = (a & 0x7FFFFF) >> 13
+        h = 0x7C00 | max(top, I64(1))
+    elif r == 0x7F800000:
+        h = I64(0x7C00)
+    elif r >= 0x38800000:                                # normal: rebias the exponent, keep 10 mantissa bits
+        h = (((r >> 23) - 112) << 10) | ((r >> 13) & 0x3FF)
+    else:                                                # subnormal or zero: k * 2^-24, k < 1024
+        h = I64(abs(fr) * F32(16777216.0))
+    return np.uint16(sign | h)
+
+
+@njit(cache=True, nogil=True)
+def f16_bits_array(x, out):
+    """`f16_bits` element-wise (tests)."""
+    for i in range(x.size):
+        out[i] = f16_bits(x[i])
+
+
 @njit(cache=True, nogil=True, inline="always")
 def f16_value(h):
     """The float32 value of fp16 bits h (uint16), exactly: the exponent and mantissa bits moved to float32's

@@ -53,7 +53,9 @@ def forward_batch(w: Weights, hp: HParams, num: Numerics, rope: Rope, mm: Matmul
 
     x = w.tok_embd[tokens]                                                   # embed: [T, D]
     with np.errstate(over="ignore"):                                         # exp(-g) -> inf is fine in SiLU
-        for il, lw in enumerate(w.layers):
+        fused = (n_tokens == 1 and num.decode_one is not None
+                 and num.decode_one(w, hp, rope, mm, kv, seqs[0], x, int(pos[0])))   # the layers in compiled calls
+        for il, lw in enumerate(w.layers if not fused else ()):
             xn = num.rms_norm(x, lw.attn_norm, eps)                          # attention norm: [T, D]
             qkv = mm(lw.wqkv, xn)                                            # Q, K, V in one product
             if lw.bqkv is not None:

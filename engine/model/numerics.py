@@ -43,6 +43,9 @@ class Numerics(ABC):
     # or, when set, (q, kv, seq's SeqKV, layer, n_old, matmul) -> the same, given the store (`ggml.attend_cells`)
     attend_cells: Callable[..., np.ndarray] | None = None
     decode_batch: type[f32.DecodeBatch] | None       # attends one-token chunks of pooled sequences together
+    # or, when set, (weights, hparams, rope, matmul, kv, seq's SeqKV, x [1, D], pos) -> bool: every layer of a
+    # one-token step of one sequence run on x in place, the same bits as the layer loop (False: not applicable)
+    decode_one: Callable[..., bool] | None = None
 
     # --- load ---------------------------------------------------------------------------------------------
     def tensor_extra(self, t: Any) -> Any:
@@ -136,6 +139,7 @@ class GgmlNumerics(Numerics):
             self.silu_mul = ggml.silu_mul_compiled
             self.attend = ggml.attend_compiled
             self.attend_cells = ggml.attend_cells         # the same, reading the store's float32 shadow
+            self.decode_one = ggml.decode_one             # one compiled call per layer (`engine.model.gdecode`)
 
     def tensor_extra(self, t: Any) -> Any:
         """Q4_1/Q5_1/Q8_0 matrices of the layers: their integer quants and block scales (`ggml.exact_part`); a

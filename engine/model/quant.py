@@ -415,7 +415,7 @@ class QuantMatmul(Matmul):
         self._spin = None
         if self.n_threads > 1 and USE_SPIN_POOL and not USE_NUMBA_THREADS:
             from engine.model import spinjobs
-            self._spin = spinjobs.pool(self.n_threads - 1)
+            self._spin = spinjobs.pool(self.n_threads - 1, "q")
 
     def _spin_run(self, post: Any) -> bool:
         """`SpinPool.try_run` of the job `post` writes; False without a pool."""

@@ -185,18 +185,20 @@ def _claim(ctl):
             return nxt
 
 
-@njit(cache=True, nogil=True, inline="always")
-def serve_loop(ctl, job, cuts, me, spin_cycles, run_piece):
-    """A worker's loop: claim and run pieces until nothing was posted for spin_cycles, then SLEEPING. (Inlined into
-    each job module's compiled `serve`, with its `run_piece(job, cuts, i)`.)"""
+@njit(cache=True, nogil=True)
+def serve(ctl, job, cuts, me, spin_cycles, piece):
+    """A worker's loop: claim and run pieces until nothing was posted for spin_cycles, then SLEEPING.
+    `piece(job address, cuts address, i) -> 0, or nonzero if the piece failed` is the job module's piece runner as a
+    C function (`spinjobs.piece_c`), called through its address: the kernels are compiled once, in it, and not again
+    into every loop that runs pieces."""
     _store(ctl, STATE + 8 * me, AWAKE)
+    ja = address(job)
+    ca = address(cuts)
     t_last = _cycles()
     while True:
         i = _claim(ctl)
         if i >= 0:
-            try:
-                run_piece(job, cuts, i)
-            except Exception:                               # noqa: BLE001 - reported to the caller
+            if piece(ja, ca, i) != 0:
                 _store(ctl, ERROR, 1)
             _add(ctl, DONE, 1)
             t_last = _cycles()
@@ -209,16 +211,19 @@ def serve_loop(ctl, job, cuts, me, spin_cycles, run_piece):
         _pause()
 
 
-@njit(cache=True, nogil=True, inline="always")
-def work_join_loop(ctl, job, cuts, n, run_piece):
+@njit(cache=True, nogil=True)
+def work_join(ctl, job, cuts, n, piece):
     """The caller's part of a published job: claim pieces until none is left, then wait for the others'. Returns
     False if it gave up waiting after _YIELD_SPINS pauses (the caller yields its core and calls `wait` again:
     a worker holding a piece was descheduled)."""
+    ja = address(job)
+    ca = address(cuts)
     while True:
         i = _claim(ctl)
         if i < 0:
             break
-        run_piece(job, cuts, i)
+        if piece(ja, ca, i) != 0:
+            _store(ctl, ERROR, 1)
         _add(ctl, DONE, 1)
     return wait(ctl, n)
 
@@ -234,17 +239,56 @@ def wait(ctl, n):
 
 
 @njit(cache=True, nogil=True)
-def publish(ctl, n_pieces, n_workers):
-    """Publish the job whose arguments are written: DONE = 0, CLAIM = next seq with n_pieces. Returns the mask of
-    workers that were SLEEPING and are now WAKING (each needs one token in its queue)."""
+def publish_quiet(ctl, n_pieces):
+    """Publish the job whose arguments are written: DONE = 0, CLAIM = next seq with n_pieces. Sleeping workers are
+    left asleep (the job is done without them): what compiled callers use, which cannot post wake-up tokens."""
     _store(ctl, DONE, 0)
     seq = (_load(ctl, CLAIM) >> 24) + 1
     _store(ctl, CLAIM, (seq << 24) | (n_pieces << 12))
+
+
+@njit(cache=True, nogil=True)
+def claim_sleepers(ctl, n_workers):
+    """Swap every SLEEPING worker to WAKING; returns their mask (each needs one token in its queue)."""
     mask = 0
     for w in range(n_workers):
         if _load(ctl, STATE + 8 * w) == SLEEPING and _cas(ctl, STATE + 8 * w, SLEEPING, WAKING):
             mask |= 1 << w
     return mask
+
+
+@njit(cache=True, nogil=True)
+def publish(ctl, n_pieces, n_workers):
+    """`publish_quiet`, then `claim_sleepers`: returns the mask of workers that were SLEEPING and are now WAKING
+    (each needs one token in its queue)."""
+    publish_quiet(ctl, n_pieces)
+    return claim_sleepers(ctl, n_workers)
+
+
+@intrinsic
+def _sched_yield(typingctx):
+    """The C library's sched_yield(), called by name (the JIT links it from the process, as it links libm's
+    functions), so that compiled callers can give their core to a descheduled worker without returning to
+    Python; a ctypes function would keep numba from caching them."""
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), []), "sched_yield")
+        return builder.sext(builder.call(fn, []), ir.IntType(64))
+    return types.int64(), codegen
+
+
+@njit(cache=True, nogil=True)
+def yield_core():
+    """`_sched_yield` (tests call it from Python)."""
+    return _sched_yield()
+
+
+@njit(cache=True, nogil=True)
+def run_compiled(ctl, job, cuts, n, piece):
+    """What `SpinPool.run` does after publishing, for a caller in compiled code: `work_join`, then, while a claimed
+    piece is still running after _YIELD_SPINS pauses, yield the core and wait again."""
+    if not work_join(ctl, job, cuts, n, piece):
+        while not wait(ctl, n):
+            _sched_yield()
 
 
 @njit(cache=True, nogil=True)
@@ -283,11 +327,11 @@ _SPIN_US = float(os.environ.get("SLOTLAB_SPIN_US", "2000"))
 class SpinPool:
     """n_workers threads that poll for pieces of jobs; `run(post_args)` is called by one caller at a time.
 
-    `serve(ctl, job, cuts, me, spin_cycles)` and `work_join(ctl, job, cuts, n)` are a job module's compiled
-    `serve_loop` and `work_join_loop` (`spinjobs`). The caller writes the job (`job` argument words, `cuts` piece
-    ranges), then calls `run(n_pieces)` holding `lock`."""
+    `piece` is a job module's piece runner as a C function (`spinjobs.piece_c()`): `serve` and `work_join` call it
+    by address. The caller writes the job (`job` argument words, `cuts` piece ranges), then calls `run(n_pieces)`
+    holding `lock`."""
 
-    def __init__(self, n_workers: int, serve: Any, work_join: Any, spin_us: float | None = None):
+    def __init__(self, n_workers: int, piece: Any, spin_us: float | None = None):
         global _tsc
         if not 1 <= n_workers <= MAX_WORKERS:
             raise ValueError(f"SpinPool: 1..{MAX_WORKERS} workers, not {n_workers}")
@@ -300,13 +344,13 @@ class SpinPool:
         self.jobf = np.zeros(8, np.float64)
         self.cuts = np.zeros(2 * MAX_PIECES, np.int64)
         self.lock = threading.Lock()
-        self._serve, self._work_join = serve, work_join
+        self.piece = piece
         spin_cycles = int((_SPIN_US if spin_us is None else spin_us) * 1e-6 * _tsc)
         # compile both loops here (not in a worker's first wake-up): serve returns at once with a negative budget
-        self._serve(self.ctl, self.job, self.cuts, 0, -1)
-        self._work_join(self.ctl, self.job, self.cuts, 0)
+        serve(self.ctl, self.job, self.cuts, 0, -1, piece)
+        work_join(self.ctl, self.job, self.cuts, 0, piece)
         self._inboxes = [queue.SimpleQueue() for _ in range(n_workers)]
-        self.threads = [threading.Thread(target=SpinPool._worker, args=(self._serve, self.ctl, self.job, self.cuts,
+        self.threads = [threading.Thread(target=SpinPool._worker, args=(piece, self.ctl, self.job, self.cuts,
                                                                         i, spin_cycles, inbox),
                                          name=f"slotlab-spin-{i}", daemon=True)
                         for i, inbox in enumerate(self._inboxes)]
@@ -315,12 +359,12 @@ class SpinPool:
         self._finalizer = weakref.finalize(self, SpinPool._stop, self.ctl, self._inboxes)
 
     @staticmethod
-    def _worker(serve: Any, ctl: np.ndarray, job: np.ndarray, cuts: np.ndarray, me: int, spin_cycles: int,
+    def _worker(piece: Any, ctl: np.ndarray, job: np.ndarray, cuts: np.ndarray, me: int, spin_cycles: int,
                 inbox: queue.SimpleQueue) -> None:
         while True:
             if inbox.get() is None:
                 return
-            serve(ctl, job, cuts, me, spin_cycles)
+            serve(ctl, job, cuts, me, spin_cycles, piece)
             if ctl[STOP]:
                 return
 
@@ -339,7 +383,7 @@ class SpinPool:
             for w in range(self.n_workers):
                 if mask >> w & 1:
                     self._inboxes[w].put(True)
-        if not self._work_join(ctl, self.job, self.cuts, n_pieces):
+        if not work_join(ctl, self.job, self.cuts, n_pieces, self.piece):
             while not wait(ctl, n_pieces):
                 os.sched_yield()
         if ctl[ERROR]:
@@ -355,6 +399,15 @@ class SpinPool:
         finally:
             self.lock.release()
         return True
+
+    def wake(self) -> None:
+        """Post a wake-up token to every sleeping worker (caller holds `lock`): before a compiled caller publishes
+        jobs with `publish_quiet`, which leaves sleepers asleep."""
+        mask = claim_sleepers(self.ctl, self.n_workers)
+        if mask:
+            for w in range(self.n_workers):
+                if mask >> w & 1:
+                    self._inboxes[w].put(True)
 
     def close(self) -> None:
         self._finalizer()

@@ -2,20 +2,22 @@
 fused products of the "q" numerics (`qkernels.range_*`), split into output ranges.
 
 A job is written by a `post_*` function (compiled, so that writing ~15 argument words costs one call): the
-addresses and shapes of its arrays go to `job`, the output ranges to `cuts`; `run_piece` rebuilds the arrays from
-the addresses and runs one range. Every array must be C-contiguous and stay alive until the job is done: the
-callers (`ggml.GgmlMatmul`, `quant.QuantMatmul`) hold them across `SpinPool.run`.
+addresses and shapes of its arrays go to `job`, the output ranges to `cuts`; `run_ggml_piece` / `run_q_piece`
+rebuild the arrays from the addresses and run one range. Every array must be C-contiguous and stay alive until the
+job is done: the callers (`ggml.GgmlMatmul`, `quant.QuantMatmul`, `gdecode`) hold them across the job.
 
-The first pool of a process on a new machine compiles the dot kernels for these array views (~25 s here); numba's
-cache keeps them for later processes.
+Each family's piece runner is one C function (`piece_c`) that the pool's loops and the compiled callers call by
+address. The first pool of a family on a new machine compiles its kernels into it (~35-65 s here); numba's cache
+keeps it for later processes.
 """
 
 from __future__ import annotations
 
-from numba import njit
+import numpy as np
+from numba import carray, cfunc, njit, types
 
 from engine.model import gkernels, qkernels
-from engine.model.spin import SpinPool, address, f32_at, i8_at, serve_loop, set_cuts, u16_at, u8_at, work_join_loop
+from engine.model.spin import JOB_SIZE, MAX_PIECES, SpinPool, _voidptr, address, f32_at, i8_at, set_cuts, u16_at, u8_at
 
 DOT_NIB, DOT_BYTE, DOT_Q8_0 = 1, 2, 3           # ggml: Q4_1 x Q8_1, Q5_1 x Q8_1, Q8_0 x Q8_0
 RANGE_NIB, RANGE_BYTE, RANGE_HALF = 4, 5, 6     # q: nibble, byte and 16-bit weights
@@ -115,28 +117,46 @@ def run_q_piece(job, cuts, i):
         qkernels.range_byte(i8_at(job[1], (nb, bs, n_out)), d, mm, x, xs, y, o0, o1, job[13] != 0)
 
 
-@njit(cache=True, nogil=True)
-def run_piece(job, cuts, i):
-    if job[0] <= DOT_Q8_0:
-        run_ggml_piece(job, cuts, i)
-    else:
-        run_q_piece(job, cuts, i)
+def _ggml_piece(job_addr, cuts_addr, i):
+    """`run_ggml_piece` of the job at job_addr (JOB_SIZE words) and cuts_addr (2 MAX_PIECES words): 0, or 1 if it
+    raised."""
+    try:
+        run_ggml_piece(carray(_voidptr(job_addr), (JOB_SIZE,), np.int64),
+                       carray(_voidptr(cuts_addr), (2 * MAX_PIECES,), np.int64), i)
+    except Exception:                                   # noqa: BLE001 - reported to the caller (spin.ERROR)
+        return 1
+    return 0
 
 
-@njit(cache=True, nogil=True)
-def serve(ctl, job, cuts, me, spin_cycles):
-    serve_loop(ctl, job, cuts, me, spin_cycles, run_piece)
+def _q_piece(job_addr, cuts_addr, i):
+    """`_ggml_piece` for the jobs of the q numerics (`run_q_piece`)."""
+    try:
+        run_q_piece(carray(_voidptr(job_addr), (JOB_SIZE,), np.int64),
+                    carray(_voidptr(cuts_addr), (2 * MAX_PIECES,), np.int64), i)
+    except Exception:                                   # noqa: BLE001
+        return 1
+    return 0
 
 
-@njit(cache=True, nogil=True)
-def work_join(ctl, job, cuts, n):
-    return work_join_loop(ctl, job, cuts, n, run_piece)
+_PIECES = {"ggml": _ggml_piece, "q": _q_piece}
+_piece_c: dict[str, object] = {}
 
 
-def pool(n_workers: int) -> SpinPool:
-    """A `SpinPool` running the jobs of this module (ggml dot and q range products)."""
-    return SpinPool(n_workers, serve, work_join)
+def piece_c(family: str = "ggml"):
+    """The piece runner of a job family ("ggml": the DOT_* jobs, "q": the RANGE_* jobs) as a C function (numba
+    `cfunc`, compiled on first use and cached): what `spin.serve`, `spin.work_join` and the compiled callers
+    (`gdecode`) call by address, so that a family's kernels are compiled once, into this function alone (compiled
+    into each loop that runs pieces instead, a pool's first start took ~65 s here per loop)."""
+    if family not in _piece_c:
+        _piece_c[family] = cfunc(types.int64(types.int64, types.int64, types.int64), cache=True,
+                                 nopython=True)(_PIECES[family])
+    return _piece_c[family]
 
 
-__all__ = ["DOT_BYTE", "DOT_NIB", "DOT_Q8_0", "RANGE_BYTE", "RANGE_HALF", "RANGE_NIB", "pool", "post_dot",
-           "post_half", "post_range", "run_piece", "serve", "work_join"]
+def pool(n_workers: int, family: str = "ggml") -> SpinPool:
+    """A `SpinPool` running the jobs of one family of this module ("ggml" dot or "q" range products)."""
+    return SpinPool(n_workers, piece_c(family))
+
+
+__all__ = ["DOT_BYTE", "DOT_NIB", "DOT_Q8_0", "RANGE_BYTE", "RANGE_HALF", "RANGE_NIB", "piece_c", "pool", "post_dot",
+           "post_half", "post_range", "run_ggml_piece", "run_q_piece"]

@@ -1,0 +1,191 @@
+"""The compiled single-sequence decode layer of numerics "ggml" (`engine.model.gdecode`) against the layer loop of
+`llama.forward_batch`: the same logits and KV cells bit for bit, whatever the thread count, the weight types, the
+RoPE mode, and whether the pool is free; and the cases where it must not apply."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from engine.model import BatchChunk, load
+from engine.model import ggml as G
+
+K = G.kernels()
+pytestmark = pytest.mark.skipif(K is None, reason="numba cannot be loaded")
+
+if K is not None:
+    from engine.model import gdecode, spin
+
+PROMPT = [5, 17, 3, 40, 22, 9, 31, 8, 14, 27, 6, 19]
+
+
+def _f16_cases() -> np.ndarray:
+    """Every fp16 value as float32, its float32 neighbours, the ties halfway to the next fp16 value and either
+    side of them, and random float32 bit patterns (no NaN)."""
+    hb = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32).view(np.uint32)
+    hb = hb[(hb & 0x7F800000) != 0x7F800000]                            # finite fp16 values
+    hb = hb[(hb & 0x7FFFFFFF) != 0].astype(np.int64)                    # (not the zeros: below them is a NaN)
+    near = np.concatenate([hb + d for d in (-1, 1, 0xFFF, 0x1000, 0x1001)] + [hb]).astype(np.uint32)
+    rand = np.random.default_rng(7).integers(0, 1 << 32, 1 << 20, dtype=np.uint64).astype(np.uint32)
+    x = np.concatenate([near, rand]).view(np.float32)
+    return x[~np.isnan(x)]
+
+
+def test_f16_bits_are_numpys_float16_bits():
+    x = _f16_cases()
+    out = np.empty(x.size, np.uint16)
+    K.f16_bits_array(x, out)
+    with np.errstate(over="ignore"):                                    # |x| >= 65520: inf, as wanted
+        want = x.astype(np.float16).view(np.uint16)
+    assert np.array_equal(out, want)
+
+
+def test_f16_bits_of_a_nan_is_a_nan_with_its_sign():
+    x = np.array([0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FA00000], np.uint32).view(np.float32)
+    out = np.empty(x.size, np.uint16)
+    K.f16_bits_array(x, out)
+    assert np.all(np.isnan(out.view(np.float16)))
+    assert [int(v) >> 15 for v in out] == [0, 1, 0, 0]
+
+
+def _steps(model, steps, seqs=1, fused_calls=None):
+    """Prompt in two chunks per sequence, then `steps` greedy one-token steps, the sequences taking turns (one
+    chunk per call); every 4th step all sequences together (several chunks: the layer loop). Returns the logits
+    and each sequence's saved state."""
+    kv = model.new_kv(seqs, len(PROMPT) + steps + 2)
+    outs, last = [], []
+    for s in range(seqs):
+        p = [(t + 7 * s) % 40 + 3 for t in PROMPT]
+        [a] = model.forward_batch(kv, [BatchChunk(s, p[:7], 0, True)])
+        [b] = model.forward_batch(kv, [BatchChunk(s, p[7:], 7, True)])
+        outs += [a, b]
+        last.append(int(b[-1].argmax()))
+    pos = [len(PROMPT)] * seqs
+    for i in range(steps):
+        turn = range(seqs) if (i % 4 == 3 and seqs > 1) else [i % seqs]
+        res = model.forward_batch(kv, [BatchChunk(s, [last[s]], pos[s], True) for s in turn])
+        for s, r in zip(turn, res):
+            outs.append(r)
+            last[s] = int(r[-1].argmax())
+            pos[s] += 1
+    return np.concatenate(outs), [kv.state_save(s).tobytes() for s in range(seqs)]
+
+
+def _counting(monkeypatch):
+    calls = []
+    real = gdecode.decode_layer
+
+    def counted(*a):
+        calls.append(1)
+        return real(*a)
+    monkeypatch.setattr(gdecode, "decode_layer", counted)
+    return calls
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("kw", [
+    {"tensor_type": "Q4_1"},
+    {"tensor_type": "Q5_1", "arch": "qwen2", "tied": False},            # biases, NEOX RoPE, byte kernel
+    {"tensor_type": "Q4_1", "n_embd": 128, "n_head": 2, "n_head_kv": 1, "n_ff": 320},   # head_dim 64, as SmolLM2
+    {"tensor_type": "Q8_0", "n_layer": 3},
+], ids=["q4_1", "q5_1-qwen2", "q4_1-hd64", "q8_0"])
+@pytest.mark.parametrize("seqs", [1, 3])
+def test_fused_decode_gives_the_layer_loops_bits(tiny_gguf, monkeypatch, kw, n_threads, seqs):
+    model = load(tiny_gguf(**kw), n_threads=n_threads, numerics="ggml")
+    monkeypatch.setattr(model.num, "decode_one", None)
+    want_logits, want_kv = _steps(model, 40, seqs)
+    monkeypatch.setattr(model.num, "decode_one", G.decode_one)
+    calls = _counting(monkeypatch)
+    got_logits, got_kv = _steps(model, 40, seqs)
+    n_one = 40 if seqs == 1 else 30                                     # steps with one chunk
+    assert len(calls) == n_one * model.hparams.n_layer                  # the fused path ran every one-token step
+    assert np.array_equal(got_logits, want_logits)
+    assert got_kv == want_kv
+
+
+def test_fused_decode_runs_unsplit_while_another_thread_holds_the_pool(tiny_gguf, monkeypatch):
+    model = load(tiny_gguf(tensor_type="Q4_1", n_embd=256, n_head=4, n_head_kv=2, n_ff=1024), n_threads=2,
+                 numerics="ggml")
+    monkeypatch.setattr(model.num, "decode_one", None)
+    want = _steps(model, 6)
+    monkeypatch.setattr(model.num, "decode_one", G.decode_one)
+    pool = model.matmul._spin
+    assert pool is not None
+    with pool.lock:                                                     # the products cannot use the workers
+        got = _steps(model, 6)
+    assert np.array_equal(got[0], want[0]) and got[1] == want[1]
+
+
+def _asleep(pool) -> list[int]:
+    deadline = time.monotonic() + 5
+    while pool.state() != [spin.SLEEPING] and time.monotonic() < deadline:
+        time.sleep(0.01)                                                # idle past the spin budget: asleep
+    return pool.state()
+
+
+@pytest.mark.parametrize("wake", [True, False], ids=["wake", "no-wake"])
+def test_fused_decode_wakes_sleeping_workers_and_publishes_quietly(tiny_gguf, monkeypatch, wake):
+    model = load(tiny_gguf(tensor_type="Q4_1", n_embd=256, n_head=4, n_head_kv=2, n_ff=1024), n_threads=2,
+                 numerics="ggml")
+    pool = model.matmul._spin
+    if not wake:
+        monkeypatch.setattr(pool, "wake", lambda: None)
+    kv = model.new_kv(1, 32)
+    model.forward_batch(kv, [BatchChunk(0, PROMPT, 0, True)])
+    assert _asleep(pool) == [spin.SLEEPING]
+    model.forward_batch(kv, [BatchChunk(0, [4], len(PROMPT), True)])
+    if not wake:                                                        # the compiled jobs leave sleepers asleep
+        assert pool.state() == [spin.SLEEPING]
+        return
+    deadline = time.monotonic() + 5                                     # woken: its token is taken, it runs
+    while pool.state() == [spin.WAKING] and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert pool.state() in ([spin.AWAKE], [spin.SLEEPING])
+    assert pool._inboxes[0].empty()
+
+
+@pytest.mark.parametrize("kw", [{"tensor_type": "F16"}, {"tensor_type": "Q4_0"}],
+                         ids=["f16-blas-parts", "q4_0-blas-parts"])
+def test_fused_decode_does_not_apply_to_matrices_without_an_exact_kernel(tiny_gguf, monkeypatch, kw):
+    model = load(tiny_gguf(**kw), n_threads=1, numerics="ggml")
+    calls = _counting(monkeypatch)
+    kv = model.new_kv(1, 32)
+    model.forward_batch(kv, [BatchChunk(0, PROMPT, 0, True)])
+    model.forward_batch(kv, [BatchChunk(0, [4], len(PROMPT), True)])
+    assert calls == []
+
+
+def test_fused_decode_does_not_apply_to_an_f32_kv_store(tiny_gguf, monkeypatch):
+    model = load(tiny_gguf(tensor_type="Q4_1"), n_threads=1, numerics="ggml")
+    calls = _counting(monkeypatch)
+    kv = model.new_kv(1, 32, dtype=np.float32)
+    model.forward_batch(kv, [BatchChunk(0, PROMPT, 0, True)])
+    model.forward_batch(kv, [BatchChunk(0, [4], len(PROMPT), True)])
+    assert calls == []
+
+
+def test_sched_yield_is_callable_from_compiled_code():
+    assert spin.yield_core() == 0
+
+
+def test_a_kernel_error_in_a_worker_is_raised_by_the_fused_caller(tiny_gguf, monkeypatch):
+    model = load(tiny_gguf(tensor_type="Q4_1", n_embd=256, n_head=4, n_head_kv=2, n_ff=1024), n_threads=2,
+                 numerics="ggml")
+    kv = model.new_kv(1, 32)
+    model.forward_batch(kv, [BatchChunk(0, PROMPT, 0, True)])
+    pool = model.matmul._spin
+    real = gdecode.decode_layer
+
+    def failing(*a):
+        real(*a)
+        pool.ctl[spin.ERROR] = 1                                        # as a worker's failed piece sets it
+    monkeypatch.setattr(gdecode, "decode_layer", failing)
+    with pytest.raises(RuntimeError, match="a compiled kernel raised"):
+        model.forward_batch(kv, [BatchChunk(0, [4], len(PROMPT), True)])
+    t = threading.Thread(target=lambda: pool.lock.acquire(blocking=False) and pool.lock.release())
+    t.start()
+    t.join()
+    assert not pool.lock.locked()                                       # released on the error
