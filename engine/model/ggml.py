@@ -548,19 +548,20 @@ class GgmlMatmul(Matmul):
             self._spin = None
 
 
-def decode_one(w: Any, hp: HParams, rope: Rope, mm: Matmul, kv: KVStore, s: SeqKV, x: np.ndarray, pos: int) -> bool:
-    """`Numerics.decode_one` of the compiled kernels: every layer of a one-token step of sequence `s` on x [1, D]
-    in one compiled call each (`gdecode.decode_layers`, the layer loop's bits). False, nothing done, unless the
-    matmul is the compiled one with 1 thread or polling workers, the KV store fp16, head_dim a multiple of 16,
-    and every layer matrix one exact part."""
+def decode_one(w: Any, hp: HParams, rope: Rope, mm: Matmul, kv: KVStore, seqs: list[SeqKV], x: np.ndarray,
+               pos: np.ndarray) -> bool:
+    """`Numerics.decode_one` of the compiled kernels: every layer of a step of one-token chunks of sequences `seqs`
+    on x [T, D] in one compiled call each (`gdecode.decode_layers`, the layer loop's bits). False, nothing done,
+    unless the matmul is the compiled one with 1 thread or polling workers, the KV store fp16, head_dim a multiple
+    of 16, and every layer matrix one exact part."""
     if (not isinstance(mm, GgmlMatmul) or not mm.compiled or (mm.n_threads > 1 and mm._spin is None)
-            or kv.dtype != np.float16 or hp.head_dim % 16 or x.shape[0] != 1):
+            or kv.dtype != np.float16 or hp.head_dim % 16 or x.shape[0] != len(seqs)):
         return False
     layers = _fused_layers(mm, w)
     if layers is None:
         return False
     from engine.model import gdecode
-    gdecode.decode_layers(layers, hp, rope, kv, s, x, pos, mm._spin, mm.n_threads * _SPIN_PIECES_PER_THREAD,
+    gdecode.decode_layers(layers, hp, rope, kv, seqs, x, pos, mm._spin, mm.n_threads * _SPIN_PIECES_PER_THREAD,
                           _SPLIT_MIN_MACS, attention_scale(hp.head_dim))
     return True
 

@@ -43,8 +43,8 @@ class Numerics(ABC):
     # or, when set, (q, kv, seq's SeqKV, layer, n_old, matmul) -> the same, given the store (`ggml.attend_cells`)
     attend_cells: Callable[..., np.ndarray] | None = None
     decode_batch: type[f32.DecodeBatch] | None       # attends one-token chunks of pooled sequences together
-    # or, when set, (weights, hparams, rope, matmul, kv, seq's SeqKV, x [1, D], pos) -> bool: every layer of a
-    # one-token step of one sequence run on x in place, the same bits as the layer loop (False: not applicable)
+    # when set, (weights, hparams, rope, matmul, kv, the chunks' SeqKVs, x [T, D], pos [T]) -> bool: every layer of
+    # a step of one-token chunks run on x in place, the same bits as the layer loop (False: not applicable)
     decode_one: Callable[..., bool] | None = None
 
     # --- load ---------------------------------------------------------------------------------------------

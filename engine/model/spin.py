@@ -436,3 +436,8 @@ def u16_at(addr, shape):
 @njit(cache=True, nogil=True, inline="always")
 def i8_at(addr, shape):
     return carray(_voidptr(addr), shape, np.int8)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def i64_at(addr, shape):
+    return carray(_voidptr(addr), shape, np.int64)

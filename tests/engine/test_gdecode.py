@@ -51,11 +51,11 @@ def test_f16_bits_of_a_nan_is_a_nan_with_its_sign():
     assert [int(v) >> 15 for v in out] == [0, 1, 0, 0]
 
 
-def _steps(model, steps, seqs=1, fused_calls=None):
-    """Prompt in two chunks per sequence, then `steps` greedy one-token steps, the sequences taking turns (one
-    chunk per call); every 4th step all sequences together (several chunks: the layer loop). Returns the logits
-    and each sequence's saved state."""
-    kv = model.new_kv(seqs, len(PROMPT) + steps + 2)
+def _steps(model, steps, seqs=1, unified=False):
+    """Prompt in two chunks per sequence (the layer loop), then `steps` greedy one-token steps, the sequences taking
+    turns (one chunk per call); every 4th step all sequences together (one token each). Returns the logits and each
+    sequence's saved state."""
+    kv = model.new_kv(seqs, len(PROMPT) + steps + 2, unified=unified)
     outs, last = [], []
     for s in range(seqs):
         p = [(t + 7 * s) % 40 + 3 for t in PROMPT]
@@ -92,16 +92,15 @@ def _counting(monkeypatch):
     {"tensor_type": "Q4_1", "n_embd": 128, "n_head": 2, "n_head_kv": 1, "n_ff": 320},   # head_dim 64, as SmolLM2
     {"tensor_type": "Q8_0", "n_layer": 3},
 ], ids=["q4_1", "q5_1-qwen2", "q4_1-hd64", "q8_0"])
-@pytest.mark.parametrize("seqs", [1, 3])
-def test_fused_decode_gives_the_layer_loops_bits(tiny_gguf, monkeypatch, kw, n_threads, seqs):
+@pytest.mark.parametrize("seqs,unified", [(1, False), (3, False), (3, True)], ids=["1-seq", "3-seq", "3-seq-unified"])
+def test_fused_decode_gives_the_layer_loops_bits(tiny_gguf, monkeypatch, kw, n_threads, seqs, unified):
     model = load(tiny_gguf(**kw), n_threads=n_threads, numerics="ggml")
     monkeypatch.setattr(model.num, "decode_one", None)
-    want_logits, want_kv = _steps(model, 40, seqs)
+    want_logits, want_kv = _steps(model, 40, seqs, unified)
     monkeypatch.setattr(model.num, "decode_one", G.decode_one)
     calls = _counting(monkeypatch)
-    got_logits, got_kv = _steps(model, 40, seqs)
-    n_one = 40 if seqs == 1 else 30                                     # steps with one chunk
-    assert len(calls) == n_one * model.hparams.n_layer                  # the fused path ran every one-token step
+    got_logits, got_kv = _steps(model, 40, seqs, unified)
+    assert len(calls) == 40 * model.hparams.n_layer                     # the fused path ran every decode step
     assert np.array_equal(got_logits, want_logits)
     assert got_kv == want_kv
 
