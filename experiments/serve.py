@@ -117,7 +117,8 @@ def options_from_args(args: argparse.Namespace):
         cors_headers=args.cors_headers, cors_credentials=args.cors_credentials, endpoint_metrics=args.metrics,
         endpoint_slots=args.slots, endpoint_props=args.props,
         slot_save_path=args.slot_save_path, api_prefix=args.api_prefix.rstrip("/"), numerics=args.numerics,
-        chat_template=template, verbose=bool(U.value_of(args, "--verbose")), sleep_idle_s=sleep_s)
+        chat_template=template, verbose=bool(U.value_of(args, "--verbose")), sleep_idle_s=sleep_s,
+        warmup=U.value_of(args, "--warmup") is not False)
 
 
 def _sleep_idle_seconds(value: object) -> int:
@@ -137,7 +138,7 @@ def upstream_warnings(args: argparse.Namespace) -> list[str]:
     """One line for every upstream flag on the command line that changes nothing here."""
     out = []
     for f, value in U.given(args):
-        if set(f.names) & U.IMPLEMENTED - {"--no-jinja"} and value is not False:
+        if set(f.names) & U.IMPLEMENTED - {"--no-jinja"} and (value is not False or set(f.names) & U.BOTH_WAYS):
             continue
         pick = f.names if value is not False or not f.negative else f.negative
         name = next((n for n in pick if n.startswith("--")), pick[0])

@@ -7,7 +7,8 @@ module adds the rest with the right arity, so that argparse consumes their value
 
 - aliases upstream has for a flag slotlab implements (`--temperature` for `--temp`) set the same option;
 - a few upstream flags are implemented here: `-v/--verbose/--log-verbose`, `--log-file`, `--chat-template`
-  (a Jinja template), `--chat-template-file`, `--jinja/--no-jinja`, `--sleep-idle-seconds` (sleeping on idle);
+  (a Jinja template), `--chat-template-file`, `--jinja/--no-jinja`, `--sleep-idle-seconds` (sleeping on idle),
+  `--warmup/--no-warmup` (a warm-up run at load);
 - flags that only concern hardware, memory placement or the build (GPU layers, flash attention, KV cache
   types, NUMA, CPU masks, mmap, ...) are accepted with one warning each: the numpy engine has no such knob;
 - features this server does not have (embeddings, reranking, LoRA, speculative decoding, multimodal, tools,
@@ -39,7 +40,9 @@ DOWNLOADS = {"-mu", "--model-url", "-hf", "-hfr", "--hf-repo", "-hff", "--hf-fil
              "--hf-repo-v", "-hffv", "--hf-file-v", "-dr", "--docker-repo", "-hft", "--hf-token",
              "--spec-draft-hf", "-hfd", "-hfrd", "--hf-repo-draft"}
 IMPLEMENTED = {"-v", "--verbose", "--log-verbose", "--log-file", "--chat-template", "--chat-template-file",
-               "--jinja", "--no-jinja", "--sleep-idle-seconds"}
+               "--jinja", "--no-jinja", "--sleep-idle-seconds", "--warmup"}
+# implemented flags whose negative form (--no-...) is implemented too
+BOTH_WAYS = {"--warmup"}
 
 # why a flag has no effect here, by a word its names contain (first match wins); the rest: "has no
 # effect on this server"
@@ -51,7 +54,7 @@ _REASONS = (
     (("cache-type", "-ctk", "-ctv", "-ctkd", "-ctvd"), "KV cache types: the engine's KV dtype follows --numerics"),
     (("numa", "cpu-mask", "cpu-range", "cpu-strict", "-C", "-Cr", "-Cb", "-Crb", "prio", "poll",
       "threads-batch", "-tb", "threads-http"), "thread placement and priority: only --threads applies"),
-    (("mmap", "mlock", "load-mode", "warmup", "check-tensors", "no-perf", "perf"),
+    (("mmap", "mlock", "load-mode", "check-tensors", "no-perf", "perf"),
      "model loading and profiling switches of llama.cpp"),
     (("embedding", "pooling"), "embeddings are not served: the embeddings endpoints answer 501 as upstream "
      "without --embeddings"),

@@ -71,6 +71,7 @@ class ServerOptions:
     chat_template: str = ""            # --chat-template / --chat-template-file: overrides the model's template
     verbose: bool = False              # -v/--verbose: OpenAI-shaped responses carry `__verbose` debug data
     sleep_idle_s: float = -1           # --sleep-idle-seconds: unload the model after this long idle; -1 = never
+    warmup: bool = True                # --warmup / --no-warmup: a warm-up run at load (`Model.warm_up`)
 
     @property
     def model_name(self) -> str:
@@ -132,6 +133,12 @@ class ServerState:
         t0 = time.perf_counter()
         opts = self.options
         model = self.loader(opts.model_path, opts.n_threads, numerics=opts.numerics)
+        warm_up = getattr(model, "warm_up", None)
+        if opts.warmup and warm_up is not None:
+            # as upstream's common_init_from_params ("warming up the model with an empty run"); here it also
+            # compiles the numba kernels of a compiled numerics on a fresh cache (or loads them from the cache)
+            log.info("warming up the model with an empty run - please wait ... (--no-warmup to disable)")
+            log.info("warm-up done in %.2f s (numerics %s)", warm_up(), getattr(model, "numerics", "f32"))
         meta = read_gguf_metadata(opts.model_path)
         config = replace(opts.config, **model.config_facts())
         resolved = config.resolve()

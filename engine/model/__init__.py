@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -87,6 +88,21 @@ class Model:
             how = "matmuls split over Python threads, " if self.n_threads > 1 else ""
             return f"{self.n_threads} compute thread{plural} ({how}BLAS {self.blas_threads})"
         return f"{self.n_threads} compute thread{plural} (BLAS's own threads)"
+
+    def warm_up(self) -> float:
+        """An empty run, as llama.cpp's `common_init_from_params` makes one at load (`--warmup`, on by default): the
+        BOS and EOS tokens (those that exist; token 0 otherwise) as one chunk into a scratch KV store, then (this
+        project's addition) one single-token step, so that every compiled path a server uses first (prompt and
+        decode) is compiled on a fresh numba cache, or loaded from it, before the first request. Returns the
+        seconds it took."""
+        t0 = time.perf_counter()
+        tok = self._tokenizer
+        ids = [i for i in (getattr(tok, "bos_id", None), getattr(tok, "eos_id", None))
+               if isinstance(i, int) and 0 <= i < self.hparams.n_vocab] or [0]
+        kv = self.new_kv(1, len(ids) + 2)
+        self.forward_batch(kv, [BatchChunk(0, ids, 0, True)])
+        self.forward_batch(kv, [BatchChunk(0, [ids[-1]], len(ids), True)])
+        return time.perf_counter() - t0
 
     # --- facts a server builds its configuration from --------------------------------------------------
 
