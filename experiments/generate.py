@@ -35,6 +35,7 @@ def cmd_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
             raise UsageError("-n must be >= 0 and --threads >= 1")
         path = resolve_model(args.model)
         model = load(path, n_threads=args.threads, numerics=args.numerics)
+    warm_s = model.warm_up()        # compiles (first run on a machine) or loads the kernels: not in the timing
     tok = model.tokenizer
     text = args.prompt
     if args.chat:
@@ -54,5 +55,5 @@ def cmd_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     wall = time.perf_counter() - t0
     print(tok.detokenize(task.generated, special=False))
     print(f"[{len(ids)} prompt tokens, {task.n_decoded} generated in {wall:.2f} s, stop: {task.stop_type}, "
-          f"{model.threads_desc}, numerics {model.numerics}]", file=sys.stderr)
+          f"{model.threads_desc}, numerics {model.numerics}; warm-up {warm_s:.2f} s]", file=sys.stderr)
     return 0

@@ -1,6 +1,7 @@
 """`slotlab replay` and `slotlab generate` on a tiny random-weight GGUF (no download)."""
 
 import json
+import re
 
 import pandas as pd
 
@@ -49,3 +50,4 @@ def test_generate_prints_text_and_stats(tiny, capsys):
     assert main(["generate", "-m", tiny, "-p", "hello world", "-n", "5", "--temp", "0", "--threads", "1"]) == 0
     err = capsys.readouterr().err
     assert "5 generated" in err and "1 compute thread (BLAS 1)" in err
+    assert re.search(r"warm-up \d+\.\d\d s\]", err)                    # reported apart from the timing
