@@ -29,8 +29,11 @@ F32 = np.float32
 _NIB, _BYTE, _Q8_0 = spinjobs.DOT_NIB, spinjobs.DOT_BYTE, spinjobs.DOT_Q8_0
 
 # int64 words of `decode_layer`'s `ints`
-N_HEAD, N_HEAD_KV, HEAD_DIM, N_ROT, NEOX, N_WORKERS, N_PIECES, SPLIT_MIN, HAS_BIAS = range(9)
-N_INTS = 9
+N_HEAD, N_HEAD_KV, HEAD_DIM, N_ROT, NEOX, N_WORKERS, N_PIECES, SPLIT_MIN, HAS_BIAS, ATTEND_MIN = range(10)
+N_INTS = 10
+# a token's attention is split over the workers by heads from this many cells x n_head x head_dim on (below, the
+# hand-off costs more than it saves)
+ATTEND_SPLIT_MIN = 1 << 16
 # words of a token's row of `seqs`: its sequence's K / V cells (address of layer 0, bytes per layer, cells), float32
 # shadow (kt and vf addresses of layer 0, their bytes per layer, cells), the shadow's valid counts, cells before it
 S_K, S_V, S_KV_STRIDE, S_CAP, S_KT, S_VF, S_KT_STRIDE, S_VF_STRIDE, S_SH_CAP, S_VALID, S_N_OLD = range(11)
@@ -127,7 +130,13 @@ def decode_layer(x, attn_norm, ffn_norm, eps, scale, kinds,
         for h in range(n_head):                                          # Q to fp16 (K's vec_dot_type)
             for j in range(hd):
                 q16[0, h, j] = gk.f16_round(qkv[t, h * hd + j])
-        gk.attend_block(q16, kt, vf, n_old, 0, 1, True, scale, n_head // n_head_kv, one)
+        if ints[N_WORKERS] > 0 and (n_old + 1) * n_q >= ints[ATTEND_MIN]:    # heads split on the workers
+            n = spinjobs.post_attend(job, cuts, q16, kt, vf, one, n_old, n_head // n_head_kv, scale, ints[N_PIECES])
+            spin.publish_quiet(ctl, n)
+            spin.run_compiled(ctl, job, cuts, n, piece)
+            _keep(q16, one, one)
+        else:
+            gk.attend_block(q16, kt, vf, n_old, 0, 1, True, scale, n_head // n_head_kv, one)
         att[t] = one[0]
     y = np.empty((n_tok, dim), F32)
     _product(kinds[1], q_o, d_o, m_o, att.reshape(n_tok, n_q), y, ctl, job, cuts, ints, piece)
@@ -192,7 +201,7 @@ def decode_layers(layers: list[Layer], hp, rope, kv, seqs, x: np.ndarray, pos: n
     ints = np.zeros(N_INTS, np.int64)
     ints[N_HEAD], ints[N_HEAD_KV], ints[HEAD_DIM] = hp.n_head, hp.n_head_kv, hp.head_dim
     ints[N_ROT], ints[NEOX] = hp.n_rot, int(rope.mode != "norm")
-    ints[N_PIECES], ints[SPLIT_MIN] = n_pieces, split_min
+    ints[N_PIECES], ints[SPLIT_MIN], ints[ATTEND_MIN] = n_pieces, split_min, ATTEND_SPLIT_MIN
     eps = F32(hp.f_norm_rms_eps)
     piece = spinjobs.piece_c("ggml")
     held = pool is not None and pool.lock.acquire(blocking=False)

@@ -922,7 +922,12 @@ def attend_block(q, kt, v, n_old, a, b, one, scale, n_gqa, out):
     against keys 0..n_old+b-1; kt [n_head_kv, hd, n_tot], v [n_head_kv, n_tot, hd] float32 (the cells' f16
     values); out [m, n_head, hd]. Scores times `scale`, keys after a row's position masked (blocks of 2+
     rows), padded with -inf to a multiple of 16 (64 when one), softmax, probabilities to fp16, V . p."""
-    n_head = q.shape[1]
+    attend_heads(q, kt, v, n_old, a, b, one, scale, n_gqa, out, 0, q.shape[1])
+
+
+@njit(cache=True, nogil=True)
+def attend_heads(q, kt, v, n_old, a, b, one, scale, n_gqa, out, h0, h1):
+    """`attend_block` for the heads h0..h1-1 only (each head's work is independent of the others')."""
     hd = q.shape[2]
     n_keys = n_old + b
     width = 64 if one else 16
@@ -931,7 +936,7 @@ def attend_block(q, kt, v, n_old, a, b, one, scale, n_gqa, out):
     lanes = np.empty((width, _KEYS), F32)
     fold = np.empty((16, max(_KEYS, hd)), F32)
     acc = np.empty((width, hd), F32)
-    for h in range(n_head):
+    for h in range(h0, h1):
         kh = h // n_gqa
         for i in range(a, b):
             _scores(q[i, h], kt[kh], n_keys, one, s, lanes, fold)

@@ -16,10 +16,13 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, cfunc, njit, types
 
+I64 = np.int64
+
 from engine.model import gkernels, qkernels
 from engine.model.spin import JOB_SIZE, MAX_PIECES, SpinPool, _voidptr, address, f32_at, i8_at, set_cuts, u16_at, u8_at
 
 DOT_NIB, DOT_BYTE, DOT_Q8_0 = 1, 2, 3           # ggml: Q4_1 x Q8_1, Q5_1 x Q8_1, Q8_0 x Q8_0
+ATTEND = 7                                      # ggml: one query row's attention (`gkernels.attend_heads`), by heads
 RANGE_NIB, RANGE_BYTE, RANGE_HALF = 4, 5, 6     # q: nibble, byte and 16-bit weights
 
 
@@ -54,7 +57,42 @@ def post_dot(job, cuts, kind, qw, dw, mw, qx, dx, sx, y, n_pieces, align):
 
 
 @njit(cache=True, nogil=True)
+def post_attend(job, cuts, q16, kt, vf, out, n_old, n_gqa, scale, n_pieces):
+    """An ATTEND job: query row 0 of q16 [1, n_head, hd] against cells 0..n_old of kt [n_head_kv, hd, cap] and
+    vf [n_head_kv, cap, hd] (`gkernels.attend_heads`, one = True), out [1, n_head, hd]; the pieces are ranges of
+    heads."""
+    job[0] = ATTEND
+    job[1] = address(q16)
+    job[2] = q16.shape[1]
+    job[3] = q16.shape[2]
+    job[4] = address(kt)
+    job[5] = kt.shape[0]
+    job[6] = kt.shape[2]
+    job[7] = address(vf)
+    job[8] = vf.shape[1]
+    job[9] = address(out)
+    job[10] = n_old
+    job[11] = n_gqa
+    job[12] = I64(np.float32(scale).view(np.int32))
+    return set_cuts(cuts, q16.shape[1], 1, n_pieces)
+
+
+@njit(cache=True, nogil=True)
+def _run_attend(job, cuts, i):
+    n_head, hd, n_kv = job[2], job[3], job[5]
+    q16 = f32_at(job[1], (1, n_head, hd))
+    kt = f32_at(job[4], (n_kv, hd, job[6]))
+    vf = f32_at(job[7], (n_kv, job[8], hd))
+    out = f32_at(job[9], (1, n_head, hd))
+    scale = np.int32(job[12]).view(np.float32)
+    gkernels.attend_heads(q16, kt, vf, job[10], 0, 1, True, scale, job[11], out, cuts[2 * i], cuts[2 * i + 1])
+
+
+@njit(cache=True, nogil=True)
 def run_ggml_piece(job, cuts, i):
+    if job[0] == ATTEND:
+        _run_attend(job, cuts, i)
+        return
     o0, o1 = cuts[2 * i], cuts[2 * i + 1]
     nb, bs, n_out, m, n_in, nbx = job[2], job[3], job[4], job[9], job[10], job[12]
     dw = f32_at(job[5], (nb, n_out))
@@ -158,5 +196,5 @@ def pool(n_workers: int, family: str = "ggml") -> SpinPool:
     return SpinPool(n_workers, piece_c(family))
 
 
-__all__ = ["DOT_BYTE", "DOT_NIB", "DOT_Q8_0", "RANGE_BYTE", "RANGE_HALF", "RANGE_NIB", "piece_c", "pool", "post_dot",
-           "post_half", "post_range", "run_ggml_piece", "run_q_piece"]
+__all__ = ["ATTEND", "DOT_BYTE", "DOT_NIB", "DOT_Q8_0", "RANGE_BYTE", "RANGE_HALF", "RANGE_NIB", "piece_c", "pool", "post_attend",
+           "post_dot", "post_half", "post_range", "run_ggml_piece", "run_q_piece"]

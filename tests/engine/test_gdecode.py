@@ -188,3 +188,15 @@ def test_a_kernel_error_in_a_worker_is_raised_by_the_fused_caller(tiny_gguf, mon
     t.start()
     t.join()
     assert not pool.lock.locked()                                       # released on the error
+
+
+@pytest.mark.parametrize("kw", [{"tensor_type": "Q4_1"}, {"tensor_type": "Q5_1", "arch": "qwen2", "tied": False}],
+                         ids=["q4_1", "q5_1-qwen2"])
+def test_attention_split_by_heads_on_the_workers_gives_the_same_bits(tiny_gguf, monkeypatch, kw):
+    model = load(tiny_gguf(**kw), n_threads=2, numerics="ggml")
+    monkeypatch.setattr(model.num, "decode_one", None)
+    want = _steps(model, 24, 3)
+    monkeypatch.setattr(model.num, "decode_one", G.decode_one)
+    monkeypatch.setattr(gdecode, "ATTEND_SPLIT_MIN", 1)                 # every token's attention split by heads
+    got = _steps(model, 24, 3)
+    assert np.array_equal(got[0], want[0]) and got[1] == want[1]
