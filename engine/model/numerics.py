@@ -122,8 +122,9 @@ class GgmlNumerics(Numerics):
     softmax and SwiGLU; the attention scale is applied to the scores, as ggml does, not folded into Q.
 
     `compiled` (the "ggml" of `NUMERICS`): matmuls, quantizers, norm, SwiGLU and attention by the numba kernels
-    of `engine.model.gkernels`, bit for bit the numpy code's results (tests); `GGML_REFERENCE` is the numpy
-    code itself, which `resolve` falls back to (one warning) when numba cannot load."""
+    of `engine.model.gkernels`, bit for bit the numpy code's results (tests), and decode steps whose chunks are one
+    token each run every layer in one compiled call (`decode_one`, `engine.model.gdecode`: the same bits);
+    `GGML_REFERENCE` is the numpy code itself, which `resolve` falls back to (one warning) when numba cannot load."""
 
     name = "ggml"
     kv_dtype = np.dtype(np.float16)
