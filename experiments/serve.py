@@ -138,9 +138,9 @@ def upstream_warnings(args: argparse.Namespace) -> list[str]:
     """One line for every upstream flag on the command line that changes nothing here."""
     out = []
     for f, value in U.given(args):
-        if set(f.names) & U.IMPLEMENTED - {"--no-jinja"} and (value is not False or set(f.names) & U.BOTH_WAYS):
+        pick = f.names if value is not False or not f.negative else f.negative      # the spelling given
+        if set(pick) & U.IMPLEMENTED - {"--no-jinja"}:
             continue
-        pick = f.names if value is not False or not f.negative else f.negative
         name = next((n for n in pick if n.startswith("--")), pick[0])
         shown = name if value in (True, False) else f"{name} {' '.join(value) if isinstance(value, list) else value}"
         if name == "--no-jinja":

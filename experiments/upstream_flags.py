@@ -40,9 +40,7 @@ DOWNLOADS = {"-mu", "--model-url", "-hf", "-hfr", "--hf-repo", "-hff", "--hf-fil
              "--hf-repo-v", "-hffv", "--hf-file-v", "-dr", "--docker-repo", "-hft", "--hf-token",
              "--spec-draft-hf", "-hfd", "-hfrd", "--hf-repo-draft"}
 IMPLEMENTED = {"-v", "--verbose", "--log-verbose", "--log-file", "--chat-template", "--chat-template-file",
-               "--jinja", "--no-jinja", "--sleep-idle-seconds", "--warmup"}
-# implemented flags whose negative form (--no-...) is implemented too
-BOTH_WAYS = {"--warmup"}
+               "--jinja", "--no-jinja", "--sleep-idle-seconds", "--warmup", "--no-warmup"}
 
 # why a flag has no effect here, by a word its names contain (first match wins); the rest: "has no
 # effect on this server"

@@ -257,14 +257,6 @@ def claim_sleepers(ctl, n_workers):
     return mask
 
 
-@njit(cache=True, nogil=True)
-def publish(ctl, n_pieces, n_workers):
-    """`publish_quiet`, then `claim_sleepers`: returns the mask of workers that were SLEEPING and are now WAKING
-    (each needs one token in its queue)."""
-    publish_quiet(ctl, n_pieces)
-    return claim_sleepers(ctl, n_workers)
-
-
 @intrinsic
 def _sched_yield(typingctx):
     """The C library's sched_yield(), called by name (the JIT links it from the process, as it links libm's
@@ -284,8 +276,8 @@ def yield_core():
 
 @njit(cache=True, nogil=True)
 def run_compiled(ctl, job, cuts, n, piece):
-    """What `SpinPool.run` does after publishing, for a caller in compiled code: `work_join`, then, while a claimed
-    piece is still running after _YIELD_SPINS pauses, yield the core and wait again."""
+    """The caller's part of a published job (`SpinPool.run`, and compiled callers): `work_join`, then, while a
+    claimed piece is still running after _YIELD_SPINS pauses, yield the core and wait again."""
     if not work_join(ctl, job, cuts, n, piece):
         while not wait(ctl, n):
             _sched_yield()
@@ -378,14 +370,9 @@ class SpinPool:
         """Publish the written job and take part in it until all n_pieces are done (caller holds `lock`)."""
         ctl = self.ctl
         ctl[ERROR] = 0
-        mask = publish(ctl, n_pieces, self.n_workers)
-        if mask:
-            for w in range(self.n_workers):
-                if mask >> w & 1:
-                    self._inboxes[w].put(True)
-        if not work_join(ctl, self.job, self.cuts, n_pieces, self.piece):
-            while not wait(ctl, n_pieces):
-                os.sched_yield()
+        publish_quiet(ctl, n_pieces)
+        self.wake()
+        run_compiled(ctl, self.job, self.cuts, n_pieces, self.piece)
         if ctl[ERROR]:
             raise RuntimeError("a compiled kernel raised in a SpinPool worker")
 
@@ -401,8 +388,8 @@ class SpinPool:
         return True
 
     def wake(self) -> None:
-        """Post a wake-up token to every sleeping worker (caller holds `lock`): before a compiled caller publishes
-        jobs with `publish_quiet`, which leaves sleepers asleep."""
+        """Post a wake-up token to every sleeping worker (caller holds `lock`): after `run` publishes a job, and before
+        a compiled caller publishes its jobs with `publish_quiet`, which leaves sleepers asleep."""
         mask = claim_sleepers(self.ctl, self.n_workers)
         if mask:
             for w in range(self.n_workers):

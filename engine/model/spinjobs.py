@@ -16,10 +16,10 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, cfunc, njit, types
 
-I64 = np.int64
-
 from engine.model import gkernels, qkernels
 from engine.model.spin import JOB_SIZE, MAX_PIECES, SpinPool, _voidptr, address, f32_at, i8_at, set_cuts, u16_at, u8_at
+
+I64 = np.int64
 
 DOT_NIB, DOT_BYTE, DOT_Q8_0 = 1, 2, 3           # ggml: Q4_1 x Q8_1, Q5_1 x Q8_1, Q8_0 x Q8_0
 ATTEND = 7                                      # ggml: one query row's attention (`gkernels.attend_heads`), by heads
@@ -167,7 +167,8 @@ def _ggml_piece(job_addr, cuts_addr, i):
 
 
 def _q_piece(job_addr, cuts_addr, i):
-    """`_ggml_piece` for the jobs of the q numerics (`run_q_piece`)."""
+    """`_ggml_piece` for the jobs of the q numerics (`run_q_piece`). (Two module-level functions, not one made by a
+    factory: numba caches a cfunc only for a function defined at module level, not for a closure.)"""
     try:
         run_q_piece(carray(_voidptr(job_addr), (JOB_SIZE,), np.int64),
                     carray(_voidptr(cuts_addr), (2 * MAX_PIECES,), np.int64), i)
