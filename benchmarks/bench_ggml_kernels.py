@@ -11,6 +11,9 @@ per pass: the weights come from memory, not from the core's caches), and the Q8_
 113 MB, measured here through the f32 `Linear` with numpy's matmul on 1 BLAS thread). Random weights and
 activations; every result is compared with the other kernel set's (bit for bit where both replay ggml).
 Prints per row count: median CPU time of the thread over `--reps` passes, GB/s of weights streamed, GMAC/s.
+Each kernel set gets the weight layout and activation type it reads: the packed layout (`ggml.pack_blocks`) and
+int8 quants for kernels that have `_dot_packed`, `quant.QPart`'s transposed layout and float32 quants for older
+ones.
 """
 
 from __future__ import annotations
@@ -45,6 +48,23 @@ def load_other(tree: str):
     sys.modules[spec.name] = mod                 # numba's cache finds the module of a cached function by name
     spec.loader.exec_module(mod)
     return mod
+
+
+def packed(mod) -> bool:
+    """Whether a kernel module reads the packed layout (`ggml.pack_blocks`) and int8 activation quants."""
+    return hasattr(mod, "_dot_packed")
+
+
+def layout(mod, q, d, m):
+    """(q, d, m) as kernel module `mod` reads them (m None: Q8_0, d again)."""
+    if packed(mod):
+        return G.pack_blocks(q, d, m)
+    return q, d, (d if m is None else m)
+
+
+def activations(mod, xs):
+    """{n_in: (qx, dx, sx)} with qx as `mod` reads it."""
+    return {n: ((qx if packed(mod) else qx.astype(np.float32)), dx, sx) for n, (qx, dx, sx) in xs.items()}
 
 
 def median_time(fn, reps: int) -> float:
@@ -87,21 +107,29 @@ def main() -> int:
           f"{layer_bytes / 1e6:.1f} MB; head {head_bytes / 1e6:.1f} MB quantized, {wf.nbytes / 1e6:.1f} MB f32")
     print("| kernel | rows | base | new | new / base |")
     print("|---|---|---|---|---|")
+    mods = [("new", K)] + ([("base", base)] if base is not None else [])
+    weights = {name: [layout(mod, q, d, m) for q, d, m, _, _ in mats] for name, mod in mods}
+    heads = {name: layout(mod, hq, hd, None)[:2] for name, mod in mods}
     with threadpool_limits(limits=1, user_api="blas"):
         for rows in [int(r) for r in args.rows.split(",")]:
             xs = {n: G.quantize_q8_compiled(rng.normal(0, 1, (rows, n)).astype(np.float32)) for n in (576, 1536)}
-            ys_new = [np.empty((rows, n_out), np.float32) for *_, n_out, _ in mats]
-            ys_old = [np.empty((rows, n_out), np.float32) for *_, n_out, _ in mats]
+            ys = {name: [np.empty((rows, n_out), np.float32) for *_, n_out, _ in mats] for name, _ in mods}
+            yh = {name: np.empty((rows, n_vocab), np.float32) for name, _ in mods}
 
-            def layers(mod, ys):
-                for (q, d, m, n_out, n_in), y in zip(mats, ys):
-                    qx, dx, sx = xs[n_in]
+            def layers(name, mod):
+                acts = activations(mod, xs)
+                for (q, d, m), (*_, n_out, n_in), y in zip(weights[name], mats, ys[name]):
+                    qx, dx, sx = acts[n_in]
                     mod.dot_nib(q, d, m, qx, dx, sx, y, 0, n_out)
-            figs = {}
-            for name, mod, ys in (("new", K, ys_new), ("base", base, ys_old)):
-                if mod is not None:
-                    figs[name] = median_time(lambda: layers(mod, ys), args.reps)
-            same = base is None or all(np.array_equal(a, b) for a, b in zip(ys_new, ys_old))
+
+            def head(name, mod):
+                qx, dx, _ = activations(mod, xs)[576]
+                q, d = heads[name]
+                mod.dot_q8_0(q, d, qx, dx, yh[name], 0, n_vocab)
+            figs = {name: median_time(lambda: layers(name, mod), args.reps) for name, mod in mods}
+            hfigs = {name: median_time(lambda: head(name, mod), args.reps) for name, mod in mods}
+            same = base is None or all(np.array_equal(a, b) for a, b in zip(ys["new"], ys["base"]))
+            hsame = base is None or np.array_equal(yh["new"], yh["base"])
 
             def fig(t, nbytes, macs):
                 return f"{t * 1e3:.2f} ms ({nbytes / t / 1e9:.1f} GB/s, {macs * rows / t / 1e9:.1f} GMAC/s)"
@@ -109,19 +137,21 @@ def main() -> int:
             r = f"{figs['new'] / figs['base']:.3f}" if "base" in figs else "-"
             print(f"| dot_nib, 120 Q4_1 layer matrices{'' if same else ' (RESULTS DIFFER)'} | {rows} | {b} | "
                   f"{fig(figs['new'], layer_bytes, layer_macs)} | {r} |", flush=True)
+            b = fig(hfigs["base"], head_bytes, n_vocab * n_embd) if "base" in hfigs else "-"
+            r = f"{hfigs['new'] / hfigs['base']:.3f}" if "base" in hfigs else "-"
+            print(f"| dot_q8_0, head 49152 x 576{'' if hsame else ' (RESULTS DIFFER)'} | {rows} | {b} | "
+                  f"{fig(hfigs['new'], head_bytes, n_vocab * n_embd)} | {r} |", flush=True)
             qx, dx, _ = xs[576]
-            yh = np.empty((rows, n_vocab), np.float32)
-            t_new = median_time(lambda: K.dot_q8_0(hq, hd, qx, dx, yh, 0, n_vocab), args.reps)
-            xq = np.empty_like(qx)
+            xq = np.empty(qx.shape, np.float32)
             K.q8_values(qx, dx, xq)
             t_blas = median_time(lambda: xq @ wf, args.reps)
             # a check that it is the same product: the exact lane chains vs BLAS, within float32 rounding
             ref = xq.astype(np.float64) @ wf.astype(np.float64)
             bound = 30 * 2.0 ** -24 * (np.abs(xq).astype(np.float64) @ np.abs(wf).astype(np.float64))
-            ok = bool(np.all(np.abs(yh - ref) <= bound))
+            ok = bool(np.all(np.abs(yh["new"] - ref) <= bound))
             print(f"| head 49152 x 576: f32 BLAS (base) vs dot_q8_0 (new){'' if ok else ' (WRONG PRODUCT)'} | "
-                  f"{rows} | {fig(t_blas, wf.nbytes, n_vocab * n_embd)} | {fig(t_new, head_bytes, n_vocab * n_embd)} "
-                  f"| {t_new / t_blas:.3f} |", flush=True)
+                  f"{rows} | {fig(t_blas, wf.nbytes, n_vocab * n_embd)} | "
+                  f"{fig(hfigs['new'], head_bytes, n_vocab * n_embd)} | {hfigs['new'] / t_blas:.3f} |", flush=True)
     print(f"load average after {os.getloadavg()}")
     return 0
 

@@ -50,13 +50,13 @@ def _keep(a, b, c):
 def _product(kind, q, d, m, x, y, ctl, job, cuts, ints, piece):
     """y [M, n_out] = x [M, n_in] @ W.T as `GgmlMatmul._dot_compiled` computes it: x quantized to Q8_1 / Q8_0
     (`quantize_q8`), then the exact kernel of `kind` over the outputs, split on the pool's workers when there are
-    workers and the product is at least SPLIT_MIN multiply-adds. q: the part's quants as uint8, d / m [nb, n_out]
-    (m: d again for Q8_0). The kernel runs as a job piece through `piece` (`spinjobs.piece_c`, a C function called
-    by address), with or without workers: this function's code then holds none of the kernels (compiled with them
-    inlined, it took 60-120 s on a fresh cache)."""
+    workers and the product is at least SPLIT_MIN multiply-adds. q, d, m: the part in the packed layout
+    (`ggml.pack_blocks`; m: d again for Q8_0). The kernel runs as a job piece through `piece` (`spinjobs.piece_c`,
+    a C function called by address), with or without workers: this function's code then holds none of the kernels
+    (compiled with them inlined, it took 60-120 s on a fresh cache)."""
     rows, n_in = x.shape
     n_out = y.shape[1]
-    qx = np.empty((rows, n_in), F32)
+    qx = np.empty((rows, n_in), np.int8)
     dx = np.empty((rows, n_in // 32), F32)
     sx = np.empty((rows, n_in // 32), F32)
     gk.quantize_q8(x, qx, dx, sx)
@@ -144,7 +144,7 @@ def decode_layer(x, attn_norm, ffn_norm, eps, scale, kinds,
         for i in range(dim):
             x[t, i] = x[t, i] + y[t, i]
     gk.rms_norm(x, ffn_norm, eps, xn)                                    # FFN norm
-    n_ff = q_gu.shape[2] // 2
+    n_ff = q_dn.shape[1] * 32                                          # down's inputs: nb blocks of 32
     gu = np.empty((n_tok, 2 * n_ff), F32)
     _product(kinds[2], q_gu, d_gu, m_gu, xn, gu, ctl, job, cuts, ints, piece)
     g = np.ascontiguousarray(gu[:, :n_ff])
@@ -159,7 +159,7 @@ def decode_layer(x, attn_norm, ffn_norm, eps, scale, kinds,
 
 @dataclass
 class Layer:
-    """`decode_layer`'s arguments of one layer: attn_norm, ffn_norm, kinds [4], the four products' (q as uint8, d,
+    """`decode_layer`'s arguments of one layer: attn_norm, ffn_norm, kinds [4], the four products' packed (q, d,
     m or d), the QKV bias (empty when none)."""
     args: tuple
     has_bias: bool

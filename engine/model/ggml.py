@@ -335,13 +335,31 @@ class BlasPart:
         return self.lin.stream_bytes, self.lin.resident_bytes
 
 
+def pack_blocks(q: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The packed layout of the dot kernels from `quant.QPart`'s transposed one: q [nb, bs, n_out] (bs 16: two
+    nibbles a byte; 32: a byte each), d, m [nb, n_out] -> (qp uint8 [G, nb, 8 * bs], dp, mp float32 [G, nb, 8]),
+    G = ceil(n_out / 8) groups of 8 outputs, the last one padded with zeros; qp[g, b, 32 l + 4 o + e] is byte
+    4 l + e of output 8 g + o's block b (lane l). m None (Q8_0): mp is dp."""
+    nb, bs, n_out = q.shape
+    g = -(-n_out // 8)
+    pad = g * 8 - n_out
+    qz = np.pad(q.view(np.uint8), ((0, 0), (0, 0), (0, pad)))
+    qp = np.ascontiguousarray(qz.reshape(nb, bs // 4, 4, g, 8).transpose(3, 0, 1, 4, 2)).reshape(g, nb, 8 * bs)
+
+    def scales(s):
+        return np.ascontiguousarray(np.pad(s, ((0, 0), (0, pad))).reshape(nb, g, 8).transpose(1, 0, 2))
+    dp = scales(d.astype(np.float32, copy=False))
+    return qp, dp, (dp if m is None else scales(m.astype(np.float32, copy=False)))
+
+
 @dataclass(frozen=True)
 class Q8_1DotPart:
     """Output columns of Q4_1/Q5_1 weights, computed as ggml_vec_dot_q4_1_q8_1 (x86) does.
 
     The weights stay in `quant.QPart`'s transposed block layout (integer quants, 4-bit ones two per byte, and
-    float32 d, m per block of 32: W = d*q + m, exactly GGUF's values), which the compiled kernels read; the
-    numpy reference (`dot_q8_1`) reads `qw`, the same quants as float32 grouped by lane, made on first use."""
+    float32 d, m per block of 32: W = d*q + m, exactly GGUF's values). The compiled kernels read `packed`, the
+    same bytes in groups of 8 outputs; the numpy reference (`dot_q8_1`) reads `qw`, the same quants as float32
+    grouped by lane. Both are made on first use."""
 
     w: QPart           # q [nb, 16 or 32, n_out], d, m [nb, n_out]
     n_out: int
@@ -356,6 +374,11 @@ class Q8_1DotPart:
     def m(self) -> np.ndarray:
         """[n_in/32, n_out] float32 block minimums."""
         return self.w.m
+
+    @functools.cached_property
+    def packed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(q, d, m or d) in the compiled kernels' packed layout (`pack_blocks`), made on first use."""
+        return pack_blocks(self.w.q, self.w.d, self.w.m if self.w.has_m else None)
 
     @functools.cached_property
     def qw(self) -> np.ndarray:
@@ -503,7 +526,7 @@ class GgmlMatmul(Matmul):
         if isinstance(p, BlasPart):
             if self.compiled and p.act in ("q8_0", "q8_1"):
                 qx, d16, _ = quantize_q8_compiled(x)
-                xq = np.empty_like(qx)
+                xq = np.empty(qx.shape, np.float32)
                 kernels().q8_values(qx, d16, xq)
                 return Matmul.__call__(self, p.lin, xq)
             return Matmul.__call__(self, p.lin, quantize_activations(p.act, x))
@@ -526,19 +549,19 @@ class GgmlMatmul(Matmul):
         m, n_in = qx.shape
         y = np.empty((m, p.n_out), np.float32)
         w = p.w
+        q, d, mw = p.packed
         split = self._pool is not None and m * n_in * p.n_out >= _SPLIT_MIN_MACS
         if split and self._spin is not None:
             from engine.model import spinjobs as sj
             kind = sj.DOT_Q8_0 if not w.has_m else sj.DOT_NIB if w.nib else sj.DOT_BYTE
-            mw = w.m if w.has_m else w.d
-            if self._spin.try_run(lambda job, cuts, n: sj.post_dot(job, cuts, kind, w.q, w.d, mw, qx, d16, s, y,
+            if self._spin.try_run(lambda job, cuts, n: sj.post_dot(job, cuts, kind, q, d, mw, qx, d16, s, y,
                                                                    n, 64), self.n_threads * _SPIN_PIECES_PER_THREAD):
                 return y
         if not w.has_m:
-            self._run(lambda a, b: k.dot_q8_0(w.q, w.d, qx, d16, y, a, b), p.n_out, 64, split)
+            self._run(lambda a, b: k.dot_q8_0(q, d, qx, d16, y, a, b), p.n_out, 64, split)
             return y
         fn = k.dot_nib if w.nib else k.dot_byte
-        self._run(lambda a, b: fn(w.q, w.d, w.m, qx, d16, s, y, a, b), p.n_out, 64, split)
+        self._run(lambda a, b: fn(q, d, mw, qx, d16, s, y, a, b), p.n_out, 64, split)
         return y
 
     def close(self) -> None:
@@ -567,13 +590,14 @@ def decode_one(w: Any, hp: HParams, rope: Rope, mm: Matmul, kv: KVStore, seqs: l
 
 
 def _exact_part(lin: Any) -> tuple[int, np.ndarray, np.ndarray, np.ndarray] | None:
-    """(kind, quants as uint8, d, m or d again) of a `QLinear` that is one exact part, else None."""
+    """(kind, q, d, m or d again) of a `QLinear` that is one exact part, in the packed layout, else None."""
     from engine.model import spinjobs as sj
     if not isinstance(lin, QLinear) or len(lin.parts) != 1 or isinstance(lin.parts[0], BlasPart):
         return None
-    w = lin.parts[0].w
+    p = lin.parts[0]
+    w = p.w
     kind = sj.DOT_Q8_0 if not w.has_m else sj.DOT_NIB if w.nib else sj.DOT_BYTE
-    return kind, w.q.view(np.uint8), w.d, (w.m if w.has_m else w.d)
+    return (kind, *p.packed)
 
 
 def _fused_layers(mm: GgmlMatmul, w: Any) -> list | None:
@@ -776,13 +800,12 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_old: int, mm: Matmul |
 # --- the compiled path: the same operations by `gkernels`, bit for bit -----------------------------------------------
 
 def quantize_q8_compiled(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`_q8_blocks` + the Q8_1 sums by `gkernels.quantize_q8`: (q [M, n] float32 integers, d16 [M, n/32],
-    s [M, n/32])."""
+    """`_q8_blocks` + the Q8_1 sums by `gkernels.quantize_q8`: (q [M, n] int8, d16 [M, n/32], s [M, n/32])."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     m, n = x.shape
     if n % QK8:
         raise ValueError(f"row length {n} is not a multiple of {QK8}")
-    qx = np.empty_like(x)
+    qx = np.empty(x.shape, np.int8)
     d16 = np.empty((m, n // QK8), np.float32)
     s = np.empty((m, n // QK8), np.float32)
     kernels().quantize_q8(x, qx, d16, s)

@@ -12,8 +12,9 @@ Rules that keep the bits:
   sums sequential); sums of exact integers or of exact f16 x f16 products may be written in any order the
   vectorizer likes only where every partial sum is exact (integer dot products below 2^24).
 
-Quantized weights come in `quant.QPart`'s transposed block layout (`qkernels` docstring): the quants of all
-outputs contiguous per (block, element), so the loops over outputs are innermost and vectorize. All kernels
+Quantized weights come in the dot kernels' packed layout (`ggml.pack_blocks`: groups of 8 outputs, each group's blocks
+contiguous, a lane's bytes of the 8 outputs side by side), which their vector code (LLVM IR of ggml's AVX2
+integer instructions, `_group_dot_of`) reads 32 bytes at a time. All kernels
 are `nogil`: the engine's own threads (`Matmul._run`) call them on disjoint output ranges or query blocks.
 """
 
@@ -31,7 +32,6 @@ I64 = np.int64
 F32 = np.float32
 F64 = np.float64
 
-_TILE = 1024        # outputs per tile of the dot kernels for 2+ rows (the tile's weights and accumulators stay in L2)
 _KEYS = 256         # keys per block of the score kernels (lane scratch [16 or 64, _KEYS])
 
 # ggml_v_expf constants (ggml.expf)
@@ -59,94 +59,6 @@ def _llvm_fma(typingctx, a, b, c):
     def codegen(context, builder, signature, args):
         return builder.fma(*args)
     return sig, codegen
-
-
-@intrinsic
-def _prefetch(typingctx, arr, off):
-    """llvm.prefetch(read, locality 3, data) of the byte at offset `off` of arr's buffer (C-contiguous arr): a hint
-    that never faults, so an offset past the end is harmless."""
-    if not isinstance(arr, types.Array) or not isinstance(off, types.Integer):
-        return None
-    sig = types.void(arr, off)
-
-    def codegen(context, builder, signature, args):
-        ary = context.make_array(signature.args[0])(context, builder, args[0])
-        i64 = ir.IntType(64)
-        i32 = ir.IntType(32)
-        o = args[1] if args[1].type.width == 64 else builder.sext(args[1], i64)
-        p = builder.inttoptr(builder.add(builder.ptrtoint(ary.data, i64), o), ir.IntType(8).as_pointer())
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [p.type, i32, i32, i32]),
-                                            "llvm.prefetch.p0")
-        builder.call(fn, [p, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-        return context.get_dummy_value()
-    return sig, codegen
-
-
-@intrinsic
-def _wide_vectors(typingctx):
-    """Marks the function being compiled "prefer-vector-width"="512": on AVX-512 CPUs LLVM then vectorizes its
-    loops with 16 float32 lanes (zmm) instead of the 8 its tuning prefers for many Intel models (this machine's
-    host CPU reads as "rocketlake"); elsewhere the hint is ignored. The width changes no result: every output
-    lane computes the same operations (no reassociation), only more of them per instruction. (llvmlite's
-    FunctionAttributes accepts only enum attributes, so the string attribute is added to its set directly.)"""
-    sig = types.void()
-
-    def codegen(context, builder, signature, args):
-        set.add(builder.function.attributes, '"prefer-vector-width"="512"')
-        return context.get_dummy_value()
-    return sig, codegen
-
-
-@intrinsic
-def _mad16(typingctx, a, b, c):
-    """a * b + c in 16-bit integers (wrapping; the callers' values never wrap). numba types int16 arithmetic as
-    int64, which the vectorizer then runs 4 lanes to a 256-bit vector; in i16 it runs 16."""
-    if not all(isinstance(t, types.Integer) and t.bitwidth == 16 and t.signed for t in (a, b, c)):
-        return None
-    sig = types.int16(types.int16, types.int16, types.int16)
-
-    def codegen(context, builder, signature, args):
-        return builder.add(builder.mul(args[0], args[1]), args[2])
-    return sig, codegen
-
-
-def _nibble16(high):
-    @intrinsic
-    def nibble(typingctx, q):
-        if not (isinstance(q, types.Integer) and q.bitwidth == 8 and not q.signed):
-            return None
-        sig = types.int16(types.uint8)
-
-        def codegen(context, builder, signature, args):
-            v = builder.zext(args[0], ir.IntType(16))
-            four = ir.Constant(ir.IntType(16), 4)
-            return builder.lshr(v, four) if high else builder.and_(v, ir.Constant(ir.IntType(16), 15))
-        return sig, codegen
-    return nibble
-
-
-_lo16 = _nibble16(False)
-_lo16.__doc__ = "The low nibble of a uint8 as int16."
-_hi16 = _nibble16(True)
-_hi16.__doc__ = "The high nibble of a uint8 as int16."
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _prefetch_block(qw, dw, mw, has_m, b, o0, o1):
-    """Prefetch block b's weights over outputs o0..o1-1: the quant rows (qw [nb, E, n_out], one byte each), d and
-    (has_m) m (float32 [nb, n_out]). The one-row kernels stream each block's rows once, and the hardware
-    prefetcher does not run far enough ahead on these short rows (measured: half the bandwidth without it)."""
-    if b < qw.shape[0]:
-        n_out = qw.shape[2]
-        base = b * qw.shape[1] * n_out
-        for e in range(qw.shape[1]):
-            row = base + e * n_out
-            for o in range(o0, o1, 64):
-                _prefetch(qw, row + o)
-        for o in range(4 * (b * n_out + o0), 4 * (b * n_out + o1), 64):
-            _prefetch(dw, o)
-            if has_m:
-                _prefetch(mw, o)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -290,8 +202,8 @@ def expf(x):
 
 @njit(cache=True, nogil=True)
 def quantize_q8(x, qx, d16, s):
-    """ggml._q8_blocks / quantize_q8_1 for x [M, n] (n a multiple of 32): qx [M, n] the integer quants (as
-    float32), d16 [M, n/32] the scales d = amax/127 rounded to fp16, s [M, n/32] = fp16(d * sum q)."""
+    """ggml._q8_blocks / quantize_q8_1 for x [M, n] (n a multiple of 32): qx [M, n] the integer quants (int8,
+    or float32 holding them), d16 [M, n/32] the scales d = amax/127 rounded to fp16, s [M, n/32] = fp16(d * sum q)."""
     m, n = x.shape
     for r in range(m):
         for b in range(n // 32):
@@ -320,379 +232,230 @@ def q8_values(qx, d16, out):
         for b in range(n // 32):
             d = d16[r, b]
             for j in range(32 * b, 32 * b + 32):
-                out[r, j] = qx[r, j] * d
+                out[r, j] = F32(qx[r, j]) * d
 
 
-# --- Q4_1 / Q5_1 x Q8_1 (ggml.dot_q8_1) ---------------------------------------------------------------------
+# --- Q4_1 / Q5_1 x Q8_1 and Q8_0 x Q8_0 (ggml.dot_q8_1) -----------------------------------------------------------
 #
 # Per row r, output o and block b: lane l (elements 4l..4l+3 of the block) has the exact integer dot
-# xy = sum q_w * q_x (|xy| < 2^14, exact in float32 whatever the order), then acc_l = fma(d_x * d_w, xy, acc_l)
-# with one rounding (`_fma`; d_x * d_w is exact in float32), summs = fma(s_x, m_w, summs) likewise, and at the end
+# xy = sum q_w * q_x (|xy| < 2^16, exact in float32 whatever the order), then acc_l = fma(d_x * d_w, xy, acc_l)
+# with one rounding (d_x * d_w is exact in float32), summs = fma(s_x, m_w, summs) likewise, and at the end
 # y = ((acc4 + acc0) + (acc6 + acc2)) + ((acc5 + acc1) + (acc7 + acc3)) + summs: ggml.dot_q8_1's operations.
 #
-# These kernels alone are compiled with fastmath={"contract"}: LLVM may then fuse a multiply and an add into an
-# fma. Every such pair here has an exact product (small integers in float32), and
-# fma(a, b, c) = round(a*b + c) = round(round(a*b) + c) when a*b is exact: the bits cannot change. No other
-# fast-math flag (no reassociation) is given, and the other kernels get none (there a fused product would
-# round differently).
+# The weights are in the packed layout (`ggml.pack_blocks`): groups of 8 outputs, each group's blocks contiguous, and in
+# a block the 4 bytes of lane l of the 8 outputs side by side (32 bytes). One 32-byte load then holds lane l of 8
+# outputs, and the lane sums are the integer instructions ggml's own kernel uses (AVX2): `pmaddubsw` of the
+# unsigned weight bytes with the signed activation bytes (4 bytes of the lane broadcast to all 8 outputs) gives the
+# pair sums, `pmaddwd` with ones the lane sums, as 8 int32 (`mul_sum_us8_pairs_float` in ggml-cpu's quants.c).
+# Q8_0 weights are signed: ggml's sign trick, |w| x (x * sign(w)) (`mul_sum_i8_pairs_float`). The 8 outputs' lane
+# accumulators are 8 vector registers over a group's blocks. Exactness: a pair sum is at most 2 x 31 x 127 = 7874
+# (Q4_1: 15, Q5_1: 31) or 2 x 128 x 127 (Q8_0) in magnitude, so pmaddubsw's int16 saturation never applies, and
+# the lane sums are the exact integers of the reference.
 #
-# One row (decode): every (block, element) row of the weights is streamed over the whole output range, with the
-# 8 lane accumulators of all outputs in a scratch [8, w] (as `qkernels`; tiles of a few outputs read short
-# pieces at a stride of n_out bytes, which measured 2x slower from DRAM). Two rows and more (prefill): tiles of
-# _TILE outputs whose weights stay in cache while every row passes; two rows share each weight's decoding, the
-# lane sums go to a scratch and a second loop applies the fma steps.
+# The vector code is LLVM IR written by `_group_dot` (numba's `intrinsic`): LLVM does not form pmaddubsw from
+# plain multiplies when it can bound the values (it proves the nibbles small and emits 16-bit multiplies, half the
+# speed), so the instructions are asked for by name when the compile target has AVX2 (numba's target features:
+# the host's, or NUMBA_CPU_NAME / NUMBA_CPU_FEATURES), and written as plain widening multiplies and pair adds --
+# the same integers -- for CPUs without it. numba's cache keys compiled code by the target's features.
+#
+# Measured on one thread, SmolLM2-shaped matrices (576 -> 30720 and 1536 -> 11520 outputs, AMD EPYC AVX2), against
+# the kernels this replaced (16-bit multiplies on the transposed layout): 1 row 0.38-0.44x the time, 16 and 64
+# rows 0.34-0.37x, the same bits.
 
-_CONTRACT = {"contract"}
-_AHEAD = 2          # blocks of weights prefetched ahead by the one-row kernels
-_ROW_TILE = 1024    # outputs per pass of the one-row kernels (their 8 x _ROW_TILE accumulators stay in L1)
+_ROWS_PER_PASS = 32     # rows per pass over a range of groups (their activations stay in L2; a group's weights
+                        # in L1 while the rows pass)
+_NIB, _U8, _S8 = 1, 2, 3  # weight bytes: two unsigned nibbles (Q4_1), one unsigned quant (Q5_1), one signed (Q8_0)
 
-
-@njit(cache=True, nogil=True, inline="always")
-def _finish(acc, summ, has_m, y, r, t0, w):
-    """y[r, t0:t0+w] = hsum_float_8(acc) + summs (has_m; else hsum_float_8(acc) alone), in ggml.dot_q8_1's /
-    ggml.dot_q8_0's order; acc [8, >= w], summ [>= w]."""
-    for o in range(w):
-        h0 = acc[4, o] + acc[0, o]
-        h1 = acc[5, o] + acc[1, o]
-        h2 = acc[6, o] + acc[2, o]
-        h3 = acc[7, o] + acc[3, o]
-        v = (h0 + h2) + (h1 + h3)
-        y[r, t0 + o] = v + summ[o] if has_m else v
-
-
-@njit(cache=True, nogil=True, inline="always", fastmath=_CONTRACT)
-def _block_scales(sx, dx, mw, dw, has_m, summ, dd, r, b, t0, w):
-    """summs = fma(s_x, m_w, summs) (has_m) over the outputs t0..t0+w-1 of block b, and dd = d_x * d_w for them
-    (float32, exact: fp16 x fp16)."""
-    dxv = dx[r, b]
-    db = dw[b, t0:t0 + w]
-    if has_m:
-        sv = sx[r, b]
-        mb = mw[b, t0:t0 + w]
-        for o in range(w):
-            summ[o] = _fma(sv, mb[o], summ[o])
-    for o in range(w):
-        dd[o] = dxv * db[o]
+_I8 = ir.IntType(8)
+_I16 = ir.IntType(16)
+_I32 = ir.IntType(32)
+_I64 = ir.IntType(64)
+_V32B = ir.VectorType(_I8, 32)
+_V16W = ir.VectorType(_I16, 16)
+_V8D = ir.VectorType(_I32, 8)
+_V8F = ir.VectorType(ir.FloatType(), 8)
 
 
-@njit(cache=True, nogil=True, inline="always", fastmath=_CONTRACT)
-def _fma_lanes(xy, dd, acc, w):
-    """acc[l, o] = fma(dd[o], xy[l, o], acc[l, o]) for the 8 lanes."""
-    for lane in range(8):
-        al = acc[lane]
-        xl = xy[lane]
-        for o in range(w):
-            al[o] = _fma(xl[o], dd[o], al[o])
+def _target_has_avx2(context) -> bool:
+    """Whether the code being compiled asks for AVX2: "+avx2" in the features numba gives LLVM's target machine
+    (the host's, or NUMBA_CPU_FEATURES). An empty feature list (NUMBA_CPU_FEATURES= with a NUMBA_CPU_NAME, as CI's
+    AVX2 pass sets it) asks for none, and the kernels take the plain code: correct on any x86-64, slower."""
+    cg = context.codegen()
+    feats = getattr(cg, "_tm_features", None)
+    if feats is None:
+        feats = cg._get_host_cpu_features()
+    return "+avx2" in str(feats).split(",")
 
 
-@njit(cache=True, nogil=True, fastmath=_CONTRACT)
-def _nib_row(qw, dw, mw, q16, dx, sx, y, r, o0, o1):
-    """One row of `dot_nib` over the outputs o0..o1-1, each weight row streamed once; q16 [M, n_in] the row's
-    quants as int16. The lane sums are computed in 16-bit integers, 16 outputs per 256-bit vector (float32: 8):
-    a lane sum is 4 products of a nibble (0..15) and a quant (-127..127), |sum| <= 7620, exact in int16 and in
-    float32 alike, so the bits are those of the float32 sums. Measured on one thread, SmolLM2's 120 layer
-    matrices in a row (80 MB, AMD EPYC AVX2): 23.0-24.9 ms float32 -> 19.8-22.1 ms."""
-    _wide_vectors()
-    nb = qw.shape[0]
-    w = o1 - o0
-    acc = np.zeros((8, w), F32)
-    summ = np.zeros(w, F32)
-    dd = np.empty(w, F32)
-    zero = I16(0)
-    for b in range(nb):
-        _prefetch_block(qw, dw, mw, True, b + _AHEAD, o0, o1)
-        _block_scales(sx, dx, mw, dw, True, summ, dd, r, b, o0, w)
-        qb = qw[b]
-        for lane in range(4):
-            j = 32 * b + 4 * lane
-            x0, x1, x2, x3 = _four(q16[r], j)
-            c0, c1, c2, c3 = _four(q16[r], j + 16)
-            q0 = qb[4 * lane, o0:o1]
-            q1 = qb[4 * lane + 1, o0:o1]
-            q2 = qb[4 * lane + 2, o0:o1]
-            q3 = qb[4 * lane + 3, o0:o1]
-            al = acc[lane]
-            ah = acc[lane + 4]
-            for o in range(w):
-                v0 = q0[o]
-                v1 = q1[o]
-                v2 = q2[o]
-                v3 = q3[o]
-                lo = _mad16(_lo16(v3), x3, _mad16(_lo16(v2), x2, _mad16(_lo16(v1), x1, _mad16(_lo16(v0), x0, zero))))
-                hi = _mad16(_hi16(v3), c3, _mad16(_hi16(v2), c2, _mad16(_hi16(v1), c1, _mad16(_hi16(v0), c0, zero))))
-                e = dd[o]
-                al[o] = _fma(F32(lo), e, al[o])
-                ah[o] = _fma(F32(hi), e, ah[o])
-    _finish(acc, summ, True, y, r, o0, w)
+def _call(builder, name, ret, args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
 
 
-@njit(cache=True, nogil=True, inline="always", fastmath=_CONTRACT)
-def _nib_lanes(qb, qx, r, g, b, t0, w, xy):
-    """xy[i, l, :w] = the lane sums of block b for rows r + i (i < g, g in 1..2), outputs t0..t0+w-1; the two
-    rows share each byte's decoding."""
-    for lane in range(4):
-        j = 32 * b + 4 * lane
-        q0 = qb[4 * lane, t0:t0 + w]
-        q1 = qb[4 * lane + 1, t0:t0 + w]
-        q2 = qb[4 * lane + 2, t0:t0 + w]
-        q3 = qb[4 * lane + 3, t0:t0 + w]
-        a0, a1, a2, a3 = _four(qx[r], j)
-        c0, c1, c2, c3 = _four(qx[r], j + 16)
-        xl = xy[0, lane]
-        xh = xy[0, lane + 4]
-        if g == 2:
-            e0 = qx[r + 1, j]
-            e1 = qx[r + 1, j + 1]
-            e2 = qx[r + 1, j + 2]
-            e3 = qx[r + 1, j + 3]
-            f0 = qx[r + 1, j + 16]
-            f1 = qx[r + 1, j + 17]
-            f2 = qx[r + 1, j + 18]
-            f3 = qx[r + 1, j + 19]
-            yl = xy[1, lane]
-            yh = xy[1, lane + 4]
-            for o in range(w):
-                v0 = I32(q0[o])
-                v1 = I32(q1[o])
-                v2 = I32(q2[o])
-                v3 = I32(q3[o])
-                l0 = F32(I32(v0 & I32(15)))
-                l1 = F32(I32(v1 & I32(15)))
-                l2 = F32(I32(v2 & I32(15)))
-                l3 = F32(I32(v3 & I32(15)))
-                h0 = F32(I32(v0 >> I32(4)))
-                h1 = F32(I32(v1 >> I32(4)))
-                h2 = F32(I32(v2 >> I32(4)))
-                h3 = F32(I32(v3 >> I32(4)))
-                xl[o] = l0 * a0 + l1 * a1 + l2 * a2 + l3 * a3
-                xh[o] = h0 * c0 + h1 * c1 + h2 * c2 + h3 * c3
-                yl[o] = l0 * e0 + l1 * e1 + l2 * e2 + l3 * e3
-                yh[o] = h0 * f0 + h1 * f1 + h2 * f2 + h3 * f3
-        else:
-            for o in range(w):
-                v0 = I32(q0[o])
-                v1 = I32(q1[o])
-                v2 = I32(q2[o])
-                v3 = I32(q3[o])
-                xl[o] = (F32(I32(v0 & I32(15))) * a0 + F32(I32(v1 & I32(15))) * a1
-                         + F32(I32(v2 & I32(15))) * a2 + F32(I32(v3 & I32(15))) * a3)
-                xh[o] = (F32(I32(v0 >> I32(4))) * c0 + F32(I32(v1 >> I32(4))) * c1
-                         + F32(I32(v2 >> I32(4))) * c2 + F32(I32(v3 >> I32(4))) * c3)
+def _load(builder, base, off, ty, align):
+    """The `ty` at byte offset off (i64) of address base (i64)."""
+    ld = builder.load(builder.inttoptr(builder.add(base, off), ty.as_pointer()))
+    ld.align = align
+    return ld
 
 
-@njit(cache=True, nogil=True, inline="always", fastmath=_CONTRACT)
-def _byte_lanes(qb, qx, r, g, b, t0, w, xy):
-    """`_nib_lanes` for one quant per byte: lane l = elements 4l..4l+3, rows 4l..4l+3 of qb."""
-    for lane in range(8):
-        j = 32 * b + 4 * lane
-        q0 = qb[4 * lane, t0:t0 + w]
-        q1 = qb[4 * lane + 1, t0:t0 + w]
-        q2 = qb[4 * lane + 2, t0:t0 + w]
-        q3 = qb[4 * lane + 3, t0:t0 + w]
-        a0 = qx[r, j]
-        a1 = qx[r, j + 1]
-        a2 = qx[r, j + 2]
-        a3 = qx[r, j + 3]
-        xl = xy[0, lane]
-        if g == 2:
-            e0 = qx[r + 1, j]
-            e1 = qx[r + 1, j + 1]
-            e2 = qx[r + 1, j + 2]
-            e3 = qx[r + 1, j + 3]
-            yl = xy[1, lane]
-            for o in range(w):
-                u0 = F32(I32(q0[o]))
-                u1 = F32(I32(q1[o]))
-                u2 = F32(I32(q2[o]))
-                u3 = F32(I32(q3[o]))
-                xl[o] = u0 * a0 + u1 * a1 + u2 * a2 + u3 * a3
-                yl[o] = u0 * e0 + u1 * e1 + u2 * e2 + u3 * e3
-        else:
-            for o in range(w):
-                xl[o] = (F32(I32(q0[o])) * a0 + F32(I32(q1[o])) * a1
-                         + F32(I32(q2[o])) * a2 + F32(I32(q3[o])) * a3)
+def _splat(builder, v, n):
+    vt = ir.VectorType(v.type, n)
+    x = builder.insert_element(ir.Constant(vt, ir.Undefined), v, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(x, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(_I32, n), [0] * n))
 
 
-@njit(cache=True, nogil=True, fastmath=_CONTRACT)
-def _byte_row(qw, dw, mw, qx, dx, sx, y, r, o0, o1, has_m):
-    """One row of `dot_byte` (has_m) or `dot_q8_0` over the outputs o0..o1-1, each weight row streamed once."""
-    _wide_vectors()
-    nb = qw.shape[0]
-    w = o1 - o0
-    acc = np.zeros((8, w), F32)
-    summ = np.zeros(w, F32)
-    dd = np.empty(w, F32)
-    for b in range(nb):
-        _prefetch_block(qw, dw, mw, has_m, b + _AHEAD, o0, o1)
-        _block_scales(sx, dx, mw, dw, has_m, summ, dd, r, b, o0, w)
-        qb = qw[b]
-        for lane in range(8):
-            j = 32 * b + 4 * lane
-            x0 = qx[r, j]
-            x1 = qx[r, j + 1]
-            x2 = qx[r, j + 2]
-            x3 = qx[r, j + 3]
-            q0 = qb[4 * lane, o0:o1]
-            q1 = qb[4 * lane + 1, o0:o1]
-            q2 = qb[4 * lane + 2, o0:o1]
-            q3 = qb[4 * lane + 3, o0:o1]
-            al = acc[lane]
-            for o in range(w):
-                xy = (F32(I32(q0[o])) * x0 + F32(I32(q1[o])) * x1
-                      + F32(I32(q2[o])) * x2 + F32(I32(q3[o])) * x3)
-                al[o] = _fma(xy, dd[o], al[o])
-    _finish(acc, summ, has_m, y, r, o0, w)
+def _evens_odds(builder, v):
+    n = v.type.count
+    und = ir.Constant(v.type, ir.Undefined)
+    return [builder.shuffle_vector(v, und, ir.Constant(ir.VectorType(_I32, n // 2), list(range(k, n, 2))))
+            for k in (0, 1)]
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _four(xr, j):
-    """xr[j..j+3] as four scalars."""
-    return xr[j], xr[j + 1], xr[j + 2], xr[j + 3]
+def _lane_sums(builder, w, a, signed_w, avx2):
+    """<8 x i32> sums of 4 consecutive products of weight bytes w and activation bytes a (<32 x i8> each)."""
+    if signed_w:                          # |w| x (a * sign(w)): ggml's sign trick; the products are w * a
+        a_signed = (_call(builder, "llvm.x86.avx2.psign.b", _V32B, [a, w]) if avx2 else
+                    builder.select(builder.icmp_signed("<", w, ir.Constant(_V32B, None)),
+                                   builder.sub(ir.Constant(_V32B, None), a), a))
+        w = _call(builder, "llvm.abs.v32i8", _V32B, [w, ir.Constant(ir.IntType(1), 0)])
+        a = a_signed
+    if avx2:
+        p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16W, [w, a])
+        return _call(builder, "llvm.x86.avx2.pmadd.wd", _V8D, [p, ir.Constant(_V16W, [1] * 16)])
+    ty16 = ir.VectorType(_I16, 16)
+    (we, wo), (ae, ao) = _evens_odds(builder, w), _evens_odds(builder, a)
+    p = builder.add(builder.mul(builder.zext(we, ty16), builder.sext(ae, ty16)),
+                    builder.mul(builder.zext(wo, ty16), builder.sext(ao, ty16)))     # exact: |p| <= 32512
+    pe, po = _evens_odds(builder, p)
+    return builder.add(builder.sext(pe, _V8D), builder.sext(po, _V8D))
 
 
-@njit(cache=True, nogil=True, inline="always", fastmath=_CONTRACT)
-def _quad_lane(q0, q1, q2, q3, nib, high, xr0, xr1, xr2, xr3, j, dd, a0, a1, a2, a3, w):
-    """One lane of one block for 4 rows at once, its fma step included: the 4 weight rows q0..q3 (outputs
-    0..w-1 of the tile) are decoded once (nib: the low or, `high`, the high nibbles) for the 4 rows' lane sums
-    with activations xr*[j..j+3], and a_i[o] = fma(xy_i, dd[i, o], a_i[o]) (dd = d_x * d_w of the block, made
-    once for its 8 lanes). Four accumulator rows written per loop: the vectorizer's alias checks stay few enough
-    for it to vectorize (eight did not)."""
-    x00, x01, x02, x03 = _four(xr0, j)                   # scalars before the loop (loop-invariant)
-    x10, x11, x12, x13 = _four(xr1, j)
-    x20, x21, x22, x23 = _four(xr2, j)
-    x30, x31, x32, x33 = _four(xr3, j)
-    for o in range(w):
-        if nib:
-            if high:
-                u0 = F32(I32(I32(q0[o]) >> I32(4)))
-                u1 = F32(I32(I32(q1[o]) >> I32(4)))
-                u2 = F32(I32(I32(q2[o]) >> I32(4)))
-                u3 = F32(I32(I32(q3[o]) >> I32(4)))
-            else:
-                u0 = F32(I32(I32(q0[o]) & I32(15)))
-                u1 = F32(I32(I32(q1[o]) & I32(15)))
-                u2 = F32(I32(I32(q2[o]) & I32(15)))
-                u3 = F32(I32(I32(q3[o]) & I32(15)))
-        else:
-            u0 = F32(I32(q0[o]))
-            u1 = F32(I32(q1[o]))
-            u2 = F32(I32(q2[o]))
-            u3 = F32(I32(q3[o]))
-        a0[o] = _fma(u0 * x00 + u1 * x01 + u2 * x02 + u3 * x03, dd[0, o], a0[o])
-        a1[o] = _fma(u0 * x10 + u1 * x11 + u2 * x12 + u3 * x13, dd[1, o], a1[o])
-        a2[o] = _fma(u0 * x20 + u1 * x21 + u2 * x22 + u3 * x23, dd[2, o], a2[o])
-        a3[o] = _fma(u0 * x30 + u1 * x31 + u2 * x32 + u3 * x33, dd[3, o], a3[o])
+def _group_dot_of(kind, has_m):
+    """The intrinsic computing 8 outputs (one group) of one row: see `_group_dot`."""
+    n_lane = 4 if kind == _NIB else 8
+
+    @intrinsic
+    def group_dot(typingctx, qw, qoff, dw, mw, doff, qx, xoff, dx, sx, boff, nb, y, yoff):
+        """y[yoff:yoff+8] (flat offsets, in elements) = the 8 outputs of the group whose blocks start at qw's byte
+        qoff and dw / mw's element doff, with activation quants qx from xoff and block values dx / sx from boff,
+        over nb blocks."""
+        sig = types.void(qw, qoff, dw, mw, doff, qx, xoff, dx, sx, boff, nb, y, yoff)
+
+        def codegen(context, builder, signature, args):
+            avx2 = _target_has_avx2(context)
+
+            def base(i):
+                a = context.make_array(signature.args[i])(context, builder, args[i])
+                return builder.ptrtoint(a.data, _I64)
+
+            def word(i):
+                v = args[i]
+                return v if v.type.width == 64 else builder.sext(v, _I64)
+
+            def k(n):
+                return ir.Constant(_I64, n)
+
+            qb, db, mb, xb, dxb, sxb, yb = (base(i) for i in (0, 2, 3, 5, 7, 8, 11))
+            qo, do, xo, bo, n, yo = (word(i) for i in (1, 4, 6, 9, 10, 12))
+            zero = ir.Constant(_V8F, None)
+            acc = [cgutils.alloca_once_value(builder, zero) for _ in range(8)]
+            summ = cgutils.alloca_once_value(builder, zero)
+            with cgutils.for_range(builder, n) as loop:
+                b = loop.index
+                bx = builder.mul(builder.add(bo, b), k(4))
+                bw = builder.mul(builder.add(do, builder.mul(b, k(8))), k(4))
+                dd = builder.fmul(_splat(builder, _load(builder, dxb, bx, ir.FloatType(), 4), 8),
+                                  _load(builder, db, bw, _V8F, 4))               # d_x * d_w: exact
+                if has_m:
+                    s = _splat(builder, _load(builder, sxb, bx, ir.FloatType(), 4), 8)
+                    builder.store(_call(builder, "llvm.fma.v8f32", _V8F,
+                                        [s, _load(builder, mb, bw, _V8F, 4), builder.load(summ)]), summ)
+                qblk = builder.add(qo, builder.mul(b, k(32 * n_lane)))
+                xblk = builder.add(xo, builder.mul(b, k(32)))
+                for lane in range(n_lane):
+                    v = _load(builder, qb, builder.add(qblk, k(32 * lane)), _V32B, 1)
+
+                    def act(e):
+                        word4 = _load(builder, xb, builder.add(xblk, k(e)), _I32, 1)
+                        return builder.bitcast(_splat(builder, word4, 8), _V32B)
+                    if kind == _NIB:
+                        steps = [(lane, builder.and_(v, ir.Constant(_V32B, [15] * 32)), act(4 * lane)),
+                                 (lane + 4, builder.lshr(v, ir.Constant(_V32B, [4] * 32)), act(16 + 4 * lane))]
+                    else:
+                        steps = [(lane, v, act(4 * lane))]
+                    for i, wv, av in steps:
+                        xy = builder.sitofp(_lane_sums(builder, wv, av, kind == _S8, avx2), _V8F)
+                        builder.store(_call(builder, "llvm.fma.v8f32", _V8F, [xy, dd, builder.load(acc[i])]), acc[i])
+            a = [builder.load(p) for p in acc]
+            h0 = builder.fadd(a[4], a[0])
+            h1 = builder.fadd(a[5], a[1])
+            h2 = builder.fadd(a[6], a[2])
+            h3 = builder.fadd(a[7], a[3])
+            out = builder.fadd(builder.fadd(h0, h2), builder.fadd(h1, h3))
+            if has_m:
+                out = builder.fadd(out, builder.load(summ))
+            st = builder.store(out, builder.inttoptr(builder.add(yb, builder.mul(yo, k(4))), _V8F.as_pointer()))
+            st.align = 4
+            return context.get_dummy_value()
+        return sig, codegen
+    return group_dot
 
 
-@njit(cache=True, nogil=True, inline="always", fastmath=_CONTRACT)
-def _quad_block(qb, dw, mw, qx, sx, dx, has_m, nib, r, b, t0, w, acc, summ, dd):
-    """Block b of rows r..r+3 over the outputs t0..t0+w-1: summs (has_m) and the 8 lanes' fma steps into
-    acc [4, 8, >= w] (`_quad_lane`); dd [4, >= w] scratch."""
-    db = dw[b, t0:t0 + w]
-    for i in range(4):
-        e = dx[r + i, b]
-        di = dd[i]
-        for o in range(w):
-            di[o] = e * db[o]
-    if has_m:
-        mb = mw[b, t0:t0 + w]
-        for i in range(4):
-            sv = sx[r + i, b]
-            si = summ[i]
-            for o in range(w):
-                si[o] = _fma(sv, mb[o], si[o])
-    xr0 = qx[r]
-    xr1 = qx[r + 1]
-    xr2 = qx[r + 2]
-    xr3 = qx[r + 3]
-    for lane in range(4 if nib else 8):
-        q0 = qb[4 * lane, t0:t0 + w]
-        q1 = qb[4 * lane + 1, t0:t0 + w]
-        q2 = qb[4 * lane + 2, t0:t0 + w]
-        q3 = qb[4 * lane + 3, t0:t0 + w]
-        j = 32 * b + 4 * lane
-        _quad_lane(q0, q1, q2, q3, nib, False, xr0, xr1, xr2, xr3, j, dd,
-                   acc[0, lane], acc[1, lane], acc[2, lane], acc[3, lane], w)
-        if nib:
-            _quad_lane(q0, q1, q2, q3, nib, True, xr0, xr1, xr2, xr3, j + 16, dd,
-                       acc[0, lane + 4], acc[1, lane + 4], acc[2, lane + 4], acc[3, lane + 4], w)
+_group_nib = _group_dot_of(_NIB, True)
+_group_u8 = _group_dot_of(_U8, True)
+_group_s8 = _group_dot_of(_S8, False)
 
 
-@njit(cache=True, nogil=True, fastmath=_CONTRACT)
-def _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, nib, has_m, tile):
-    """All rows of `dot_nib` / `dot_byte` / `dot_q8_0` over the outputs o0..o1-1: tiles of `tile` outputs (the
-    kernels pass _TILE), rows in fours (`_quad_block`: each weight decoded once for 4 rows, the fma steps in the
-    same loop), the last 1..3 rows in pairs (lane sums to a scratch, then the fma steps)."""
-    _wide_vectors()
-    nb = qw.shape[0]
-    m = qx.shape[0]
-    acc = np.empty((4, 8, tile), F32)
-    summ = np.empty((4, tile), F32)
-    dd = np.empty(tile, F32)
-    dd4 = np.empty((4, tile), F32)
-    xy = np.empty((2, 8, tile), F32)
-    m4 = m - m % 4
-    for t0 in range(o0, o1, tile):
-        w = min(o1, t0 + tile) - t0
-        for r in range(0, m4, 4):
-            acc[:, :, :w] = F32(0.0)
-            summ[:, :w] = F32(0.0)
-            for b in range(nb):
-                _quad_block(qw[b], dw, mw, qx, sx, dx, has_m, nib, r, b, t0, w, acc, summ, dd4)
-            for i in range(4):
-                _finish(acc[i], summ[i], has_m, y, r + i, t0, w)
-        for r in range(m4, m, 2):
-            g = min(2, m - r)
-            acc[:, :, :w] = F32(0.0)
-            summ[:, :w] = F32(0.0)
-            for b in range(nb):
-                if nib:
-                    _nib_lanes(qw[b], qx, r, g, b, t0, w, xy)
+@njit(cache=True, nogil=True)
+def _dot_packed(kind, qw, dw, mw, qx, dx, sx, y, o0, o1):
+    """y[:, o0:o1] for packed weights qw [G, nb, 8 bs] (`ggml.pack_blocks`), dw / mw [G, nb, 8]; qx [M, n_in] int8, dx /
+    sx [M, nb] (`quantize_q8`); o0 a multiple of 8. Rows pass in groups of _ROWS_PER_PASS over each group of
+    outputs."""
+    nb, blk = qw.shape[1], qw.shape[2]
+    m, n_in = qx.shape
+    n_out = y.shape[1]
+    if o0 % 8:
+        raise ValueError("output range not on a group of 8")
+    tail = np.empty((1, 8), F32)
+    for r0 in range(0, m, _ROWS_PER_PASS):
+        for g in range(o0 // 8, (o1 + 7) // 8):
+            full = 8 * g + 8 <= n_out
+            for r in range(r0, min(m, r0 + _ROWS_PER_PASS)):
+                yy = y if full else tail
+                yo = r * n_out + 8 * g if full else 0
+                if kind == _NIB:
+                    _group_nib(qw, g * nb * blk, dw, mw, g * nb * 8, qx, r * n_in, dx, sx, r * nb, nb, yy, yo)
+                elif kind == _U8:
+                    _group_u8(qw, g * nb * blk, dw, mw, g * nb * 8, qx, r * n_in, dx, sx, r * nb, nb, yy, yo)
                 else:
-                    _byte_lanes(qw[b], qx, r, g, b, t0, w, xy)
-                for i in range(g):
-                    _block_scales(sx, dx, mw, dw, has_m, summ[i], dd, r + i, b, t0, w)
-                    _fma_lanes(xy[i], dd, acc[i], w)
-            for i in range(g):
-                _finish(acc[i], summ[i], has_m, y, r + i, t0, w)
+                    _group_s8(qw, g * nb * blk, dw, mw, g * nb * 8, qx, r * n_in, dx, sx, r * nb, nb, yy, yo)
+                if not full:
+                    for o in range(8 * g, min(o1, n_out)):
+                        y[r, o] = tail[0, o - 8 * g]
 
 
 @njit(cache=True, nogil=True)
 def dot_nib(qw, dw, mw, qx, dx, sx, y, o0, o1):
-    """y[:, o0:o1] of ggml.dot_q8_1 for 4-bit weights (Q4_1): qw [nb, 16, n_out] uint8 (low nibble = element j
-    of the block, high nibble = element j + 16), dw, mw [nb, n_out] float32; qx [M, n_in], dx, sx [M, nb] from
-    `quantize_q8`. Lanes 0..3 of a block are the low nibbles of bytes 4l..4l+3, lanes 4..7 their high nibbles."""
-    if qx.shape[0] == 1:
-        q16 = np.empty(qx.shape, np.int16)               # integers -127..127 held as float32: exact
-        for i in range(qx.shape[1]):
-            q16[0, i] = I16(qx[0, i])
-        for t0 in range(o0, o1, _ROW_TILE):
-            _nib_row(qw, dw, mw, q16, dx, sx, y, 0, t0, min(o1, t0 + _ROW_TILE))
-    else:
-        _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, True, True, _TILE)
+    """y[:, o0:o1] of ggml.dot_q8_1 for Q4_1 weights in the packed layout (qw [G, nb, 128]: low nibble element j of
+    a block, high nibble element j + 16), dw, mw [G, nb, 8]; qx [M, n_in] int8, dx, sx [M, nb] from `quantize_q8`.
+    Lanes 0..3 of a block are the low nibbles of bytes 4l..4l+3, lanes 4..7 their high nibbles."""
+    _dot_packed(_NIB, qw, dw, mw, qx, dx, sx, y, o0, o1)
 
 
 @njit(cache=True, nogil=True)
 def dot_byte(qw, dw, mw, qx, dx, sx, y, o0, o1):
-    """`dot_nib` for weights with one quant per byte (Q5_1): qw [nb, 32, n_out] int8, lane l = rows 4l..4l+3."""
-    if qx.shape[0] == 1:
-        for t0 in range(o0, o1, _ROW_TILE):
-            _byte_row(qw, dw, mw, qx, dx, sx, y, 0, t0, min(o1, t0 + _ROW_TILE), True)
-    else:
-        _rows_tiled(qw, dw, mw, qx, dx, sx, y, o0, o1, False, True, _TILE)
+    """`dot_nib` for weights with one unsigned quant per byte (Q5_1): qw [G, nb, 256], lane l = bytes 4l..4l+3."""
+    _dot_packed(_U8, qw, dw, mw, qx, dx, sx, y, o0, o1)
 
 
 @njit(cache=True, nogil=True)
 def dot_q8_0(qw, dw, qx, dx, y, o0, o1):
     """y[:, o0:o1] of ggml.dot_q8_0 (ggml_vec_dot_q8_0_q8_0, and tinyBLAS_Q0_AVX: the same lane operations) for
-    Q8_0 weights qw [nb, 32, n_out] int8, dw [nb, n_out] float32, activations from `quantize_q8` (its s unused):
-    per block the 8 exact lane sums, acc_l = fma(xy, d_x * d_w, acc_l), y = hsum_float_8(acc); no minimums."""
-    if qx.shape[0] == 1:
-        for t0 in range(o0, o1, _ROW_TILE):
-            _byte_row(qw, dw, dw, qx, dx, dx, y, 0, t0, min(o1, t0 + _ROW_TILE), False)
-    else:
-        _rows_tiled(qw, dw, dw, qx, dx, dx, y, o0, o1, False, False, _TILE)
-
+    Q8_0 weights in the packed layout, qw [G, nb, 256] (int8 quants as bytes), dw [G, nb, 8]; activations from
+    `quantize_q8` (its s unused): per block the 8 exact lane sums, acc_l = fma(xy, d_x * d_w, acc_l),
+    y = hsum_float_8(acc); no minimums."""
+    _dot_packed(_S8, qw, dw, dw, qx, dx, dx, y, o0, o1)
 
 # --- norm, SwiGLU --------------------------------------------------------------------------------------------
 

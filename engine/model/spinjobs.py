@@ -26,9 +26,12 @@ ATTEND = 7                                      # ggml: one query row's attentio
 RANGE_NIB, RANGE_BYTE, RANGE_HALF = 4, 5, 6     # q: nibble, byte and 16-bit weights
 
 
-# job words of a block-quantized product (both families): 0 kind, 1-4 quants (address, nb, bs, n_out), 5 d, 6-7 m
+# job words of a ggml dot product (`post_dot`): 0 kind, 1-4 packed quants (address, G, nb, bytes per group block),
+# 5 d, 6 m (addresses), 7 n_out, 8-10 activation quants (address, M, n_in), 11-12 dx (address, blocks), 13 sx,
+# 14 output.
+# job words of a q product (`post_range`): 0 kind, 1-4 quants (address, nb, bs, n_out), 5 d, 6-7 m
 # (address, rows), 8-10 activations (address, M, n_in), 11-12 per-block activation values (address, blocks),
-# 13 has_m (q) or the second per-block array's address (ggml: sx), 14 output
+# 13 has_m, 14 output
 @njit(cache=True, nogil=True, inline="always")
 def _put_blocks(job, cuts, kind, q, d, m, x, xb, y, n_pieces, align):
     job[0] = kind
@@ -50,10 +53,25 @@ def _put_blocks(job, cuts, kind, q, d, m, x, xb, y, n_pieces, align):
 
 @njit(cache=True, nogil=True)
 def post_dot(job, cuts, kind, qw, dw, mw, qx, dx, sx, y, n_pieces, align):
-    """A ggml dot job (kind DOT_*): qw [nb, bs, n_out], dw/mw [nb or 0, n_out], qx [M, n_in], dx/sx [M, nb],
-    y [M, n_out]. Returns the number of pieces."""
+    """A ggml dot job (kind DOT_*): qw [G, nb, blk], dw/mw [G, nb, 8] in the packed layout (`ggml.pack_blocks`),
+    qx [M, n_in] int8, dx/sx [M, nb], y [M, n_out]. Returns the number of pieces (ranges of outputs, `align` a
+    multiple of 8)."""
+    job[0] = kind
+    job[1] = address(qw)
+    job[2] = qw.shape[0]
+    job[3] = qw.shape[1]
+    job[4] = qw.shape[2]
+    job[5] = address(dw)
+    job[6] = address(mw)
+    job[7] = y.shape[1]
+    job[8] = address(qx)
+    job[9] = qx.shape[0]
+    job[10] = qx.shape[1]
+    job[11] = address(dx)
+    job[12] = dx.shape[1]
     job[13] = address(sx)
-    return _put_blocks(job, cuts, kind, qw, dw, mw, qx, dx, y, n_pieces, align)
+    job[14] = address(y)
+    return set_cuts(cuts, y.shape[1], align, n_pieces)
 
 
 @njit(cache=True, nogil=True)
@@ -94,20 +112,21 @@ def run_ggml_piece(job, cuts, i):
         _run_attend(job, cuts, i)
         return
     o0, o1 = cuts[2 * i], cuts[2 * i + 1]
-    nb, bs, n_out, m, n_in, nbx = job[2], job[3], job[4], job[9], job[10], job[12]
-    dw = f32_at(job[5], (nb, n_out))
-    mw = f32_at(job[6], (job[7], n_out))
-    qx = f32_at(job[8], (m, n_in))
+    g, nb, blk, n_out, m, n_in, nbx = job[2], job[3], job[4], job[7], job[9], job[10], job[12]
+    qw = u8_at(job[1], (g, nb, blk))
+    dw = f32_at(job[5], (g, nb, 8))
+    mw = f32_at(job[6], (g, nb, 8))
+    qx = i8_at(job[8], (m, n_in))
     dx = f32_at(job[11], (m, nbx))
     sx = f32_at(job[13], (m, nbx))
     y = f32_at(job[14], (m, n_out))
     kind = job[0]
     if kind == DOT_NIB:
-        gkernels.dot_nib(u8_at(job[1], (nb, bs, n_out)), dw, mw, qx, dx, sx, y, o0, o1)
+        gkernels.dot_nib(qw, dw, mw, qx, dx, sx, y, o0, o1)
     elif kind == DOT_BYTE:
-        gkernels.dot_byte(i8_at(job[1], (nb, bs, n_out)), dw, mw, qx, dx, sx, y, o0, o1)
+        gkernels.dot_byte(qw, dw, mw, qx, dx, sx, y, o0, o1)
     else:
-        gkernels.dot_q8_0(i8_at(job[1], (nb, bs, n_out)), dw, qx, dx, y, o0, o1)
+        gkernels.dot_q8_0(qw, dw, qx, dx, y, o0, o1)
 
 
 @njit(cache=True, nogil=True)

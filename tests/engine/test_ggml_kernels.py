@@ -68,25 +68,25 @@ def test_fma_matches_numpy():
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 7])
 def test_dot_kernels_round_each_fma_once(nib, m):
     """A lane chain built to end on a float32 tie: block 0 leaves acc = 1, block 1 adds xy * d_x * d_w =
-    6605 * (162565 * 2^-30) * 2^-24 = 2^-24 + 2^-54, just past the midpoint of 1 and 1 + 2^-23. One rounding
-    (ggml's fmadd) gives 1 + 2^-23; the float64 sum rounded again to float32 would give 1 (ties to even).
-    Every output, on the one-row and the tiled kernels (300 outputs: a tile and a tail; rows in fours, pairs and
-    one alone)."""
+    6605 * (162565 * 2^-30) * 2^-24 = 2^-24 + 2^-54, just past the midpoint of 1 and 1 + 2^-23 (lane 0 of block 1:
+    weights 15, 15, 15, 10 and activation quants 127, 127, 127, 89). One rounding (ggml's fmadd) gives 1 + 2^-23;
+    the float64 sum rounded again to float32 would give 1 (ties to even). Every output (300: 37 groups of 8 and a
+    tail of 4), every row."""
     n_out, nb_ = 300, 2
-    qw = np.zeros((nb_, 16 if nib else 32, n_out), np.uint8 if nib else np.int8)
-    qw[0, 0] = 1                                              # element 0 of blocks 0 and 1 (lane 0)
-    qw[1, 0] = 1
+    qw = np.zeros((nb_, 16 if nib else 32, n_out), np.uint8)
+    qw[0, 0] = 1                                              # element 0 of block 0 (lane 0)
+    qw[1, :4] = np.array([15, 15, 15, 10], np.uint8)[:, None]  # elements 0..3 of block 1 (lane 0)
     dw = np.ones((nb_, n_out), np.float32)
     dw[1] = 2.0 ** -24
     mw = np.zeros((nb_, n_out), np.float32)
-    qx = np.zeros((m, 32 * nb_), np.float32)
-    qx[:, 0] = 1.0
-    qx[:, 32] = 6605.0
+    qx = np.zeros((m, 32 * nb_), np.int8)
+    qx[:, 0] = 1
+    qx[:, 32:36] = [127, 127, 127, 89]
     dx = np.ones((m, nb_), np.float32)
     dx[:, 1] = 162565 * 2.0 ** -30
     sx = np.zeros((m, nb_), np.float32)
     y = np.full((m, n_out), np.nan, np.float32)
-    (K.dot_nib if nib else K.dot_byte)(qw, dw, mw, qx, dx, sx, y, 0, n_out)
+    (K.dot_nib if nib else K.dot_byte)(*G.pack_blocks(qw, dw, mw), qx, dx, sx, y, 0, n_out)
     assert np.all(y == np.float32(1 + 2 ** -23)), np.unique(y)
 
 
@@ -122,7 +122,8 @@ def test_q8_quantizer_matches_numpy(m, n):
     xq_ref, s_ref = G.quantize_q8_1(x)
     assert np.array_equal(qx, q.reshape(m, n))
     assert np.array_equal(d16, d16_ref) and np.array_equal(s, s_ref)
-    vals = np.empty_like(qx)
+    assert qx.dtype == np.int8
+    vals = np.empty(qx.shape, np.float32)
     K.q8_values(qx, d16, vals)
     assert np.array_equal(vals, xq_ref) and np.array_equal(vals, G.quantize_q8_0(x))
 
@@ -162,10 +163,10 @@ def test_exact_dot_matches_numpy(type_name, m, n_in, n_out):
 
 @pytest.mark.parametrize("m", [1, 2, 5])
 def test_q4_1_lane_sums_at_their_extremes(m):
-    """The one-row Q4_1 kernel sums its lanes in 16-bit integers: every nibble 15 and every activation quant
-    +127 or -127 (a row of +-1: amax 1, q = +-127) gives lane sums of +-7620, the largest there are; signs
-    alternate per block so that both extremes occur. `dot_nib` gives `dot_q8_1`'s bits (an int16 overflow at
-    32767 would not; neither would a sum truncated to 8 bits)."""
+    """pmaddubsw saturates its pair sums at int16: every nibble 15 and every activation quant +127 or -127 (a row
+    of +-1: amax 1, q = +-127) gives pair sums of +-3810 and lane sums of +-7620, the largest there are; signs
+    alternate per block so that both extremes occur. `dot_nib` gives `dot_q8_1`'s bits (neither a saturated sum
+    nor one truncated to 8 bits would)."""
     lin = _qlinear(["Q4_1"], [70], 96)
     [part] = lin.parts
     part.w.q[:] = 255
@@ -180,22 +181,54 @@ def test_q4_1_lane_sums_at_their_extremes(m):
     assert np.all(np.isfinite(want)) and np.array_equal(got, want)
 
 
+@pytest.mark.parametrize("m", [1, 3])
+def test_q8_0_sign_trick_at_its_extremes(m):
+    """Q8_0 weights are signed: the kernel multiplies |w| by the activation with w's sign (ggml's sign trick).
+    Weights -128, 127, 0 and -1 against activation quants +-127 give pair sums up to 2 x 128 x 127 = 32512 in
+    magnitude, just under pmaddubsw's saturation, and products with a zero weight; the bits are `dot_q8_1`'s."""
+    lin = _qlinear(["Q8_0"], [70], 96)
+    [part] = lin.parts
+    q = part.w.q
+    q[:] = np.array([-128, 127, 0, -1], np.int8)[np.arange(q.shape[1]) % 4][None, :, None]
+    q[1] = -128
+    x = np.ones((m, 96), np.float32)
+    x[:, 1::4] = -1.0
+    x[:, 32:64] *= -1.0
+    want = G.dot_q8_1(part, x)
+    got = G.GgmlMatmul(1, compiled=True)(lin, x)
+    assert np.all(np.isfinite(want)) and np.array_equal(got, want)
+
+
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q5_1", "Q8_0"])
-@pytest.mark.parametrize("m", [4, 7])
-def test_row_tiles_of_any_width_give_the_numpy_product(type_name, m):
-    """The multi-row kernel over output tiles narrower than, equal to and wider than the range (1100 outputs:
-    one full tile of _TILE and a remainder): every tile width gives `dot_q8_1`'s bits."""
+@pytest.mark.parametrize("m", [1, 4, 33, 70])
+def test_output_ranges_and_row_passes_give_the_numpy_product(type_name, m):
+    """The kernels over output ranges (on groups of 8: the last one ends in a tail of 4 of 1100 outputs) and over
+    more rows than one pass holds (_ROWS_PER_PASS): every range gives its columns of `dot_q8_1`'s bits and writes
+    nothing outside them; a range that does not start on a group is refused."""
     lin = _qlinear([type_name], [1100], 96)
     [part] = lin.parts
     x = _activations(m, 96)
     want = G.dot_q8_1(part, x)
     qx, d16, s = G.quantize_q8_compiled(x)
-    w = part.w
-    for tile in (16, 100, K._TILE, 2048):
-        y = np.full((m, part.n_out), np.nan, np.float32)
-        K._rows_tiled(w.q, w.d, w.m if w.has_m else w.d, qx, d16, s if w.has_m else d16, y, 0, part.n_out,
-                      w.nib, w.has_m, tile)
-        assert np.array_equal(y, want), tile
+    q, d, mw = part.packed
+    assert q.shape == (138, 3, 128 if part.w.nib else 256) and d.shape == mw.shape == (138, 3, 8)
+
+    def run(y, o0, o1):
+        if not part.w.has_m:
+            K.dot_q8_0(q, d, qx, d16, y, o0, o1)
+        else:
+            (K.dot_nib if part.w.nib else K.dot_byte)(q, d, mw, qx, d16, s, y, o0, o1)
+    y = np.full((m, part.n_out), np.nan, np.float32)
+    for o0, o1 in ((64, 1096), (0, 64), (1096, 1100)):
+        before = y.copy()
+        run(y, o0, o1)
+        assert np.array_equal(y[:, o0:o1], want[:, o0:o1]), (o0, o1)
+        outside = np.ones(part.n_out, bool)
+        outside[o0:o1] = False
+        assert np.array_equal(y[:, outside], before[:, outside], equal_nan=True)
+    assert np.array_equal(y, want)
+    with pytest.raises(ValueError, match="group of 8"):
+        run(y, 4, 64)
 
 
 def _compiled_and_numpy(lin: G.QLinear, x: np.ndarray, n_threads: int) -> tuple[np.ndarray, np.ndarray]:
@@ -394,19 +427,73 @@ def test_q8_0_head_matches_numpy(n_threads, m, n_in, n_out):
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 7])
 def test_q8_0_kernel_rounds_each_fma_once(m):
     """The lane chain of `test_dot_kernels_round_each_fma_once` on `dot_q8_0`: 1 + 2^-24 + 2^-54 rounds once to
-    1 + 2^-23 (300 outputs: a tile and a tail; one row and the tiled rows)."""
+    1 + 2^-23 (300 outputs: groups and a tail; every row). Lane 0 of block 1: weights 127, -1 against
+    activation quants 52, -1, so xy = 6604 + 1 = 6605 through both signs."""
     n_out, nb_ = 300, 2
     qw = np.zeros((nb_, 32, n_out), np.int8)
     qw[0, 0] = 1
-    qw[1, 0] = 1
+    qw[1, :2] = np.array([127, -1], np.int8)[:, None]
     dw = np.ones((nb_, n_out), np.float32)
     dw[1] = 2.0 ** -24
-    qx = np.zeros((m, 32 * nb_), np.float32)
-    qx[:, 0] = 1.0
-    qx[:, 32] = 6605.0
+    qx = np.zeros((m, 32 * nb_), np.int8)
+    qx[:, 0] = 1
+    qx[:, 32:34] = [52, -1]
     dx = np.ones((m, nb_), np.float32)
     dx[:, 1] = 162565 * 2.0 ** -30
     y = np.full((m, n_out), np.nan, np.float32)
-    K.dot_q8_0(qw, dw, qx, dx, y, 0, n_out)
+    K.dot_q8_0(*G.pack_blocks(qw, dw, None)[:2], qx, dx, y, 0, n_out)
     assert np.all(y == np.float32(1 + 2 ** -23)), np.unique(y)
 
+
+
+# --- the vector code without AVX2 --------------------------------------------------------------------------------
+
+_GENERIC_CHECK = """
+import re, sys
+import numpy as np
+from gguf import GGMLQuantizationType, quants
+from engine.model import ggml as G, gkernels as K
+rng = np.random.default_rng(3)
+for name, n_in, n_out, m in (("Q4_1", 96, 70, 1), ("Q5_1", 64, 37, 5), ("Q8_0", 96, 20, 3)):
+    qt = GGMLQuantizationType[name]
+    w = rng.normal(0, 0.05, (n_out, n_in)).astype(np.float32)
+    lin = G.qlinear([(None, qt, G.exact_part(quants.quantize(w, qt), qt, w.shape))])
+    x = rng.normal(0, 1, (m, n_in)).astype(np.float32)
+    got = G.GgmlMatmul(1, compiled=True)(lin, x)
+    assert np.array_equal(got, G.dot_q8_1(lin.parts[0], x)), name
+asm = "".join(K._dot_packed.inspect_asm(s) for s in K._dot_packed.signatures)
+print("pmaddubsw" in asm, "ymm" in asm)
+"""
+
+
+def _asm_flags(env: dict) -> tuple[bool, bool]:
+    import os
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _GENERIC_CHECK], env={**os.environ, **env}, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    a, b = out.stdout.split()
+    return a == "True", b == "True"
+
+
+def test_dot_kernels_without_avx2_give_the_same_bits(tmp_path):
+    """Compiled for baseline x86-64 (SSE2: NUMBA_CPU_NAME=x86-64, no features; numba keys its cache by them, and
+    a private cache directory keeps it apart anyway), the kernels take the plain widening multiplies instead of
+    pmaddubsw / pmaddwd and give `dot_q8_1`'s bits for Q4_1, Q5_1 and Q8_0; the code has no AVX register."""
+    pmadd, ymm = _asm_flags({"NUMBA_CPU_NAME": "x86-64", "NUMBA_CPU_FEATURES": "",
+                             "NUMBA_CACHE_DIR": str(tmp_path)})
+    assert not pmadd and not ymm
+
+
+def _host_has_avx2() -> bool:
+    from llvmlite import binding
+    return binding.get_host_cpu_features().get("avx2", False)
+
+
+@pytest.mark.skipif(not _host_has_avx2(), reason="this CPU has no AVX2")
+def test_dot_kernels_use_pmaddubsw_where_the_target_has_avx2(tmp_path):
+    """Compiled for an AVX2 target (NUMBA_CPU_NAME=haswell, its features), the kernels use pmaddubsw."""
+    pmadd, ymm = _asm_flags({"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": "+avx2,+fma,+avx,+sse4.2,+ssse3",
+                             "NUMBA_CACHE_DIR": str(tmp_path)})
+    assert pmadd and ymm
