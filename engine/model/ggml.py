@@ -352,18 +352,54 @@ def pack_blocks(q: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> tuple[np.
     return qp, dp, (dp if m is None else scales(m.astype(np.float32, copy=False)))
 
 
+def unpack_blocks(qp: np.ndarray, dp: np.ndarray, mp: np.ndarray | None, n_out: int, nib: bool,
+                  has_m: bool) -> QPart:
+    """`pack_blocks` undone: the `quant.QPart` (transposed layout; Q5_1 / Q8_0 quants int8) of packed arrays.
+    mp None or has_m False: m is [0, n_out] (no minimums)."""
+    g, nb, blk = qp.shape
+    bs = blk // 8
+    q = qp.reshape(g, nb, bs // 4, 8, 4).transpose(1, 2, 4, 0, 3).reshape(nb, bs, 8 * g)[:, :, :n_out]
+    q = np.ascontiguousarray(q if nib else q.view(np.int8))
+
+    def scales(s):
+        return np.ascontiguousarray(s.transpose(1, 0, 2).reshape(nb, 8 * g)[:, :n_out])
+    m = scales(mp) if has_m else np.zeros((0, n_out), np.float32)
+    return QPart(nib=nib, q=q, d=scales(dp), m=m, has_m=has_m)
+
+
 @dataclass(frozen=True)
 class Q8_1DotPart:
     """Output columns of Q4_1/Q5_1 weights, computed as ggml_vec_dot_q4_1_q8_1 (x86) does.
 
-    The weights stay in `quant.QPart`'s transposed block layout (integer quants, 4-bit ones two per byte, and
-    float32 d, m per block of 32: W = d*q + m, exactly GGUF's values). The compiled kernels read `packed`, the
-    same bytes in groups of 8 outputs; the numpy reference (`dot_q8_1`) reads `qw`, the same quants as float32
-    grouped by lane. Both are made on first use."""
+    The weights are held once, in the compiled kernels' packed layout (`pack_blocks`: GGUF's integer quants,
+    4-bit ones two per byte, and float32 d, m per block of 32, W = d*q + m exactly, in groups of 8 outputs).
+    The numpy reference (`dot_q8_1`) reads `w` (`quant.QPart`'s transposed layout) and `qw` (the quants as
+    float32 grouped by lane), both made from the packed arrays on first use. Build with `of`."""
 
-    w: QPart           # q [nb, 16 or 32, n_out], d, m [nb, n_out]
+    q: np.ndarray      # [G, nb, 8 bs] uint8 (packed)
+    pd: np.ndarray     # [G, nb, 8] float32
+    pm: np.ndarray     # [G, nb, 8] float32 (pd again without minimums)
     n_out: int
+    nib: bool
+    has_m: bool
     act: str = "q8_1"
+
+    @classmethod
+    def of(cls, w: QPart) -> Q8_1DotPart:
+        """The part of `w`'s columns (Q8_0DotPart when w has no minimums)."""
+        kind = cls if w.has_m else Q8_0DotPart
+        q, d, m = pack_blocks(w.q, w.d, w.m if w.has_m else None)
+        return kind(q=q, pd=d, pm=m, n_out=w.n_out, nib=w.nib, has_m=w.has_m)
+
+    @property
+    def packed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(q, d, m or d) in the packed layout, as the compiled kernels take them."""
+        return self.q, self.pd, self.pm
+
+    @functools.cached_property
+    def w(self) -> QPart:
+        """The weights in `quant.QPart`'s transposed layout (the numpy reference's), made on first use."""
+        return unpack_blocks(self.q, self.pd, self.pm, self.n_out, self.nib, self.has_m)
 
     @property
     def d(self) -> np.ndarray:
@@ -376,21 +412,18 @@ class Q8_1DotPart:
         return self.w.m
 
     @functools.cached_property
-    def packed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(q, d, m or d) in the compiled kernels' packed layout (`pack_blocks`), made on first use."""
-        return pack_blocks(self.w.q, self.w.d, self.w.m if self.w.has_m else None)
-
-    @functools.cached_property
     def qw(self) -> np.ndarray:
         """[n_in/4, 4, n_out] float32 integer quants grouped by 4-element lane (the numpy reference's layout)."""
         q = self.w.q
-        if self.w.nib:
+        if self.nib:
             q = np.concatenate([q & 15, q >> 4], axis=1)                       # [nb, 32, n_out]: elements j, j + 16
         return np.ascontiguousarray(q.astype(np.float32).reshape(-1, 4, self.n_out))
 
     @property
     def nbytes(self) -> tuple[int, int]:
-        return self.w.nbytes, self.w.nbytes
+        """(bytes a product streams, bytes held)."""
+        held = self.q.nbytes + self.pd.nbytes + (self.pm.nbytes if self.has_m else 0)
+        return held, held
 
 
 @dataclass(frozen=True)
@@ -398,7 +431,7 @@ class Q8_0DotPart(Q8_1DotPart):
     """Output columns of Q8_0 weights (the output head), computed as ggml_vec_dot_q8_0_q8_0 (x86) does: the
     activations quantized to Q8_0, per block 8 lanes of exact 4-element integer dot products, each lane
     accumulated over the blocks with fma(d_w*d_x, lane, acc) in float32, hsum_float_8; no minimums term
-    (`w.has_m` False). llama.cpp's CPU backend sends this product to llamafile's tinyBLAS_Q0_AVX when the
+    (`has_m` False). llama.cpp's CPU backend sends this product to llamafile's tinyBLAS_Q0_AVX when the
     activations are contiguous (`ggml_compute_forward_mul_mat` -> `llamafile_sgemm`), whose per-output
     operations are the same: `madd(set1(unhalf(A.d) * unhalf(B.d)), updot(...), Cv)` and `hsum`; Q8_0 is not
     repacked on x86 (`ggml_repack_get_optimal_repack_type` repacks Q8_0 for ARM only)."""
@@ -459,7 +492,7 @@ def qlinear(pieces: list[tuple[np.ndarray | None, GGMLQuantizationType, Any]]) -
     for kind, items in groups:
         if kind.startswith("exact"):
             qp = concat_parts(items)
-            parts.append((Q8_1DotPart if qp.has_m else Q8_0DotPart)(w=qp, n_out=qp.n_out))
+            parts.append(Q8_1DotPart.of(qp))
         else:
             w = np.concatenate(items) if len(items) > 1 else items[0]
             parts.append(BlasPart(act=kind, lin=Linear.from_weight(w), n_out=w.shape[0]))
@@ -479,7 +512,7 @@ def dot_q8_1(part: Q8_1DotPart, x: np.ndarray) -> np.ndarray:
     s = (d * q.sum(axis=-1)).astype(np.float16).astype(np.float32)      # [M, nb]
     rows, nb = d.shape
     n_out = part.n_out
-    has_m = part.w.has_m
+    has_m = part.has_m
     qg = np.ascontiguousarray(q.reshape(rows, nb * 8, 4).transpose(1, 0, 2))   # [nb*8, M, 4]
     summs = np.zeros((rows, n_out), np.float32)                          # m_w * s_x chain, all outputs
     for b in range(nb if has_m else 0):
@@ -548,19 +581,18 @@ class GgmlMatmul(Matmul):
         qx, d16, s = quantize_q8_compiled(x)
         m, n_in = qx.shape
         y = np.empty((m, p.n_out), np.float32)
-        w = p.w
         q, d, mw = p.packed
         split = self._pool is not None and m * n_in * p.n_out >= _SPLIT_MIN_MACS
         if split and self._spin is not None:
             from engine.model import spinjobs as sj
-            kind = sj.DOT_Q8_0 if not w.has_m else sj.DOT_NIB if w.nib else sj.DOT_BYTE
+            kind = sj.DOT_Q8_0 if not p.has_m else sj.DOT_NIB if p.nib else sj.DOT_BYTE
             if self._spin.try_run(lambda job, cuts, n: sj.post_dot(job, cuts, kind, q, d, mw, qx, d16, s, y,
                                                                    n, 64), self.n_threads * _SPIN_PIECES_PER_THREAD):
                 return y
-        if not w.has_m:
+        if not p.has_m:
             self._run(lambda a, b: k.dot_q8_0(q, d, qx, d16, y, a, b), p.n_out, 64, split)
             return y
-        fn = k.dot_nib if w.nib else k.dot_byte
+        fn = k.dot_nib if p.nib else k.dot_byte
         self._run(lambda a, b: fn(q, d, mw, qx, d16, s, y, a, b), p.n_out, 64, split)
         return y
 
@@ -595,8 +627,7 @@ def _exact_part(lin: Any) -> tuple[int, np.ndarray, np.ndarray, np.ndarray] | No
     if not isinstance(lin, QLinear) or len(lin.parts) != 1 or isinstance(lin.parts[0], BlasPart):
         return None
     p = lin.parts[0]
-    w = p.w
-    kind = sj.DOT_Q8_0 if not w.has_m else sj.DOT_NIB if w.nib else sj.DOT_BYTE
+    kind = sj.DOT_Q8_0 if not p.has_m else sj.DOT_NIB if p.nib else sj.DOT_BYTE
     return (kind, *p.packed)
 
 

@@ -136,7 +136,7 @@ def test_block_params_reproduce_the_dequantized_weight(type_name):
     # the layout the exact kernels read holds the same quants, scales and minimums
     lin = G.qlinear([(None, qtype, G.exact_part(data, qtype, w.shape))])
     [part] = lin.parts
-    assert isinstance(part, G.Q8_1DotPart) and part.w.nib == (type_name == "Q4_1")
+    assert isinstance(part, G.Q8_1DotPart) and part.nib == (type_name == "Q4_1")
     np.testing.assert_array_equal(part.qw, np.ascontiguousarray(q.T.reshape(96 // 4, 4, 48)))
     np.testing.assert_array_equal(part.d, d.T)
     np.testing.assert_array_equal(part.m, m.T)

@@ -135,15 +135,19 @@ def test_q8_quantizer_rejects_a_row_length_that_is_not_a_multiple_of_32():
 
 # --- the exact Q4_1 / Q5_1 product and GgmlMatmul -------------------------------------------------------------------
 
-def _qlinear(type_names: list[str], n_out: list[int], n_in: int) -> G.QLinear:
-    """Random weights quantized with gguf-py, fused along the outputs (exact pieces for Q4_1/Q5_1/Q8_0)."""
+def _qlinear(type_names: list[str], n_out: list[int], n_in: int, edit=None) -> G.QLinear:
+    """Random weights quantized with gguf-py, fused along the outputs (exact pieces for Q4_1/Q5_1/Q8_0; `edit`
+    may change an exact piece's `quant.QPart` quants in place before the part is built)."""
     pieces = []
     for name, n in zip(type_names, n_out):
         qtype = GGMLQuantizationType[name]
         w = RNG.normal(0, 0.05, (n, n_in)).astype(np.float32)
         data = gguf_quants.quantize(w, qtype)
         if qtype in G.EXACT_DOT_TYPES | G.EXACT_Q8_0_TYPES:
-            pieces.append((None, qtype, G.exact_part(data, qtype, w.shape)))
+            qp = G.exact_part(data, qtype, w.shape)
+            if edit is not None:
+                edit(qp.q)
+            pieces.append((None, qtype, qp))
         else:
             pieces.append((gguf_quants.dequantize(data, qtype).astype(np.float32), qtype, None))
     return G.qlinear(pieces)
@@ -167,9 +171,11 @@ def test_q4_1_lane_sums_at_their_extremes(m):
     of +-1: amax 1, q = +-127) gives pair sums of +-3810 and lane sums of +-7620, the largest there are; signs
     alternate per block so that both extremes occur. `dot_nib` gives `dot_q8_1`'s bits (neither a saturated sum
     nor one truncated to 8 bits would)."""
-    lin = _qlinear(["Q4_1"], [70], 96)
+    def all_ones(q):
+        q[:] = 255
+    lin = _qlinear(["Q4_1"], [70], 96, edit=all_ones)
     [part] = lin.parts
-    part.w.q[:] = 255
+    assert np.all(part.w.q == 255)
     x = np.ones((m, 96), np.float32)
     x[:, 32:64] = -1.0
     if m > 1:
@@ -186,11 +192,12 @@ def test_q8_0_sign_trick_at_its_extremes(m):
     """Q8_0 weights are signed: the kernel multiplies |w| by the activation with w's sign (ggml's sign trick).
     Weights -128, 127, 0 and -1 against activation quants +-127 give pair sums up to 2 x 128 x 127 = 32512 in
     magnitude, just under pmaddubsw's saturation, and products with a zero weight; the bits are `dot_q8_1`'s."""
-    lin = _qlinear(["Q8_0"], [70], 96)
+    def extremes(q):
+        q[:] = np.array([-128, 127, 0, -1], np.int8)[np.arange(q.shape[1]) % 4][None, :, None]
+        q[1] = -128
+    lin = _qlinear(["Q8_0"], [70], 96, edit=extremes)
     [part] = lin.parts
-    q = part.w.q
-    q[:] = np.array([-128, 127, 0, -1], np.int8)[np.arange(q.shape[1]) % 4][None, :, None]
-    q[1] = -128
+    assert part.w.q.min() == -128
     x = np.ones((m, 96), np.float32)
     x[:, 1::4] = -1.0
     x[:, 32:64] *= -1.0
@@ -211,13 +218,13 @@ def test_output_ranges_and_row_passes_give_the_numpy_product(type_name, m):
     want = G.dot_q8_1(part, x)
     qx, d16, s = G.quantize_q8_compiled(x)
     q, d, mw = part.packed
-    assert q.shape == (138, 3, 128 if part.w.nib else 256) and d.shape == mw.shape == (138, 3, 8)
+    assert q.shape == (138, 3, 128 if part.nib else 256) and d.shape == mw.shape == (138, 3, 8)
 
     def run(y, o0, o1):
-        if not part.w.has_m:
+        if not part.has_m:
             K.dot_q8_0(q, d, qx, d16, y, o0, o1)
         else:
-            (K.dot_nib if part.w.nib else K.dot_byte)(q, d, mw, qx, d16, s, y, o0, o1)
+            (K.dot_nib if part.nib else K.dot_byte)(q, d, mw, qx, d16, s, y, o0, o1)
     y = np.full((m, part.n_out), np.nan, np.float32)
     for o0, o1 in ((64, 1096), (0, 64), (1096, 1100)):
         before = y.copy()
@@ -411,7 +418,7 @@ def test_q8_0_head_matches_numpy(n_threads, m, n_in, n_out):
     float32 rounding of the lane chains (a check that it is the right product, not only the same one)."""
     head = _q8_0_head(n_out, n_in)
     [part] = head.parts
-    assert isinstance(part, G.Q8_0DotPart) and not part.w.has_m and part.act == "q8_0"
+    assert isinstance(part, G.Q8_0DotPart) and not part.has_m and part.act == "q8_0"
     x = _activations(m, n_in)
     got, want = _compiled_and_numpy(head, x, n_threads)
     assert got.shape == (m, n_out) and got.dtype == np.float32 and np.array_equal(got, want)
@@ -497,3 +504,21 @@ def test_dot_kernels_use_pmaddubsw_where_the_target_has_avx2(tmp_path):
     pmadd, ymm = _asm_flags({"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": "+avx2,+fma,+avx,+sse4.2,+ssse3",
                              "NUMBA_CACHE_DIR": str(tmp_path)})
     assert pmadd and ymm
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize("n_out", [1, 8, 70])
+def test_packed_parts_hold_the_quants_once_and_unpack_to_them(type_name, n_out):
+    """A part holds its weights once, packed; its `w` (the reference's layout, made on first use) is the
+    `quant.QPart` it was built from, bit for bit (q, d, and m where there are minimums)."""
+    qtype = GGMLQuantizationType[type_name]
+    w = RNG.normal(0, 0.05, (n_out, 64)).astype(np.float32)
+    qp = G.exact_part(gguf_quants.quantize(w, qtype), qtype, w.shape)
+    part = G.Q8_1DotPart.of(qp)
+    assert "w" not in part.__dict__                     # not made until the reference asks for it
+    assert part.nbytes[1] == part.q.nbytes + part.pd.nbytes + (part.pm.nbytes if qp.has_m else 0)
+    u = part.w
+    assert u.q.dtype == qp.q.dtype and np.array_equal(u.q, qp.q) and np.array_equal(u.d, qp.d)
+    assert u.has_m == qp.has_m and u.nib == qp.nib
+    if qp.has_m:
+        assert np.array_equal(u.m.view(np.uint32), qp.m.view(np.uint32))
