@@ -504,6 +504,13 @@ def f16_round_array(x, out):
 
 
 # --- attention (ggml.attend with an f16 KV store) -------------------------------------------------------------
+#
+# `_scores` and `_weighted` alone are compiled with fastmath={"contract"}: LLVM may fuse their multiply-adds into
+# fmas. Every product there is exact (fp16 values times fp16 values: 22 significant bits, in float32's 24; no
+# underflow below 2^-48 nor overflow), and fma(a, b, c) = round(a*b + c) = round(round(a*b) + c) when a*b is
+# exact, so the bits cannot change. The softmax (expf's polynomial) gets no such flag.
+
+_CONTRACT = {"contract"}
 
 @njit(cache=True, nogil=True, inline="always")
 def _reduce16_col(a, j):
@@ -523,18 +530,43 @@ def _reduce16_col(a, j):
     return (c0 + c2) + (c1 + c3)
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _fold64_col(a, j, x):
-    """x[l, j] = (a[l] + a[32 + l]) + (a[16 + l] + a[48 + l]) at column j: ggml_vec_dot_f16's 4 x 16 lanes."""
-    for lane in range(16):
-        x[lane, j] = (a[lane, j] + a[32 + lane, j]) + (a[16 + lane, j] + a[48 + lane, j])
+@njit(cache=True, nogil=True, fastmath=_CONTRACT)
+def _scores_hd64(qi, kt, n_keys, one, s, lanes):
+    """`_scores` for head_dim 64, each of 16 lanes (one: ggml_vec_dot_f16's 64 lanes folded to 16; else
+    tinyBLAS's 16) made in one pass over its 4 rows of K, then the 16-lane reduction; both loops over keys
+    vectorize. The same sums as the general loops, which read and write each lane 4 times."""
+    for j0 in range(0, n_keys, _KEYS):
+        jw = min(_KEYS, n_keys - j0)
+        for lane in range(16):
+            ll = lanes[lane]
+            k0 = kt[lane, j0:j0 + jw]
+            k1 = kt[16 + lane, j0:j0 + jw]
+            k2 = kt[32 + lane, j0:j0 + jw]
+            k3 = kt[48 + lane, j0:j0 + jw]
+            q0 = qi[lane]
+            q1 = qi[16 + lane]
+            q2 = qi[32 + lane]
+            q3 = qi[48 + lane]
+            if one:                          # (a[l] + a[32 + l]) + (a[16 + l] + a[48 + l]), a[i] = q[i] k[i]
+                for j in range(jw):
+                    ll[j] = (q0 * k0[j] + q2 * k2[j]) + (q1 * k1[j] + q3 * k3[j])
+            else:                            # a[l] + a[16 + l] + a[32 + l] + a[48 + l], in order
+                for j in range(jw):
+                    ll[j] = ((q0 * k0[j] + q1 * k1[j]) + q2 * k2[j]) + q3 * k3[j]
+        for j in range(jw):
+            s[j0 + j] = _reduce16_col(lanes, j)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=_CONTRACT)
 def _scores(qi, kt, n_keys, one, s, lanes, fold):
     """s[:n_keys] = K . qi in ggml.dot_f16_tiny (one False) or ggml.dot_f16_vec (one True) order; kt [hd, n_tot]
-    float32 (f16 values), qi [hd]. Vectorized across keys: lanes [16 or 64, _KEYS] hold the lane sums."""
+    float32 (f16 values), qi [hd]. Vectorized across keys: lanes [16 or 64, _KEYS] hold the lane sums (keys in
+    register-only code instead, all 64 rows of K touched per key vector, ran 1.3-4x slower: K's rows are
+    capacity-strided, and strides near a power of two alias in L1)."""
     hd = qi.shape[0]
+    if hd == 64:
+        _scores_hd64(qi, kt, n_keys, one, s, lanes)
+        return
     if not one:
         for j0 in range(0, n_keys, _KEYS):
             jw = min(_KEYS, n_keys - j0)
@@ -643,10 +675,14 @@ def _softmax_f16(s, npad):
         s[j] = f16_round(s[j] * inv)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=_CONTRACT)
 def _weighted(p, v, n_keys, npad, one, acc, fold, out):
     """out [hd] = V . p over the npad keys (V rows past n_keys are 0) in ggml.dot_f16_tiny / dot_f16_vec order
-    along the keys; v [n_tot, hd] float32 (f16 values). Vectorized across head_dim: acc [16 or 64, hd]."""
+    along the keys; v [n_tot, hd] float32 (f16 values). Vectorized across head_dim: acc [16 or 64, hd].
+
+    The padding keys past n_keys (probability 0, V 0) set their lanes to 0 in the first chunk and are skipped
+    after it: adding 0 x 0 = +0 changes no lane that is not zero, and an all-zero output differs at most in its
+    sign (which the next product's quantizer erases). The final reductions run across head_dim."""
     hd = v.shape[1]
     width = 64 if one else 16
     for c in range(npad // width):
@@ -662,21 +698,36 @@ def _weighted(p, v, n_keys, npad, one, acc, fold, out):
                 else:
                     for d in range(hd):
                         al[d] += pj * vr[d]
-            else:
+            elif c == 0:
                 z = pj * F32(0.0)
-                if c == 0:
-                    for d in range(hd):
-                        al[d] = z
-                else:
-                    for d in range(hd):
-                        al[d] += z
+                for d in range(hd):
+                    al[d] = z
     if one:
-        for d in range(hd):
-            _fold64_col(acc, d, fold)
-            out[d] = _reduce16_col(fold, d)
+        x = fold
+        for lane in range(16):
+            xl = x[lane]
+            a0 = acc[lane]
+            a1 = acc[32 + lane]
+            a2 = acc[16 + lane]
+            a3 = acc[48 + lane]
+            for d in range(hd):
+                xl[d] = (a0[d] + a1[d]) + (a2[d] + a3[d])
     else:
-        for d in range(hd):
-            out[d] = _reduce16_col(acc, d)
+        x = acc
+    for d in range(hd):
+        b0 = x[8, d] + x[0, d]
+        b1 = x[9, d] + x[1, d]
+        b2 = x[10, d] + x[2, d]
+        b3 = x[11, d] + x[3, d]
+        b4 = x[12, d] + x[4, d]
+        b5 = x[13, d] + x[5, d]
+        b6 = x[14, d] + x[6, d]
+        b7 = x[15, d] + x[7, d]
+        c0 = b4 + b0
+        c1 = b5 + b1
+        c2 = b6 + b2
+        c3 = b7 + b3
+        out[d] = (c0 + c2) + (c1 + c3)
 
 
 @njit(cache=True, nogil=True)
