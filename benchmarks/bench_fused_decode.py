@@ -63,17 +63,17 @@ def main() -> None:
                     if lib["user_api"] == "blas"]
         past = np.random.default_rng(1).integers(100, 40000, args.n_past).tolist()
         num = model.num
-        modes = {"fused": G.decode_one, "loop": None}
+        modes = {"fused": G.compiled_layers, "loop": None}
         for n_seqs in [int(v) for v in args.seqs.split(",")]:
             for mode, fn in modes.items():                       # warm-up: compile / load the caches
-                num.decode_one = fn
+                num.compiled_layers = fn
                 _decode(model, past, 2, args.n_past, n_seqs, 0)
             med: dict[str, list[float]] = {m: [] for m in modes}
             out: dict[str, np.ndarray] = {}
             for r in range(args.rounds):
                 order = list(modes) if r % 2 == 0 else list(modes)[::-1]
                 for mode in order:
-                    num.decode_one = modes[mode]
+                    num.compiled_layers = modes[mode]
                     la = os.getloadavg()[0]
                     step, logits = _decode(model, past, args.steps, args.n_past, n_seqs, r)
                     med[mode].append(step)
@@ -81,7 +81,7 @@ def main() -> None:
                         out[mode] = logits
                     print(f"  --threads {n_threads} seqs {n_seqs} round {r} {mode:5s}: step median "
                           f"{1e3 * step:.2f} ms (load {la:.2f} -> {os.getloadavg()[0]:.2f})")
-            num.decode_one = G.decode_one
+            num.compiled_layers = G.compiled_layers
             f, lp = statistics.median(med["fused"]), statistics.median(med["loop"])
             rows.append((n_threads, n_seqs, blas, lp, f, np.array_equal(out["fused"], out["loop"])))
         model.matmul.close()

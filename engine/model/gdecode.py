@@ -1,7 +1,7 @@
-"""One compiled call per layer for the decode steps of numerics "ggml" (every chunk one token).
+"""One compiled call per layer for the steps of numerics "ggml": decode steps and prompt chunks alike.
 
-Why: a decode step runs ~25 small operations per layer, and more per sequence (norms, activation quantizers, four
-exact products, RoPE, each sequence's fp16 KV write, shadow update and attention, residual adds). Through
+Why: a step runs ~25 small operations per layer, and more per sequence (norms, activation quantizers, four exact
+products, RoPE, each sequence's fp16 KV write, shadow update and attention, residual adds). Through
 `llama.forward_batch` each is a Python call into numpy or a numba kernel, ~5 ms of a ~27 ms single-sequence SmolLM2
 step on one thread, all of it serial while the products are split over the threads. `decode_layer` runs a whole
 layer in one nopython call: the same kernels (`gkernels`) in the same order on the same values, so every bit of the
@@ -9,9 +9,16 @@ KV cells and logits is the layer loop's (`tests/engine/test_gdecode.py` compares
 products still go to the model's polling workers (`spin.SpinPool`): the compiled caller publishes each job itself
 (`spin.publish_quiet`, then its part and the join, `spin.run_compiled`).
 
-`ggml.decode_one` decides when it applies (else the layer loop runs): every chunk is one token (of distinct
-sequences, as in any batch); the matmul is the compiled `GgmlMatmul` with 1 thread or its polling workers; every
-layer matrix is one exact part (Q4_1 / Q5_1 x Q8_1, Q8_0 x Q8_0); the KV store is fp16; head_dim is a multiple of 16.
+The products and the per-row operations take all T tokens of the step at once; attention goes token by token, in
+order: a chunk's token i writes its K / V cell and then attends the cells before it and its own, which is the row
+i of its chunk's causal attention. A one-token chunk is attended in ggml_vec_dot_f16's order, the tokens of longer
+chunks in tinyBLAS's, as the layer loop's `attend_block` does for a block of 1 or of 2+ rows (`gkernels`:
+`attend_heads` gives row i the same values whether its block holds it alone or with later rows, up to the sign of
+an all-zero output, which the output projection's quantizer erases).
+
+`ggml.compiled_layers` decides when it applies (else the layer loop runs): the matmul is the compiled `GgmlMatmul`
+with 1 thread or its polling workers; every layer matrix is one exact part (Q4_1 / Q5_1 x Q8_1, Q8_0 x Q8_0); the KV
+store is fp16; head_dim is a multiple of 16.
 """
 
 from __future__ import annotations
@@ -24,6 +31,9 @@ from numba import njit
 from engine.model import gkernels as gk
 from engine.model import spin, spinjobs
 from engine.model.spin import ERROR
+# the words of a token's row of `seqs` (`spinjobs` defines them: its ATTEND_TOKENS pieces read the table)
+from engine.model.spinjobs import (N_SEQ, S_CAP, S_K, S_KT, S_KT_STRIDE, S_KV_STRIDE, S_N_OLD, S_ONE, S_SH_CAP, S_V,
+                                   S_VALID, S_VF, S_VF_STRIDE)
 
 F32 = np.float32
 _NIB, _BYTE, _Q8_0 = spinjobs.DOT_NIB, spinjobs.DOT_BYTE, spinjobs.DOT_Q8_0
@@ -31,13 +41,10 @@ _NIB, _BYTE, _Q8_0 = spinjobs.DOT_NIB, spinjobs.DOT_BYTE, spinjobs.DOT_Q8_0
 # int64 words of `decode_layer`'s `ints`
 N_HEAD, N_HEAD_KV, HEAD_DIM, N_ROT, NEOX, N_WORKERS, N_PIECES, SPLIT_MIN, HAS_BIAS, ATTEND_MIN = range(10)
 N_INTS = 10
-# a token's attention is split over the workers by heads from this many cells x n_head x head_dim on (below, the
-# hand-off costs more than it saves)
+# a step's attention goes to the workers from this many cells x n_head x head_dim on (summed over its tokens: split
+# by tokens; one token: by heads; below, the hand-off costs more than it saves)
 ATTEND_SPLIT_MIN = 1 << 16
-# words of a token's row of `seqs`: its sequence's K / V cells (address of layer 0, bytes per layer, cells), float32
-# shadow (kt and vf addresses of layer 0, their bytes per layer, cells), the shadow's valid counts, cells before it
-S_K, S_V, S_KV_STRIDE, S_CAP, S_KT, S_VF, S_KT_STRIDE, S_VF_STRIDE, S_SH_CAP, S_VALID, S_N_OLD = range(11)
-N_SEQ = 11
+
 
 
 @njit(cache=True, nogil=True)
@@ -77,14 +84,15 @@ def _product(kind, q, d, m, x, y, ctl, job, cuts, ints, piece):
 def decode_layer(x, attn_norm, ffn_norm, eps, scale, kinds,
                  q_qkv, d_qkv, m_qkv, q_o, d_o, m_o, q_gu, d_gu, m_gu, q_dn, d_dn, m_dn,
                  bias, cos, sin, seqs, il, ints, ctl, job, cuts, piece):
-    """Layer il of `llama.forward_batch` for T one-token chunks of distinct sequences, x [T, D] updated in place
-    (the residual stream).
+    """Layer il of `llama.forward_batch` for T tokens (chunks of distinct sequences, each chunk's tokens in order),
+    x [T, D] updated in place (the residual stream).
 
     kinds [4]: the product kinds of qkv, o, gate_up, down. cos / sin [T, n_rot/2]: each token's rotation.
     seqs [T, N_SEQ]: where each token's sequence keeps its cells (`_seq_table`): its fp16 K / V cells of layer il
     (uint16 [n_head_kv, cap, head_dim]; the token's K and V are written at cell S_N_OLD), their float32 shadow
     (kt [n_head_kv, head_dim, cap'], vf [n_head_kv, cap', head_dim]) and the shadow's valid counts (int64 [n_layer]):
-    cells from min(valid[il], S_N_OLD) on are brought up to date, valid[il] set past the token's."""
+    cells from min(valid[il], S_N_OLD) on are brought up to date, valid[il] set past the token's; S_ONE picks the
+    attention's order."""
     n_head, n_head_kv, hd = ints[N_HEAD], ints[N_HEAD_KV], ints[HEAD_DIM]
     n_tok, dim = x.shape
     n_q = n_head * hd
@@ -111,9 +119,9 @@ def decode_layer(x, attn_norm, ffn_norm, eps, scale, kinds,
                 qkv[t, i0] = gk._fma(x0, c, -(x1 * s))
                 qkv[t, i1] = gk._fma(x0, s, x1 * c)
     att = np.empty((n_tok, n_head, hd), F32)
-    q16 = np.empty((1, n_head, hd), F32)
-    one = np.empty((1, n_head, hd), F32)
-    for t in range(n_tok):                                               # each token's cells and attention
+    q16 = np.empty((n_tok, n_head, hd), F32)
+    cost = 0
+    for t in range(n_tok):                                               # each token's cells, its Q in fp16
         sq = seqs[t]
         cap, sh_cap, n_old = sq[S_CAP], sq[S_SH_CAP], sq[S_N_OLD]
         k16 = spin.u16_at(sq[S_K] + il * sq[S_KV_STRIDE], (n_head_kv, cap, hd))
@@ -129,15 +137,27 @@ def decode_layer(x, attn_norm, ffn_norm, eps, scale, kinds,
         valid[il] = n_old + 1
         for h in range(n_head):                                          # Q to fp16 (K's vec_dot_type)
             for j in range(hd):
-                q16[0, h, j] = gk.f16_round(qkv[t, h * hd + j])
-        if ints[N_WORKERS] > 0 and (n_old + 1) * n_q >= ints[ATTEND_MIN]:    # heads split on the workers
-            n = spinjobs.post_attend(job, cuts, q16, kt, vf, one, n_old, n_head // n_head_kv, scale, ints[N_PIECES])
-            spin.publish_quiet(ctl, n)
-            spin.run_compiled(ctl, job, cuts, n, piece)
-            _keep(q16, one, one)
-        else:
-            gk.attend_block(q16, kt, vf, n_old, 0, 1, True, scale, n_head // n_head_kv, one)
-        att[t] = one[0]
+                q16[t, h, j] = gk.f16_round(qkv[t, h * hd + j])
+        cost += n_old + 1
+    # every token's attention, now that every cell is written (a token reads only the cells up to its own); split
+    # over the workers by tokens when there are several, else by heads (one token with many cells)
+    n_gqa = n_head // n_head_kv
+    if ints[N_WORKERS] > 0 and n_tok > 1 and cost * n_q >= ints[ATTEND_MIN]:
+        n = spinjobs.post_attend_tokens(job, cuts, q16, seqs, il, att, n_head_kv, n_gqa, scale, ints[N_PIECES])
+        spin.publish_quiet(ctl, n)
+        spin.run_compiled(ctl, job, cuts, n, piece)
+        _keep(q16, att, seqs)
+    elif ints[N_WORKERS] > 0 and n_tok == 1 and cost * n_q >= ints[ATTEND_MIN]:     # one token: heads split
+        sq = seqs[0]
+        kt = spin.f32_at(sq[S_KT] + il * sq[S_KT_STRIDE], (n_head_kv, hd, sq[S_SH_CAP]))
+        vf = spin.f32_at(sq[S_VF] + il * sq[S_VF_STRIDE], (n_head_kv, sq[S_SH_CAP], hd))
+        n = spinjobs.post_attend(job, cuts, q16, kt, vf, att, sq[S_N_OLD], n_gqa, scale, sq[S_ONE] != 0,
+                                 ints[N_PIECES])
+        spin.publish_quiet(ctl, n)
+        spin.run_compiled(ctl, job, cuts, n, piece)
+        _keep(q16, att, seqs)
+    else:
+        spinjobs.attend_tokens(q16, seqs, 0, n_tok, il, n_head_kv, n_gqa, scale, att)
     y = np.empty((n_tok, dim), F32)
     _product(kinds[1], q_o, d_o, m_o, att.reshape(n_tok, n_q), y, ctl, job, cuts, ints, piece)
     for t in range(n_tok):                                               # output projection, residual
@@ -175,27 +195,34 @@ def layer(attn_norm: np.ndarray, ffn_norm: np.ndarray, products: list[tuple[int,
                        kinds, *flat, b), has_bias=bias is not None)
 
 
-def _seq_table(kv, seqs) -> np.ndarray:
-    """`decode_layer`'s seqs table of one-token chunks of `seqs` (`SeqKV`s after `KVStore.prepare_append`, each
-    token at cell s.n): shadows grown to hold the token. The arrays stay alive with the sequences meanwhile."""
-    tab = np.zeros((len(seqs), N_SEQ), np.int64)
-    for t, s in enumerate(seqs):
+def _seq_table(kv, seqs, sizes) -> np.ndarray:
+    """`decode_layer`'s seqs table of the chunks of `seqs` (`SeqKV`s after `KVStore.prepare_append`) of `sizes`
+    tokens, a row per token (token i of a chunk at cell s.n + i): shadows grown to hold the chunks. The arrays stay
+    alive with the sequences meanwhile."""
+    tab = np.zeros((sum(sizes), N_SEQ), np.int64)
+    t = 0
+    for s, size in zip(seqs, sizes):
+        if size == 0:
+            continue
         n_old = int(s.n)
-        sh = kv.shadow(s, n_old + 1)
+        sh = kv.shadow(s, n_old + size)
         k, v = s.k.view(np.uint16), s.v.view(np.uint16)
         if k.strides != v.strides or k.strides[1:] != (k.shape[2] * k.shape[3] * 2, k.shape[3] * 2, 2):
             raise ValueError("KV cells of a layer are not contiguous")
-        tab[t] = (k.ctypes.data, v.ctypes.data, k.strides[0], k.shape[2], sh.kt.ctypes.data, sh.v.ctypes.data,
-                  sh.kt.strides[0], sh.v.strides[0], sh.v.shape[2], sh.valid.ctypes.data, n_old)
+        tab[t:t + size] = (k.ctypes.data, v.ctypes.data, k.strides[0], k.shape[2], sh.kt.ctypes.data,
+                           sh.v.ctypes.data, sh.kt.strides[0], sh.v.strides[0], sh.v.shape[2], sh.valid.ctypes.data,
+                           0, int(size == 1))
+        tab[t:t + size, S_N_OLD] = np.arange(n_old, n_old + size)
+        t += size
     return tab
 
 
-def decode_layers(layers: list[Layer], hp, rope, kv, seqs, x: np.ndarray, pos: np.ndarray,
+def decode_layers(layers: list[Layer], hp, rope, kv, seqs, sizes, x: np.ndarray, pos: np.ndarray,
                   pool: spin.SpinPool | None, n_pieces: int, split_min: int, scale: np.float32) -> None:
-    """Run every layer of T one-token chunks of distinct sequences `seqs` (`SeqKV`s after `KVStore.prepare_append`)
-    at positions pos [T] on x [T, D] in place, by `decode_layer`; products of at least `split_min` multiply-adds in
-    `n_pieces` pieces on `pool`'s workers when the pool is free (else unsplit)."""
-    tab = _seq_table(kv, seqs)
+    """Run every layer of the chunks of distinct sequences `seqs` (`SeqKV`s after `KVStore.prepare_append`) of
+    `sizes` tokens, at positions pos [T] on x [T, D] in place, by `decode_layer`; products of at least `split_min`
+    multiply-adds in `n_pieces` pieces on `pool`'s workers when the pool is free (else unsplit)."""
+    tab = _seq_table(kv, seqs, sizes)
     cos, sin = rope.cos_sin(np.asarray(pos, dtype=np.int64))
     cos, sin = np.ascontiguousarray(cos, dtype=F32), np.ascontiguousarray(sin, dtype=F32)
     ints = np.zeros(N_INTS, np.int64)
@@ -208,6 +235,7 @@ def decode_layers(layers: list[Layer], hp, rope, kv, seqs, x: np.ndarray, pos: n
     try:
         if held:
             pool.ctl[ERROR] = 0
+            pool.ctl[spin.HOLD] = 1                          # no worker falls asleep during the step
             pool.wake()
             ints[N_WORKERS] = pool.n_workers
             ctl, job, cuts = pool.ctl, pool.job, pool.cuts
@@ -223,5 +251,6 @@ def decode_layers(layers: list[Layer], hp, rope, kv, seqs, x: np.ndarray, pos: n
             raise RuntimeError("a compiled kernel raised in a SpinPool worker or in the caller")
     finally:
         if held:
+            pool.ctl[spin.HOLD] = 0
             pool.lock.release()
 

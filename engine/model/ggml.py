@@ -544,7 +544,7 @@ class GgmlMatmul(Matmul):
         # the exact dot products' output ranges go to workers that poll (`spin.SpinPool`): a split product costs
         # no thread wake-up; other work (attention blocks, BLAS parts) keeps `Matmul`'s queue threads
         self._spin = None
-        self._fused: tuple[Any, Any] | None = None     # (weights, their `gdecode.Layer`s): `decode_one`
+        self._fused: tuple[Any, Any] | None = None     # (weights, their `gdecode.Layer`s): `compiled_layers`
         if compiled and self.n_threads > 1 and USE_SPIN_POOL:
             from engine.model import spinjobs
             self._spin = spinjobs.pool(self.n_threads - 1)
@@ -603,21 +603,21 @@ class GgmlMatmul(Matmul):
             self._spin = None
 
 
-def decode_one(w: Any, hp: HParams, rope: Rope, mm: Matmul, kv: KVStore, seqs: list[SeqKV], x: np.ndarray,
-               pos: np.ndarray) -> bool:
-    """`Numerics.decode_one` of the compiled kernels: every layer of a step of one-token chunks of sequences `seqs`
-    on x [T, D] in one compiled call each (`gdecode.decode_layers`, the layer loop's bits). False, nothing done,
-    unless the matmul is the compiled one with 1 thread or polling workers, the KV store fp16, head_dim a multiple
-    of 16, and every layer matrix one exact part."""
+def compiled_layers(w: Any, hp: HParams, rope: Rope, mm: Matmul, kv: KVStore, seqs: list[SeqKV], sizes: list[int],
+                    x: np.ndarray, pos: np.ndarray) -> bool:
+    """`Numerics.compiled_layers` of the compiled kernels: every layer of a step (chunks of sequences `seqs`, of
+    `sizes` tokens, on x [T, D]) in one compiled call each (`gdecode.decode_layers`, the layer loop's bits). False,
+    nothing done, unless the matmul is the compiled one with 1 thread or polling workers, the KV store fp16,
+    head_dim a multiple of 16, and every layer matrix one exact part."""
     if (not isinstance(mm, GgmlMatmul) or not mm.compiled or (mm.n_threads > 1 and mm._spin is None)
-            or kv.dtype != np.float16 or hp.head_dim % 16 or x.shape[0] != len(seqs)):
+            or kv.dtype != np.float16 or hp.head_dim % 16 or x.shape[0] != sum(sizes)):
         return False
     layers = _fused_layers(mm, w)
     if layers is None:
         return False
     from engine.model import gdecode
-    gdecode.decode_layers(layers, hp, rope, kv, seqs, x, pos, mm._spin, mm.n_threads * _SPIN_PIECES_PER_THREAD,
-                          _SPLIT_MIN_MACS, attention_scale(hp.head_dim))
+    gdecode.decode_layers(layers, hp, rope, kv, seqs, sizes, x, pos, mm._spin,
+                          mm.n_threads * _SPIN_PIECES_PER_THREAD, _SPLIT_MIN_MACS, attention_scale(hp.head_dim))
     return True
 
 

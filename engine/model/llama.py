@@ -53,8 +53,8 @@ def forward_batch(w: Weights, hp: HParams, num: Numerics, rope: Rope, mm: Matmul
 
     x = w.tok_embd[tokens]                                                   # embed: [T, D]
     with np.errstate(over="ignore"):                                         # exp(-g) -> inf is fine in SiLU
-        fused = (num.decode_one is not None and all(n == 1 for n in sizes)          # the layers in compiled calls
-                 and num.decode_one(w, hp, rope, mm, kv, seqs, x, pos))
+        fused = (num.compiled_layers is not None                                # the layers in compiled calls
+                 and num.compiled_layers(w, hp, rope, mm, kv, seqs, sizes, x, pos))
         for il, lw in enumerate(w.layers if not fused else ()):
             xn = num.rms_norm(x, lw.attn_norm, eps)                          # attention norm: [T, D]
             qkv = mm(lw.wqkv, xn)                                            # Q, K, V in one product

@@ -43,9 +43,9 @@ class Numerics(ABC):
     # or, when set, (q, kv, seq's SeqKV, layer, n_old, matmul) -> the same, given the store (`ggml.attend_cells`)
     attend_cells: Callable[..., np.ndarray] | None = None
     decode_batch: type[f32.DecodeBatch] | None       # attends one-token chunks of pooled sequences together
-    # when set, (weights, hparams, rope, matmul, kv, the chunks' SeqKVs, x [T, D], pos [T]) -> bool: every layer of
-    # a step of one-token chunks run on x in place, the same bits as the layer loop (False: not applicable)
-    decode_one: Callable[..., bool] | None = None
+    # when set, (weights, hparams, rope, matmul, kv, the chunks' SeqKVs, their sizes, x [T, D], pos [T]) -> bool:
+    # every layer of the step run on x in place, the same bits as the layer loop (False: not applicable)
+    compiled_layers: Callable[..., bool] | None = None
 
     # --- load ---------------------------------------------------------------------------------------------
     def tensor_extra(self, t: Any) -> Any:
@@ -122,8 +122,8 @@ class GgmlNumerics(Numerics):
     softmax and SwiGLU; the attention scale is applied to the scores, as ggml does, not folded into Q.
 
     `compiled` (the "ggml" of `NUMERICS`): matmuls, quantizers, norm, SwiGLU and attention by the numba kernels
-    of `engine.model.gkernels`, bit for bit the numpy code's results (tests), and decode steps whose chunks are one
-    token each run every layer in one compiled call (`decode_one`, `engine.model.gdecode`: the same bits);
+    of `engine.model.gkernels`, bit for bit the numpy code's results (tests), and every layer of a step runs in one
+    compiled call (`compiled_layers`, `engine.model.gdecode`: the same bits);
     `GGML_REFERENCE` is the numpy code itself, which `resolve` falls back to (one warning) when numba cannot load."""
 
     name = "ggml"
@@ -140,7 +140,7 @@ class GgmlNumerics(Numerics):
             self.silu_mul = ggml.silu_mul_compiled
             self.attend = ggml.attend_compiled
             self.attend_cells = ggml.attend_cells         # the same, reading the store's float32 shadow
-            self.decode_one = ggml.decode_one             # one compiled call per layer (`engine.model.gdecode`)
+            self.compiled_layers = ggml.compiled_layers   # one compiled call per layer (`engine.model.gdecode`)
 
     def tensor_extra(self, t: Any) -> Any:
         """Q4_1/Q5_1/Q8_0 matrices of the layers: their integer quants and block scales (`ggml.exact_part`); a

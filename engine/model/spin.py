@@ -19,8 +19,10 @@ read-modify-writes sequentially consistent):
 - the caller waits only until DONE == n_pieces. Every piece is claimed by a running thread, and the caller
   claims all that are left, so the wait is at most one piece long and never depends on a worker waking up: a
   worker without a core costs nothing (the caller does its pieces), as with `_Workers`;
-- a worker that found nothing to claim for `spin_us` goes to sleep: it stores STATE = SLEEPING and returns to
-  Python, where it blocks on its queue. A caller that sees SLEEPING when posting swaps it to WAKING and puts one
+- a worker that found nothing to claim for `spin_us` goes to sleep, unless HOLD is set: it stores STATE = SLEEPING
+  and returns to Python, where it blocks on its queue. A compiled caller, which cannot post wake-up tokens, wakes
+  the sleepers from Python before its step and sets HOLD for the step's duration (its serial stretches, norms,
+  quantizers, RoPE, can outlast the spin budget). A caller that sees SLEEPING when posting swaps it to WAKING and puts one
   token in that queue; the worker stores AWAKE when it enters the loop again. A job published while a worker
   falls asleep is simply done without it.
 
@@ -163,7 +165,8 @@ CLAIM = 0           # seq << 24 | n_pieces << 12 | next piece
 DONE = 8            # pieces done of the current job
 STOP = 16           # 1: workers leave their loop for good
 ERROR = 24          # 1: a piece raised (the caller raises after the join)
-STATE = 32          # + 8 * worker: AWAKE, SLEEPING or WAKING
+HOLD = 32           # 1: awake workers do not fall asleep (a compiled caller's step, which cannot wake them)
+STATE = 40          # + 8 * worker: AWAKE, SLEEPING or WAKING
 CTL_SIZE = STATE + 8 * 64
 MAX_WORKERS = 64
 AWAKE, SLEEPING, WAKING = 0, 1, 2
@@ -187,7 +190,8 @@ def _claim(ctl):
 
 @njit(cache=True, nogil=True)
 def serve(ctl, job, cuts, me, spin_cycles, piece):
-    """A worker's loop: claim and run pieces until nothing was posted for spin_cycles, then SLEEPING.
+    """A worker's loop: claim and run pieces until nothing was posted for spin_cycles (and HOLD is 0), then
+    SLEEPING.
     `piece(job address, cuts address, i) -> 0, or nonzero if the piece failed` is the job module's piece runner as a
     C function (`spinjobs.piece_c`), called through its address: the kernels are compiled once, in it, and not again
     into every loop that runs pieces."""
@@ -205,7 +209,7 @@ def serve(ctl, job, cuts, me, spin_cycles, piece):
             continue
         if _load(ctl, STOP) != 0:
             return
-        if _cycles() - t_last > spin_cycles:
+        if _cycles() - t_last > spin_cycles and _load(ctl, HOLD) == 0:
             _store(ctl, STATE + 8 * me, SLEEPING)
             return
         _pause()

@@ -17,12 +17,21 @@ import numpy as np
 from numba import carray, cfunc, njit, types
 
 from engine.model import gkernels, qkernels
-from engine.model.spin import JOB_SIZE, MAX_PIECES, SpinPool, _voidptr, address, f32_at, i8_at, set_cuts, u16_at, u8_at
+from engine.model.spin import (JOB_SIZE, MAX_PIECES, SpinPool, _voidptr, address, f32_at, i8_at, i64_at, set_cuts,
+                               u16_at, u8_at)
 
 I64 = np.int64
 
 DOT_NIB, DOT_BYTE, DOT_Q8_0 = 1, 2, 3           # ggml: Q4_1 x Q8_1, Q5_1 x Q8_1, Q8_0 x Q8_0
 ATTEND = 7                                      # ggml: one query row's attention (`gkernels.attend_heads`), by heads
+ATTEND_TOKENS = 8                               # ggml: the attention of a step's tokens (`gdecode`), by tokens
+
+# words of a token's row of `gdecode.decode_layer`'s `seqs` table (here: the ATTEND_TOKENS pieces read it): its
+# sequence's K / V cells (address of layer 0, bytes per layer, cells), float32 shadow (kt and vf addresses of layer 0,
+# their bytes per layer, cells), the shadow's valid counts, cells before the token, and 1 when its chunk is that one
+# token (ggml_vec_dot_f16's order) or 0 (tinyBLAS's)
+S_K, S_V, S_KV_STRIDE, S_CAP, S_KT, S_VF, S_KT_STRIDE, S_VF_STRIDE, S_SH_CAP, S_VALID, S_N_OLD, S_ONE = range(12)
+N_SEQ = 12
 RANGE_NIB, RANGE_BYTE, RANGE_HALF = 4, 5, 6     # q: nibble, byte and 16-bit weights
 
 
@@ -75,10 +84,10 @@ def post_dot(job, cuts, kind, qw, dw, mw, qx, dx, sx, y, n_pieces, align):
 
 
 @njit(cache=True, nogil=True)
-def post_attend(job, cuts, q16, kt, vf, out, n_old, n_gqa, scale, n_pieces):
+def post_attend(job, cuts, q16, kt, vf, out, n_old, n_gqa, scale, one, n_pieces):
     """An ATTEND job: query row 0 of q16 [1, n_head, hd] against cells 0..n_old of kt [n_head_kv, hd, cap] and
-    vf [n_head_kv, cap, hd] (`gkernels.attend_heads`, one = True), out [1, n_head, hd]; the pieces are ranges of
-    heads."""
+    vf [n_head_kv, cap, hd] (`gkernels.attend_heads`, in ggml_vec_dot_f16's order when `one`, else tinyBLAS's),
+    out [1, n_head, hd]; the pieces are ranges of heads."""
     job[0] = ATTEND
     job[1] = address(q16)
     job[2] = q16.shape[1]
@@ -92,6 +101,7 @@ def post_attend(job, cuts, q16, kt, vf, out, n_old, n_gqa, scale, n_pieces):
     job[10] = n_old
     job[11] = n_gqa
     job[12] = I64(np.float32(scale).view(np.int32))
+    job[13] = 1 if one else 0
     return set_cuts(cuts, q16.shape[1], 1, n_pieces)
 
 
@@ -103,13 +113,83 @@ def _run_attend(job, cuts, i):
     vf = f32_at(job[7], (n_kv, job[8], hd))
     out = f32_at(job[9], (1, n_head, hd))
     scale = np.int32(job[12]).view(np.float32)
-    gkernels.attend_heads(q16, kt, vf, job[10], 0, 1, True, scale, job[11], out, cuts[2 * i], cuts[2 * i + 1])
+    gkernels.attend_heads(q16, kt, vf, job[10], 0, 1, job[13] != 0, scale, job[11], out, cuts[2 * i],
+                          cuts[2 * i + 1])
+
+
+_BLOCK_ROWS = 8     # a chunk's consecutive tokens attended together (K / V read once for them), as ggml.attend
+
+
+@njit(cache=True, nogil=True)
+def attend_tokens(q16, seqs, t0, t1, il, n_head_kv, n_gqa, scale, out):
+    """The attention of tokens t0..t1-1: row t of q16 [T, n_head, hd] (fp16 values) over the cells 0..S_N_OLD of
+    its sequence's layer il (row t of `seqs`), into out[t]. Consecutive tokens of one chunk of 2+ tokens go in
+    blocks of up to _BLOCK_ROWS rows (`gkernels.attend_block` masks each row's later cells; a row's values do not
+    depend on the block it is in, up to the sign of an all-zero output)."""
+    hd = q16.shape[2]
+    t = t0
+    while t < t1:
+        sq = seqs[t]
+        b = t + 1
+        if sq[S_ONE] == 0:
+            while (b < t1 and b - t < _BLOCK_ROWS and seqs[b, S_KT] == sq[S_KT]
+                   and seqs[b, S_N_OLD] == sq[S_N_OLD] + (b - t)):
+                b += 1
+        kt = f32_at(sq[S_KT] + il * sq[S_KT_STRIDE], (n_head_kv, hd, sq[S_SH_CAP]))
+        vf = f32_at(sq[S_VF] + il * sq[S_VF_STRIDE], (n_head_kv, sq[S_SH_CAP], hd))
+        gkernels.attend_block(q16[t:b], kt, vf, sq[S_N_OLD], 0, b - t, sq[S_ONE] != 0, scale, n_gqa, out[t:b])
+        t = b
+
+
+@njit(cache=True, nogil=True)
+def post_attend_tokens(job, cuts, q16, seqs, il, out, n_head_kv, n_gqa, scale, n_pieces):
+    """An ATTEND_TOKENS job: `attend_tokens` of every token (q16, out [T, n_head, hd], seqs [T, N_SEQ]); the pieces
+    are ranges of tokens of near-equal cost (a token's cost is its cell count). Returns the number of pieces."""
+    n_tok = q16.shape[0]
+    job[0] = ATTEND_TOKENS
+    job[1] = address(q16)
+    job[2] = n_tok
+    job[3] = q16.shape[1]
+    job[4] = q16.shape[2]
+    job[5] = address(seqs)
+    job[6] = il
+    job[7] = address(out)
+    job[8] = n_head_kv
+    job[9] = n_gqa
+    job[10] = I64(np.float32(scale).view(np.int32))
+    total = 0
+    for t in range(n_tok):
+        total += seqs[t, S_N_OLD] + 1
+    k = 0
+    done = 0
+    start = 0
+    for t in range(n_tok):
+        done += seqs[t, S_N_OLD] + 1
+        if t == n_tok - 1 or (done * n_pieces >= total * (k + 1) and k < n_pieces - 1):
+            cuts[2 * k] = start
+            cuts[2 * k + 1] = t + 1
+            k += 1
+            start = t + 1
+    return k
+
+
+@njit(cache=True, nogil=True)
+def _run_attend_tokens(job, cuts, i):
+    n_tok, n_head, hd = job[2], job[3], job[4]
+    q16 = f32_at(job[1], (n_tok, n_head, hd))
+    seqs = i64_at(job[5], (n_tok, N_SEQ))
+    out = f32_at(job[7], (n_tok, n_head, hd))
+    scale = np.int32(job[10]).view(np.float32)
+    attend_tokens(q16, seqs, cuts[2 * i], cuts[2 * i + 1], job[6], job[8], job[9], scale, out)
 
 
 @njit(cache=True, nogil=True)
 def run_ggml_piece(job, cuts, i):
     if job[0] == ATTEND:
         _run_attend(job, cuts, i)
+        return
+    if job[0] == ATTEND_TOKENS:
+        _run_attend_tokens(job, cuts, i)
         return
     o0, o1 = cuts[2 * i], cuts[2 * i + 1]
     g, nb, blk, n_out, m, n_in, nbx = job[2], job[3], job[4], job[7], job[9], job[10], job[12]

@@ -1,6 +1,7 @@
-"""The compiled single-sequence decode layer of numerics "ggml" (`engine.model.gdecode`) against the layer loop of
-`llama.forward_batch`: the same logits and KV cells bit for bit, whatever the thread count, the weight types, the
-RoPE mode, and whether the pool is free; and the cases where it must not apply."""
+"""The compiled layers of numerics "ggml" (`engine.model.gdecode`) against the layer loop of `llama.forward_batch`:
+the same logits and KV cells bit for bit, for prompt chunks, one-token steps and batches mixing them, whatever the
+thread count, the weight types, the RoPE mode, and whether the pool is free; and the cases where they must not
+apply."""
 
 from __future__ import annotations
 
@@ -94,12 +95,12 @@ def _counting(monkeypatch):
 @pytest.mark.parametrize("seqs,unified", [(1, False), (3, False), (3, True)], ids=["1-seq", "3-seq", "3-seq-unified"])
 def test_fused_decode_gives_the_layer_loops_bits(tiny_gguf, monkeypatch, kw, n_threads, seqs, unified):
     model = load(tiny_gguf(**kw), n_threads=n_threads, numerics="ggml")
-    monkeypatch.setattr(model.num, "decode_one", None)
+    monkeypatch.setattr(model.num, "compiled_layers", None)
     want_logits, want_kv = _steps(model, 40, seqs, unified)
-    monkeypatch.setattr(model.num, "decode_one", G.decode_one)
+    monkeypatch.setattr(model.num, "compiled_layers", G.compiled_layers)
     calls = _counting(monkeypatch)
     got_logits, got_kv = _steps(model, 40, seqs, unified)
-    assert len(calls) == 40 * model.hparams.n_layer                     # the fused path ran every decode step
+    assert len(calls) == (40 + 2 * seqs) * model.hparams.n_layer        # every step, the prompt chunks too
     assert np.array_equal(got_logits, want_logits)
     assert got_kv == want_kv
 
@@ -107,9 +108,9 @@ def test_fused_decode_gives_the_layer_loops_bits(tiny_gguf, monkeypatch, kw, n_t
 def test_fused_decode_runs_unsplit_while_another_thread_holds_the_pool(tiny_gguf, monkeypatch):
     model = load(tiny_gguf(tensor_type="Q4_1", n_embd=256, n_head=4, n_head_kv=2, n_ff=1024), n_threads=2,
                  numerics="ggml")
-    monkeypatch.setattr(model.num, "decode_one", None)
+    monkeypatch.setattr(model.num, "compiled_layers", None)
     want = _steps(model, 6)
-    monkeypatch.setattr(model.num, "decode_one", G.decode_one)
+    monkeypatch.setattr(model.num, "compiled_layers", G.compiled_layers)
     pool = model.matmul._spin
     assert pool is not None
     with pool.lock:                                                     # the products cannot use the workers
@@ -190,9 +191,52 @@ def test_a_kernel_error_in_a_worker_is_raised_by_the_fused_caller(tiny_gguf, mon
                          ids=["q4_1", "q5_1-qwen2"])
 def test_attention_split_by_heads_on_the_workers_gives_the_same_bits(tiny_gguf, monkeypatch, kw):
     model = load(tiny_gguf(**kw), n_threads=2, numerics="ggml")
-    monkeypatch.setattr(model.num, "decode_one", None)
+    monkeypatch.setattr(model.num, "compiled_layers", None)
     want = _steps(model, 24, 3)
-    monkeypatch.setattr(model.num, "decode_one", G.decode_one)
+    monkeypatch.setattr(model.num, "compiled_layers", G.compiled_layers)
     monkeypatch.setattr(gdecode, "ATTEND_SPLIT_MIN", 1)                 # every token's attention split by heads
     got = _steps(model, 24, 3)
     assert np.array_equal(got[0], want[0]) and got[1] == want[1]
+
+
+def _mixed(model):
+    """Batches that mix prompt chunks (of 1, 2, 17 and 40 tokens, from an empty sequence and after cached cells,
+    across the 16- and 64-key chunks of the attention) with one-token chunks of other sequences; the logits of
+    every row and each sequence's saved state."""
+    kv = model.new_kv(3, 128)
+    rng = np.random.default_rng(5)
+
+    def ids(n):
+        return rng.integers(3, 40, n).tolist()
+    outs = []
+    batches = [
+        [BatchChunk(0, ids(40), 0, list(range(40)))],
+        [BatchChunk(0, ids(1), 40, True), BatchChunk(1, ids(17), 0, True), BatchChunk(2, ids(2), 0, [0, 1])],
+        [BatchChunk(1, ids(1), 17, True), BatchChunk(2, ids(40), 2, True), BatchChunk(0, ids(1), 41, True)],
+        [BatchChunk(0, ids(17), 42, True), BatchChunk(1, ids(1), 18, True), BatchChunk(2, ids(1), 42, True)],
+    ]
+    for b in batches:
+        outs += model.forward_batch(kv, b)
+    return np.concatenate(outs), [kv.state_save(s).tobytes() for s in range(3)]
+
+
+@pytest.mark.parametrize("n_threads,split", [(1, False), (2, False), (2, True)], ids=["1", "2", "2-heads-split"])
+@pytest.mark.parametrize("kw", [
+    {"tensor_type": "Q4_1", "n_embd": 128, "n_head": 2, "n_head_kv": 1, "n_ff": 320},   # head_dim 64, as SmolLM2
+    {"tensor_type": "Q5_1", "arch": "qwen2", "tied": False},
+], ids=["q4_1-hd64", "q5_1-qwen2"])
+def test_compiled_layers_give_the_layer_loops_bits_for_mixed_batches(tiny_gguf, monkeypatch, kw, n_threads, split):
+    """A prompt chunk's token i attends its own and the earlier cells in tinyBLAS's order, which is row i of the
+    layer loop's causal block: the same logits of every requested row and the same KV cells, batches mixing chunk
+    lengths, with the attention of each token split by heads on the workers or not."""
+    model = load(tiny_gguf(**kw), n_threads=n_threads, numerics="ggml")
+    monkeypatch.setattr(model.num, "compiled_layers", None)
+    want = _mixed(model)
+    monkeypatch.setattr(model.num, "compiled_layers", G.compiled_layers)
+    if split:
+        monkeypatch.setattr(gdecode, "ATTEND_SPLIT_MIN", 1)
+    calls = _counting(monkeypatch)
+    got = _mixed(model)
+    assert len(calls) == 4 * model.hparams.n_layer
+    assert np.array_equal(got[0], want[0])
+    assert got[1] == want[1]
