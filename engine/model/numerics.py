@@ -6,8 +6,8 @@ out, whether the attention scale is folded into Q), the matmul and RoPE classes,
 per-chunk attention, whether one-token chunks are attended together, and the KV store's dtype.
 
 `NUMERICS` maps the names users give (`engine.model.load(path, numerics=...)`) to the objects; `resolve` is
-the one place that reads a name (and where, when numba cannot load, "q" falls back to "f32" and "ggml" to its
-numpy reference `GGML_REFERENCE`, the same results).
+the one place that reads a name (and where, when numba cannot load, "q" and "ggml" fall back to "f32" with one
+warning; ggml's numpy reference `GGML_REFERENCE` gives its results without numba, many times slower).
 """
 
 from __future__ import annotations
@@ -124,7 +124,8 @@ class GgmlNumerics(Numerics):
     `compiled` (the "ggml" of `NUMERICS`): matmuls, quantizers, norm, SwiGLU and attention by the numba kernels
     of `engine.model.gkernels`, bit for bit the numpy code's results (tests), and every layer of a step runs in one
     compiled call (`compiled_layers`, `engine.model.gdecode`: the same bits);
-    `GGML_REFERENCE` is the numpy code itself, which `resolve` falls back to (one warning) when numba cannot load."""
+    `GGML_REFERENCE` is the numpy code itself (selectable by that object); when numba cannot load, `resolve`
+    turns "ggml" into "f32" with one warning."""
 
     name = "ggml"
     kv_dtype = np.dtype(np.float16)
@@ -232,5 +233,5 @@ def resolve(numerics: str | Numerics) -> Numerics:
         return NUMERICS["f32"]
     if isinstance(numerics, GgmlNumerics) and numerics.compiled and not ggml.compiled_available():
         ggml.warn_unavailable()
-        return GGML_REFERENCE
+        return NUMERICS["f32"]          # the speed users expect of a default; the numpy reference stays selectable
     return numerics

@@ -361,15 +361,17 @@ def test_forward_matches_numpy_on_tiny_models(tiny_gguf, kw, n_threads):
     assert got_kv == want_kv
 
 
-def test_resolve_falls_back_to_the_numpy_reference_with_one_warning(monkeypatch):
+def test_resolve_falls_back_to_f32_with_one_warning(monkeypatch):
+    """Without numba, "ggml" (serve's default) resolves to "f32", with one warning that names the cause; the numpy
+    reference stays available when asked for by its object."""
     monkeypatch.setattr(G, "_kernels", None)
     monkeypatch.setattr(G, "_kernels_error", "ImportError: no numba here")
     monkeypatch.setattr(G, "_warned", False)
-    with pytest.warns(RuntimeWarning, match="numpy reference.*no numba here"):
-        assert N.resolve("ggml") is N.GGML_REFERENCE
+    with pytest.warns(RuntimeWarning, match="falls back to 'f32'.*no numba here"):
+        assert N.resolve("ggml") is N.NUMERICS["f32"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert N.resolve("ggml") is N.GGML_REFERENCE                       # the warning comes once
+        assert N.resolve("ggml") is N.NUMERICS["f32"]                      # the warning comes once
     assert N.resolve(N.GGML_REFERENCE) is N.GGML_REFERENCE
 
 

@@ -111,3 +111,14 @@ def test_top_level_without_command_shows_help(argv, capsys):
     out = capsys.readouterr()
     assert "simulate" in out.out + out.err
     assert code == (0 if argv else 2)
+
+
+def test_serve_and_generate_run_the_ggml_numerics_unless_told_otherwise():
+    """The engine's default arithmetic on the command line is llama.cpp's ("ggml"); f32 and q stay selectable; an
+    unknown name is a usage error."""
+    parser = build_parser()
+    assert parser.parse_args(["serve", "-m", "x.gguf"]).numerics == "ggml"
+    assert parser.parse_args(["generate", "-m", "x.gguf", "-p", "hi"]).numerics == "ggml"
+    assert parser.parse_args(["serve", "-m", "x.gguf", "--numerics", "f32"]).numerics == "f32"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "-m", "x.gguf", "--numerics", "f64"])
