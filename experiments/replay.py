@@ -87,11 +87,11 @@ def engine_simulation(model: Any, cfg: ServerConfig, seed: int, temp: float, *, 
 
 def run_replay(values: dict[str, Any], workload, model_path: str, threads: int, temp: float,
                out_dir: str, context: dict[str, Any], csv: bool, plots: bool, progress=None,
-               loaded: Any = None, probe: Any = None) -> dict[str, Any]:
+               loaded: Any = None, probe: Any = None, numerics: str = "f32") -> dict[str, Any]:
     """Load the model (or take `loaded`, the model `model_path` loaded with `threads`), replay `workload` on it,
     write the results directory; returns the summary row. `probe`: an observer of every step besides the step
     log (`experiments.calibrate.InRunProbe`), started with the run's clock before the first step."""
-    model = loaded if loaded is not None else load(model_path, n_threads=threads)
+    model = loaded if loaded is not None else load(model_path, n_threads=threads, numerics=numerics)
     sim, cfg = engine_simulation(model, server_config({**values, "kv_bytes_per_token": None}), values["seed"], temp,
                                  keep_n_ctx_train=values["ctx_size"] != 0, progress=progress)
     steps = StepLog(sim.backend.kv_bytes_per_token, run_clock=lambda: sim.now_s)
@@ -106,7 +106,7 @@ def run_replay(values: dict[str, Any], workload, model_path: str, threads: int, 
         sim.backend.on_step = on_step
     result = sim.run(workload)
     sim.backend.on_step = None
-    threads = {"threads": sim.backend.n_threads, "threads_desc": model.threads_desc}
+    threads = {"threads": sim.backend.n_threads, "threads_desc": model.threads_desc, "numerics": model.numerics}
     result.run.update(threads, model=model_path)
     config = {"slotlab_results": 1, **context, "backend": "numpy", "model": model_path, **threads,
               "temperature": temp, "rerun": "slotlab replay " + " ".join(simulate_argv(values)[2:]),
@@ -139,7 +139,7 @@ def cmd_replay(args: argparse.Namespace, argv: Sequence[str]) -> int:
     with tqdm(total=desc.get("n_requests"), unit="req", desc="replay", file=sys.stderr, leave=False,
               disable=args.quiet) as bar:
         summary = run_replay(values, workload, model, args.threads, args.temp, str(out), context,
-                             csv=args.csv, plots=not args.no_plots, progress=follow(bar))
+                             csv=args.csv, plots=not args.no_plots, progress=follow(bar), numerics=args.numerics)
     if args.quiet:
         print(f"slotlab replay: {one_line_summary(summary)} -> {out}")
     else:

@@ -84,6 +84,9 @@ METRICS = ("ttft", "tpot", "e2e", "queue")
 CORRECTIONS = ("probe", "grid", "track")      # --speed-correct values that change the simulator's step times
 STATS = ("p50", "p90", "p99", "mean")
 MEASURED_CALIBRATION = Path(__file__).resolve().parents[1] / "sim" / "data" / "smollm2_numpy_2threads.json"
+# the same grid measured in the ggml numerics (`slotlab calibrate --threads 2 --numerics ggml`): the default latency
+# of `validate --numerics ggml`
+MEASURED_CALIBRATION_GGML = MEASURED_CALIBRATION.with_name("smollm2_ggml_2threads.json")
 FILES = {"per_request": "validation.csv", "errors": "errors.csv", "summary": "validation.json",
          "scatter": "sim_vs_real_scatter.png", "cdf": "sim_vs_real_cdf.png",
          "steps": "real_steps_ratio.png"}
@@ -351,11 +354,12 @@ def add_validate_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _validate_argv(values: Mapping[str, Any], model: str, threads: int, temp: float,
-                   speed_correct: str = "off", probe_every: float = TRACK_EVERY_S) -> list[str]:
+                   speed_correct: str = "off", probe_every: float = TRACK_EVERY_S, numerics: str = "f32") -> list[str]:
     correct = [] if speed_correct == "off" else ["--speed-correct", speed_correct]
     every = [] if probe_every == TRACK_EVERY_S else ["--probe-every", f"{probe_every:g}"]
+    num = [] if numerics == "f32" else ["--numerics", numerics]
     return ["validate", *simulate_argv(values)[2:], "-m", model, "--threads", str(threads), "--temp", str(temp),
-            *correct, *every]
+            *num, *correct, *every]
 
 
 def _options_key(argv: list[str]) -> list[str]:
@@ -385,8 +389,9 @@ def check_same_run(real: Any, values: Mapping[str, Any], model: str) -> None:
         raise ValueError(f"{real.path} ran model {real.config.get('model')}, here: {model}")
 
 
-def calibration_mismatch(latency: Any, model: str, threads: int) -> str | None:
-    """Why `latency`'s calibration does not describe this run (another model file or thread count), or None.
+def calibration_mismatch(latency: Any, model: str, threads: int, numerics: str = "f32") -> str | None:
+    """Why `latency`'s calibration does not describe this run (another model file, thread count or numerics), or
+    None. A calibration whose `measured_on.engine` names no numerics was measured in f32.
 
     The simulator then predicts another setup's step times, and sim-vs-real errors mostly measure that."""
     measured = getattr(latency, "measured_on", None)
@@ -397,11 +402,15 @@ def calibration_mismatch(latency: Any, model: str, threads: int) -> str | None:
         differences.append(f"model {Path(measured.model).name} (this run: {Path(model).name})")
     if measured.threads is not None and measured.threads != threads:
         differences.append(f"{measured.threads} thread{'s' if measured.threads != 1 else ''} (this run: {threads})")
+    engine = str(getattr(measured, "engine", "") or "")
+    cal_numerics = next((n for n in ("ggml", "q", "f32") if f"numerics {n}" in engine), "f32" if engine else None)
+    if cal_numerics is not None and cal_numerics != numerics:
+        differences.append(f"numerics {cal_numerics} (this run: {numerics})")
     if not differences:
         return None
     return (f"the latency model was calibrated with {' and '.join(differences)}; sim-vs-real errors will mostly "
             f"measure that difference. Calibrate this setup with `slotlab calibrate -m {model} --threads {threads} "
-            f"--out cal.json` and pass `--latency parametric:cal.json`")
+            f"--numerics {numerics} --out cal.json` and pass `--latency parametric:cal.json`")
 
 
 # --- a recorded trace (slotlab record) as the real run -----------------------------------------------------
@@ -527,6 +536,9 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
     values = option_values(args)
     if args.recorded:
         return run_validate_recorded(args, values)
+    if (args.numerics == "ggml" and values["latency"] == f"parametric:{MEASURED_CALIBRATION}"
+            and MEASURED_CALIBRATION_GGML.is_file()):
+        values["latency"] = f"parametric:{MEASURED_CALIBRATION_GGML}"     # the default latency, of this mode
     correct = args.speed_correct in CORRECTIONS
     try:
         if args.threads < 1:
@@ -561,13 +573,14 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
     except (UsageError, ValueError, OSError) as exc:
         print(f"slotlab validate: error: {exc}", file=sys.stderr)
         return 2
-    mismatch = calibration_mismatch(latency, model, args.threads)
+    mismatch = calibration_mismatch(latency, model, args.threads, args.numerics)
     if mismatch:
         print(f"slotlab validate: warning: {mismatch}", file=sys.stderr)
     if getattr(latency, "load_moved", None):
         print(f"slotlab validate: warning: the machine's load moved while {values['latency']} was calibrated "
               f"(load_moved in the file): its step times mix loads", file=sys.stderr)
-    argv = _validate_argv(values, model, args.threads, args.temp, args.speed_correct, args.probe_every)
+    argv = _validate_argv(values, model, args.threads, args.temp, args.speed_correct, args.probe_every,
+                          args.numerics)
     context = run_context(argv, desc)
     load_start = os.getloadavg()
 
@@ -576,7 +589,7 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
                     leave=False, disable=args.quiet)
 
     if reused is None:
-        loaded = load(model, n_threads=args.threads)
+        loaded = load(model, n_threads=args.threads, numerics=args.numerics)
         if speed_probe is None:
             def speed_probe(m: Any) -> SpeedProbe:
                 return measure_probe(m, replay_sampling(m, args.temp, values["seed"]), seed=values["seed"])
@@ -585,7 +598,8 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
                              seed=values["seed"]) if args.probe_every > 0 else None)
         with bar("real") as b:
             run_replay(values, workload, model, args.threads, args.temp, str(out / "real"), context,
-                       csv=args.csv, plots=not args.no_plots, progress=follow(b), loaded=loaded, probe=in_run)
+                       csv=args.csv, plots=not args.no_plots, progress=follow(b), loaded=loaded, probe=in_run,
+                       numerics=args.numerics)
         after = speed_probe(loaded)
         write_run_probes(out / "real", before, after)
         run_probes = (before, after)

@@ -23,6 +23,21 @@ def test_replay_writes_the_simulate_layout_with_measured_times(tiny, tmp_path):
     assert cfg["threads_desc"] == json.loads((out / "run.json").read_text())["threads_desc"] == "1 compute thread (BLAS 1)"
 
 
+def test_replay_runs_the_numerics_asked_for_and_records_it(tiny, tmp_path):
+    """f32 unless told otherwise (the mode the shipped calibration was measured in); `--numerics ggml` runs and
+    records llama.cpp's arithmetic, with the same requests and lengths."""
+    runs = {}
+    for numerics in ("f32", "ggml"):
+        out = tmp_path / numerics
+        extra = [] if numerics == "f32" else ["--numerics", numerics]
+        assert main(["replay", "-m", tiny, "--threads", "1", "--quiet", "--no-plots", "--out", str(out), *extra,
+                     *WORKLOAD]) == 0
+        assert json.loads((out / "config.json").read_text())["numerics"] == numerics
+        runs[numerics] = pd.read_parquet(out / "requests.parquet")
+    cols = ["request", "n_prompt", "n_output"]
+    assert runs["f32"][cols].equals(runs["ggml"][cols])
+
+
 def test_replay_prints_its_summary_and_thread_settings(tiny, tmp_path, capsys):
     out = tmp_path / "r"
     assert main(["replay", "-m", tiny, "--threads", "2", "--no-plots", "--out", str(out), *WORKLOAD]) == 0

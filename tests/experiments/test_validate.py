@@ -173,6 +173,21 @@ def test_a_calibration_of_another_model_or_thread_count_is_named():
     assert calibration_mismatch(get_latency_model("constant:0.01"), "/tmp/tiny.gguf", 1) is None
 
 
+def test_a_calibration_of_another_numerics_is_named():
+    """The shipped f32 calibration names no numerics (f32, the mode it was measured in); the ggml one names ggml;
+    either, used for a run in the other mode, is named with the command that calibrates the run's mode."""
+    from experiments.validate import MEASURED_CALIBRATION, calibration_mismatch
+    from sim.latency_spec import get_latency_model
+    f32 = get_latency_model(f"parametric:{MEASURED_CALIBRATION}")
+    ggml = get_latency_model(f"parametric:{MEASURED_CALIBRATION.with_name('smollm2_ggml_2threads.json')}")
+    model = "/x/SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert calibration_mismatch(f32, model, 2, "f32") is None
+    assert calibration_mismatch(ggml, model, 2, "ggml") is None
+    other = calibration_mismatch(f32, model, 2, "ggml")
+    assert "numerics f32 (this run: ggml)" in other and "--numerics ggml" in other
+    assert "numerics ggml (this run: f32)" in calibration_mismatch(ggml, model, 2, "f32")
+
+
 def test_validate_warns_when_the_calibration_is_of_another_setup(tiny, calib, tmp_path, capsys):
     assert run_validate(parse("-m", tiny, "--threads", "2", "--latency", f"parametric:{calib}", "--quiet",
                               "--no-plots", "--out", str(tmp_path / "v"), *WORKLOAD)) == 0
