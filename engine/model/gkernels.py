@@ -512,6 +512,7 @@ def f16_round_array(x, out):
 
 _CONTRACT = {"contract"}
 
+
 @njit(cache=True, nogil=True, inline="always")
 def _reduce16_col(a, j):
     """ggml._reduce16 of a[0:16, j] (halves added pairwise, 8 -> 4 -> 2 -> 1)."""
@@ -715,19 +716,7 @@ def _weighted(p, v, n_keys, npad, one, acc, fold, out):
     else:
         x = acc
     for d in range(hd):
-        b0 = x[8, d] + x[0, d]
-        b1 = x[9, d] + x[1, d]
-        b2 = x[10, d] + x[2, d]
-        b3 = x[11, d] + x[3, d]
-        b4 = x[12, d] + x[4, d]
-        b5 = x[13, d] + x[5, d]
-        b6 = x[14, d] + x[6, d]
-        b7 = x[15, d] + x[7, d]
-        c0 = b4 + b0
-        c1 = b5 + b1
-        c2 = b6 + b2
-        c3 = b7 + b3
-        out[d] = (c0 + c2) + (c1 + c3)
+        out[d] = _reduce16_col(x, d)
 
 
 @njit(cache=True, nogil=True)
