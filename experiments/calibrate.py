@@ -780,7 +780,9 @@ def plot_fit(steps: Any, path: str | Path, title: str) -> Path:
     meas_ms = 1000 * steps["measured_s"]
     preds = {"physical": 1000 * steps["loso_s"], "simple": 1000 * steps["loso_simple_s"],
              "table": 1000 * steps["loso_table_s"]}
-    lo = float(min(meas_ms.min(), *(p.min() for p in preds.values()))) * 0.8
+    # log axes: a held-out prediction of 0 (a small grid's NNLS may zero every term a shape has) cannot be drawn
+    positive = [v[v > 0] for v in (meas_ms, *preds.values())]
+    lo = float(min(v.min() for v in positive if v.size)) * 0.8
     hi = float(max(meas_ms.max(), *(p.max() for p in preds.values()))) * 1.25
     ax.plot([lo, hi], [lo, hi], color="0.5", lw=1, ls="--", label="y = x")
     ax.scatter(meas_ms, preds["simple"], label="simple (held-out shape)", s=16, marker="x", color="0.55")
