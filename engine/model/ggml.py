@@ -440,6 +440,35 @@ class Q8_0DotPart(Q8_1DotPart):
     act: str = "q8_0"
 
 
+class PackedEmbedding:
+    """The token embedding of a tied Q8_0 head, read from the head's packed part instead of a float32 table (113 MB
+    for SmolLM2): `emb[ids]` is d * q of those rows, one float32 product per weight, as ggml_get_rows dequantizes
+    a Q8_0 row (`dequantize_row_q8_0`) and as the loader's float32 values are: the same bits."""
+
+    def __init__(self, part: Q8_0DotPart, n_embd: int):
+        if part.has_m or part.q.shape[2] != 8 * 32 or part.q.shape[1] * 32 != n_embd:
+            raise ValueError("a packed embedding reads a Q8_0 part of n_embd inputs")
+        self.part = part
+        self.shape = (part.n_out, n_embd)
+        self.dtype = np.dtype(np.float32)
+
+    @property
+    def nbytes(self) -> int:
+        return self.part.nbytes[1]
+
+    def __getitem__(self, ids: Any) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.shape[0]):
+            raise IndexError(f"token id out of range [0, {self.shape[0]})")
+        p = self.part
+        g, nb, _ = p.q.shape
+        grp, col = ids // 8, ids % 8
+        q = p.q.reshape(g, nb, 8, 8, 4)[grp, :, :, col, :]              # [T, nb, lane, 4]: element 4 lane + e
+        d = p.pd[grp, :, col]                                           # [T, nb]
+        x = q.view(np.int8).astype(np.float32).reshape(ids.size, nb, 32) * d[:, :, None]
+        return x.reshape(ids.size, nb * 32)
+
+
 @dataclass(frozen=True, slots=True)
 class QLinear:
     """A weight for ggml numerics: parts concatenated along the outputs (fused matrices whose pieces need

@@ -145,8 +145,8 @@ class GgmlNumerics(Numerics):
 
     def tensor_extra(self, t: Any) -> Any:
         """Q4_1/Q5_1/Q8_0 matrices of the layers: their integer quants and block scales (`ggml.exact_part`); a
-        Q8_0 head (`output.weight`, or the token embedding a tied head reuses): its exact head (`ggml.exact_head`),
-        the float32 values kept as well for the embedding's lookups."""
+        Q8_0 head (`output.weight`, or the token embedding a tied head reuses): its exact head (`ggml.exact_head`);
+        a tied one is also the embedding's lookup table (`embedding`)."""
         exact = ggml.EXACT_DOT_TYPES | ggml.EXACT_Q8_0_TYPES
         if t.tensor_type in exact and len(t.shape) == 2 and t.name.startswith("blk."):
             return ggml.exact_part(t.data, t.tensor_type, (int(t.shape[1]), int(t.shape[0])))
@@ -157,6 +157,13 @@ class GgmlNumerics(Numerics):
 
     def keeps_quantized(self, extra: Any) -> bool:
         return isinstance(extra, quant.QPart)
+
+    def embedding(self, w: np.ndarray | None, extra: Any) -> Any:
+        """A Q8_0 token embedding (its exact head, tied or not): rows read from the head's packed part
+        (`ggml.PackedEmbedding`, the same values as the float32 table, which is dropped); else the table."""
+        if isinstance(extra, ggml.QLinear) and len(extra.parts) == 1 and isinstance(extra.parts[0], ggml.Q8_0DotPart):
+            return ggml.PackedEmbedding(extra.parts[0], w.shape[1])
+        return w
 
     def linear(self, pieces: list[Piece]) -> ggml.QLinear:
         return ggml.qlinear(pieces)

@@ -524,3 +524,21 @@ def test_packed_parts_hold_the_quants_once_and_unpack_to_them(type_name, n_out):
     assert u.has_m == qp.has_m and u.nib == qp.nib
     if qp.has_m:
         assert np.array_equal(u.m.view(np.uint32), qp.m.view(np.uint32))
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_a_q8_0_embedding_is_read_from_its_packed_part_with_the_f32_tables_values(tiny_gguf, tied):
+    """ggml numerics keep no float32 copy of a Q8_0 token embedding: the rows come from the exact head's packed
+    part (tied: the head's own), bit for bit the float32 table f32 numerics builds, in any order, repeated, and
+    out-of-range ids are refused."""
+    path = tiny_gguf(tensor_type="Q8_0", tied=tied)
+    emb = load(path, n_threads=1, numerics="ggml").weights
+    table = load(path, n_threads=1, numerics="f32").weights.tok_embd
+    assert isinstance(emb.tok_embd, G.PackedEmbedding) and emb.tok_embd.shape == table.shape
+    if tied:
+        assert emb.tok_embd.part is emb.output.parts[0]
+    ids = np.concatenate([np.arange(table.shape[0]), [0, 5, 5, table.shape[0] - 1]])[::-1]
+    got = emb.tok_embd[ids]
+    assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), table[ids].view(np.uint32))
+    with pytest.raises(IndexError):
+        emb.tok_embd[[table.shape[0]]]
