@@ -184,6 +184,7 @@ _R, _S, _C, _G, _K = RUNS, (SERVE,), (COMPARE,), (GENERATE,), (CALIBRATE,)
 # engine against a calibration (replay, validate, calibrate: `--numerics`), as the shipped default one was measured
 # in that mode
 DEFAULT_NUMERICS = "ggml"
+_NUMERICS = ("ggml", "f32", "q")     # engine.model.NUMERICS_MODES (not imported here: the CLI starts without it)
 _RV = (REPLAY, VALIDATE)
 _CPUS = os.cpu_count() or 1
 
@@ -199,7 +200,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(NET, ("--numerics",), "engine arithmetic: ggml (default: llama.cpp's CPU arithmetic on the quantized "
          "weights, f16 KV, numba kernels; the same logits as llama.cpp), f32 (the float32 reference: weights "
          "dequantized at load, f32 KV) or q (weights kept quantized, float32 activations)", _S, str,
-         DEFAULT_NUMERICS, choices=("ggml", "f32", "q")),
+         DEFAULT_NUMERICS, choices=_NUMERICS),
     # workload
     Flag(W, ("--trace",), "replay this trace file (format detected from its first line; .gz ok) instead of a "
          "generated workload (default: none, use --workload)", _R, str, metavar="FILE"),
@@ -336,7 +337,8 @@ FLAGS: tuple[Flag, ...] = (
          "threads, BLAS itself held at 1; report it with every figure)", _RV, int, 2, "N"),
     Flag(ENGINE, ("--numerics",), "engine arithmetic (default: f32, the mode the shipped calibration "
          "sim/data/smollm2_numpy_2threads.json was measured in; ggml: llama.cpp's arithmetic, serve's default, "
-         "calibrated in sim/data/smollm2_ggml_2threads.json, validate's default latency then; q)", _RV, str, "f32", choices=("f32", "ggml", "q")),
+         "calibrated in sim/data/smollm2_ggml_2threads.json, validate's default latency then; q)", _RV, str, "f32",
+         choices=_NUMERICS),
     Flag(ENGINE, ("--temp",), "sampling temperature (default: 0 = greedy, reproducible); outputs always run to "
          "the trace's length (ignore_eos)", _RV, float, 0.0, "T"),
     Flag(None, ("--recorded",), "compare with a trace recorded by `slotlab record` instead of running the engine: "
@@ -377,11 +379,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag(None, ("--numerics",), "engine arithmetic: ggml (default: llama.cpp's CPU arithmetic replayed, the same "
          "logits as llama.cpp on the quantized file, numba kernels), f32 (the float32 reference: weights dequantized "
          "to float32) or q (weights kept in their quant blocks, float32 activations)", _G, str, DEFAULT_NUMERICS,
-         choices=("ggml", "f32", "q")),
+         choices=_NUMERICS),
     Flag(None, ("--chat",), "wrap the prompt in the model's chat template as a user message", _G, default=False),
     Flag(None, ("--threads",), "compute threads, as `slotlab replay --threads` (default: 2)", _K, int, 2, "N"),
     Flag(None, ("--numerics",), "engine arithmetic, as `slotlab replay --numerics` (default: f32)", _K, str, "f32",
-         choices=("f32", "ggml", "q")),
+         choices=_NUMERICS),
     Flag(None, ("--out",), "calibration file to write (default: results/calibrate/<timestamp>/calibration.json)",
          _K, str, metavar="FILE.json"),
     Flag(None, ("--quick",), "a dozen small shapes instead of the full grid (tests)", _K, default=False),

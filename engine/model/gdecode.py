@@ -32,8 +32,7 @@ from engine.model import gkernels as gk
 from engine.model import spin, spinjobs
 from engine.model.spin import ERROR
 # the words of a token's row of `seqs` (`spinjobs` defines them: its ATTEND_TOKENS pieces read the table)
-from engine.model.spinjobs import (N_SEQ, S_CAP, S_K, S_KT, S_KT_STRIDE, S_KV_STRIDE, S_N_OLD, S_ONE, S_SH_CAP, S_V,
-                                   S_VALID, S_VF, S_VF_STRIDE)
+from engine.model.spinjobs import N_SEQ, S_CAP, S_K, S_KV_STRIDE, S_N_OLD, S_ONE, S_V, S_VALID
 
 F32 = np.float32
 _NIB, _BYTE, _Q8_0 = spinjobs.DOT_NIB, spinjobs.DOT_BYTE, spinjobs.DOT_Q8_0
@@ -123,11 +122,10 @@ def decode_layer(x, attn_norm, ffn_norm, eps, scale, kinds,
     cost = 0
     for t in range(n_tok):                                               # each token's cells, its Q in fp16
         sq = seqs[t]
-        cap, sh_cap, n_old = sq[S_CAP], sq[S_SH_CAP], sq[S_N_OLD]
+        cap, n_old = sq[S_CAP], sq[S_N_OLD]
         k16 = spin.u16_at(sq[S_K] + il * sq[S_KV_STRIDE], (n_head_kv, cap, hd))
         v16 = spin.u16_at(sq[S_V] + il * sq[S_KV_STRIDE], (n_head_kv, cap, hd))
-        kt = spin.f32_at(sq[S_KT] + il * sq[S_KT_STRIDE], (n_head_kv, hd, sh_cap))
-        vf = spin.f32_at(sq[S_VF] + il * sq[S_VF_STRIDE], (n_head_kv, sh_cap, hd))
+        kt, vf = spinjobs.shadow_at(sq, il, n_head_kv, hd)
         valid = spin.i64_at(sq[S_VALID], (il + 1,))
         for h in range(n_head_kv):                                       # KV write: fp16 cells at n_old
             for j in range(hd):
@@ -142,17 +140,14 @@ def decode_layer(x, attn_norm, ffn_norm, eps, scale, kinds,
     # every token's attention, now that every cell is written (a token reads only the cells up to its own); split
     # over the workers by tokens when there are several, else by heads (one token with many cells)
     n_gqa = n_head // n_head_kv
-    if ints[N_WORKERS] > 0 and n_tok > 1 and cost * n_q >= ints[ATTEND_MIN]:
-        n = spinjobs.post_attend_tokens(job, cuts, q16, seqs, il, att, n_head_kv, n_gqa, scale, ints[N_PIECES])
-        spin.publish_quiet(ctl, n)
-        spin.run_compiled(ctl, job, cuts, n, piece)
-        _keep(q16, att, seqs)
-    elif ints[N_WORKERS] > 0 and n_tok == 1 and cost * n_q >= ints[ATTEND_MIN]:     # one token: heads split
-        sq = seqs[0]
-        kt = spin.f32_at(sq[S_KT] + il * sq[S_KT_STRIDE], (n_head_kv, hd, sq[S_SH_CAP]))
-        vf = spin.f32_at(sq[S_VF] + il * sq[S_VF_STRIDE], (n_head_kv, sq[S_SH_CAP], hd))
-        n = spinjobs.post_attend(job, cuts, q16, kt, vf, att, sq[S_N_OLD], n_gqa, scale, sq[S_ONE] != 0,
-                                 ints[N_PIECES])
+    if ints[N_WORKERS] > 0 and cost * n_q >= ints[ATTEND_MIN]:
+        if n_tok > 1:
+            n = spinjobs.post_attend_tokens(job, cuts, q16, seqs, il, att, n_head_kv, n_gqa, scale, ints[N_PIECES])
+        else:                                                            # one token: its heads split
+            sq = seqs[0]
+            kt, vf = spinjobs.shadow_at(sq, il, n_head_kv, hd)
+            n = spinjobs.post_attend(job, cuts, q16, kt, vf, att, sq[S_N_OLD], n_gqa, scale, sq[S_ONE] != 0,
+                                     ints[N_PIECES])
         spin.publish_quiet(ctl, n)
         spin.run_compiled(ctl, job, cuts, n, piece)
         _keep(q16, att, seqs)
@@ -164,7 +159,7 @@ def decode_layer(x, attn_norm, ffn_norm, eps, scale, kinds,
         for i in range(dim):
             x[t, i] = x[t, i] + y[t, i]
     gk.rms_norm(x, ffn_norm, eps, xn)                                    # FFN norm
-    n_ff = q_dn.shape[1] * 32                                          # down's inputs: nb blocks of 32
+    n_ff = q_dn.shape[1] * 32                                            # down's inputs: nb blocks of 32
     gu = np.empty((n_tok, 2 * n_ff), F32)
     _product(kinds[2], q_gu, d_gu, m_gu, xn, gu, ctl, job, cuts, ints, piece)
     g = np.ascontiguousarray(gu[:, :n_ff])

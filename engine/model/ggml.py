@@ -441,9 +441,10 @@ class Q8_0DotPart(Q8_1DotPart):
 
 
 class PackedEmbedding:
-    """The token embedding of a tied Q8_0 head, read from the head's packed part instead of a float32 table (113 MB
-    for SmolLM2): `emb[ids]` is d * q of those rows, one float32 product per weight, as ggml_get_rows dequantizes
-    a Q8_0 row (`dequantize_row_q8_0`) and as the loader's float32 values are: the same bits."""
+    """A Q8_0 token embedding read from its exact head's packed part (the output head itself when tied) instead of
+    a float32 table (113 MB for SmolLM2): `emb[ids]` is d * q of those rows, one float32 product per weight, as
+    ggml_get_rows dequantizes a Q8_0 row (`dequantize_row_q8_0`) and as the loader's float32 values are: the same
+    bits."""
 
     def __init__(self, part: Q8_0DotPart, n_embd: int):
         if part.has_m or part.q.shape[2] != 8 * 32 or part.q.shape[1] * 32 != n_embd:
@@ -615,7 +616,7 @@ class GgmlMatmul(Matmul):
         split = self._pool is not None and m * n_in * p.n_out >= _SPLIT_MIN_MACS
         if split and self._spin is not None:
             from engine.model import spinjobs as sj
-            kind = sj.DOT_Q8_0 if not p.has_m else sj.DOT_NIB if p.nib else sj.DOT_BYTE
+            kind = _dot_kind(p)
             if self._spin.try_run(lambda job, cuts, n: sj.post_dot(job, cuts, kind, q, d, mw, qx, d16, s, y,
                                                                    n, 64), self.n_threads * _SPIN_PIECES_PER_THREAD):
                 return y
@@ -651,14 +652,18 @@ def compiled_layers(w: Any, hp: HParams, rope: Rope, mm: Matmul, kv: KVStore, se
     return True
 
 
+def _dot_kind(p: Q8_1DotPart) -> int:
+    """The spin job kind (`spinjobs.DOT_*`) of an exact part's kernel."""
+    from engine.model import spinjobs as sj
+    return sj.DOT_Q8_0 if not p.has_m else sj.DOT_NIB if p.nib else sj.DOT_BYTE
+
+
 def _exact_part(lin: Any) -> tuple[int, np.ndarray, np.ndarray, np.ndarray] | None:
     """(kind, q, d, m or d again) of a `QLinear` that is one exact part, in the packed layout, else None."""
-    from engine.model import spinjobs as sj
     if not isinstance(lin, QLinear) or len(lin.parts) != 1 or isinstance(lin.parts[0], BlasPart):
         return None
     p = lin.parts[0]
-    kind = sj.DOT_Q8_0 if not p.has_m else sj.DOT_NIB if p.nib else sj.DOT_BYTE
-    return (kind, *p.packed)
+    return (_dot_kind(p), *p.packed)
 
 
 def _fused_layers(mm: GgmlMatmul, w: Any) -> list | None:

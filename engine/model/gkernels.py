@@ -4,7 +4,8 @@ Every kernel replays, operation by operation, what the numpy reference in `ggml.
 ggml's x86 CPU kernels); the tests (`tests/engine/test_ggml_kernels.py`) hold them to np.array_equal against it.
 Rules that keep the bits:
 
-- no `fastmath`: LLVM must not contract a * b + c into an fma, reassociate a sum or assume away inf / NaN;
+- no `fastmath`: LLVM must not contract a * b + c into an fma, reassociate a sum or assume away inf / NaN
+  (the one exception: `contract` in the attention's scores and V.p, whose products are exact, see there);
 - float32 values stay float32 (numba types float32 op float32 as float32; constants are typed `F32(...)`);
 - an fma of float32 operands is `llvm.fma.f32` (`_fma`, one rounding: vfmadd on CPUs with FMA, the C library's
   fmaf elsewhere), the correctly rounded result the numpy code's exact emulation gives (`ggml._fma`);
@@ -12,10 +13,10 @@ Rules that keep the bits:
   sums sequential); sums of exact integers or of exact f16 x f16 products may be written in any order the
   vectorizer likes only where every partial sum is exact (integer dot products below 2^24).
 
-Quantized weights come in the dot kernels' packed layout (`ggml.pack_blocks`: groups of 8 outputs, each group's blocks
-contiguous, a lane's bytes of the 8 outputs side by side), which their vector code (LLVM IR of ggml's AVX2
-integer instructions, `_group_dot_of`) reads 32 bytes at a time. All kernels
-are `nogil`: the engine's own threads (`Matmul._run`) call them on disjoint output ranges or query blocks.
+Quantized weights come in the dot kernels' packed layout (`ggml.pack_blocks`: groups of 8 outputs, each group's
+blocks contiguous, a lane's bytes of the 8 outputs side by side), which their vector code (LLVM IR of ggml's AVX2
+integer instructions, `_group_dot_of`) reads 32 bytes at a time. All kernels are `nogil`: the engine's own
+threads (`Matmul._run`) and the polling workers call them on disjoint output ranges or query blocks.
 """
 
 from __future__ import annotations

@@ -35,12 +35,11 @@ N_SEQ = 12
 RANGE_NIB, RANGE_BYTE, RANGE_HALF = 4, 5, 6     # q: nibble, byte and 16-bit weights
 
 
-# job words of a ggml dot product (`post_dot`): 0 kind, 1-4 packed quants (address, G, nb, bytes per group block),
-# 5 d, 6 m (addresses), 7 n_out, 8-10 activation quants (address, M, n_in), 11-12 dx (address, blocks), 13 sx,
-# 14 output.
-# job words of a q product (`post_range`): 0 kind, 1-4 quants (address, nb, bs, n_out), 5 d, 6-7 m
-# (address, rows), 8-10 activations (address, M, n_in), 11-12 per-block activation values (address, blocks),
-# 13 has_m, 14 output
+# job words of a block-quantized product (both families, `_put_blocks`): 0 kind, 1-4 quants (address, then the
+# three dimensions of its array: q [nb, bs, n_out]; ggml's packed q [G, nb, bytes per group block]), 5 d, 6-7 m
+# (address, leading dimension), 8-10 activations (address, M, n_in), 11-12 per-block activation values (address,
+# blocks), 13 has_m (q) or the second per-block array's address (ggml: sx), 14 output, 15 n_out; the pieces are
+# ranges of the outputs
 @njit(cache=True, nogil=True, inline="always")
 def _put_blocks(job, cuts, kind, q, d, m, x, xb, y, n_pieces, align):
     job[0] = kind
@@ -57,7 +56,8 @@ def _put_blocks(job, cuts, kind, q, d, m, x, xb, y, n_pieces, align):
     job[11] = address(xb)
     job[12] = xb.shape[1]
     job[14] = address(y)
-    return set_cuts(cuts, q.shape[2], align, n_pieces)
+    job[15] = y.shape[1]
+    return set_cuts(cuts, y.shape[1], align, n_pieces)
 
 
 @njit(cache=True, nogil=True)
@@ -65,22 +65,8 @@ def post_dot(job, cuts, kind, qw, dw, mw, qx, dx, sx, y, n_pieces, align):
     """A ggml dot job (kind DOT_*): qw [G, nb, blk], dw/mw [G, nb, 8] in the packed layout (`ggml.pack_blocks`),
     qx [M, n_in] int8, dx/sx [M, nb], y [M, n_out]. Returns the number of pieces (ranges of outputs, `align` a
     multiple of 8)."""
-    job[0] = kind
-    job[1] = address(qw)
-    job[2] = qw.shape[0]
-    job[3] = qw.shape[1]
-    job[4] = qw.shape[2]
-    job[5] = address(dw)
-    job[6] = address(mw)
-    job[7] = y.shape[1]
-    job[8] = address(qx)
-    job[9] = qx.shape[0]
-    job[10] = qx.shape[1]
-    job[11] = address(dx)
-    job[12] = dx.shape[1]
     job[13] = address(sx)
-    job[14] = address(y)
-    return set_cuts(cuts, y.shape[1], align, n_pieces)
+    return _put_blocks(job, cuts, kind, qw, dw, mw, qx, dx, y, n_pieces, align)
 
 
 @njit(cache=True, nogil=True)
@@ -120,6 +106,15 @@ def _run_attend(job, cuts, i):
 _BLOCK_ROWS = 8     # a chunk's consecutive tokens attended together (K / V read once for them), as ggml.attend
 
 
+@njit(cache=True, nogil=True, inline="always")
+def shadow_at(sq, il, n_head_kv, hd):
+    """(kt [n_head_kv, hd, cap], vf [n_head_kv, cap, hd]): layer il of the float32 shadow of the sequence whose row
+    of the `seqs` table is sq."""
+    kt = f32_at(sq[S_KT] + il * sq[S_KT_STRIDE], (n_head_kv, hd, sq[S_SH_CAP]))
+    vf = f32_at(sq[S_VF] + il * sq[S_VF_STRIDE], (n_head_kv, sq[S_SH_CAP], hd))
+    return kt, vf
+
+
 @njit(cache=True, nogil=True)
 def attend_tokens(q16, seqs, t0, t1, il, n_head_kv, n_gqa, scale, out):
     """The attention of tokens t0..t1-1: row t of q16 [T, n_head, hd] (fp16 values) over the cells 0..S_N_OLD of
@@ -135,8 +130,7 @@ def attend_tokens(q16, seqs, t0, t1, il, n_head_kv, n_gqa, scale, out):
             while (b < t1 and b - t < _BLOCK_ROWS and seqs[b, S_KT] == sq[S_KT]
                    and seqs[b, S_N_OLD] == sq[S_N_OLD] + (b - t)):
                 b += 1
-        kt = f32_at(sq[S_KT] + il * sq[S_KT_STRIDE], (n_head_kv, hd, sq[S_SH_CAP]))
-        vf = f32_at(sq[S_VF] + il * sq[S_VF_STRIDE], (n_head_kv, sq[S_SH_CAP], hd))
+        kt, vf = shadow_at(sq, il, n_head_kv, hd)
         gkernels.attend_block(q16[t:b], kt, vf, sq[S_N_OLD], 0, b - t, sq[S_ONE] != 0, scale, n_gqa, out[t:b])
         t = b
 
@@ -192,7 +186,7 @@ def run_ggml_piece(job, cuts, i):
         _run_attend_tokens(job, cuts, i)
         return
     o0, o1 = cuts[2 * i], cuts[2 * i + 1]
-    g, nb, blk, n_out, m, n_in, nbx = job[2], job[3], job[4], job[7], job[9], job[10], job[12]
+    g, nb, blk, n_out, m, n_in, nbx = job[2], job[3], job[4], job[15], job[9], job[10], job[12]
     qw = u8_at(job[1], (g, nb, blk))
     dw = f32_at(job[5], (g, nb, 8))
     mw = f32_at(job[6], (g, nb, 8))
@@ -296,5 +290,6 @@ def pool(n_workers: int, family: str = "ggml") -> SpinPool:
     return SpinPool(n_workers, piece_c(family))
 
 
-__all__ = ["ATTEND", "DOT_BYTE", "DOT_NIB", "DOT_Q8_0", "RANGE_BYTE", "RANGE_HALF", "RANGE_NIB", "piece_c", "pool", "post_attend",
-           "post_dot", "post_half", "post_range", "run_ggml_piece", "run_q_piece"]
+__all__ = ["ATTEND", "ATTEND_TOKENS", "DOT_BYTE", "DOT_NIB", "DOT_Q8_0", "N_SEQ", "RANGE_BYTE", "RANGE_HALF",
+           "RANGE_NIB", "attend_tokens", "piece_c", "pool", "post_attend", "post_attend_tokens", "post_dot",
+           "post_half", "post_range", "run_ggml_piece", "run_q_piece", "shadow_at"]

@@ -122,3 +122,6 @@ def test_serve_and_generate_run_the_ggml_numerics_unless_told_otherwise():
     assert parser.parse_args(["serve", "-m", "x.gguf", "--numerics", "f32"]).numerics == "f32"
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "-m", "x.gguf", "--numerics", "f64"])
+    from engine.model import NUMERICS_MODES
+    from experiments.flags import _NUMERICS
+    assert sorted(_NUMERICS) == sorted(NUMERICS_MODES)                  # the choices are the engine's modes
