@@ -375,9 +375,10 @@ def _options_key(argv: list[str]) -> list[str]:
     return out
 
 
-def check_same_run(real: Any, values: Mapping[str, Any], model: str) -> None:
+def check_same_run(real: Any, values: Mapping[str, Any], model: str, numerics: str = "f32") -> None:
     """ValueError unless results directory `real` is a replay of these options (workload, server, policies)
-    on this model: `--real-run` must not compare a simulation with a different experiment."""
+    on this model in this numerics (runs that record none ran f32): `--real-run` must not compare a simulation
+    with a different experiment."""
     rerun = str(real.config.get("rerun", ""))
     if real.config.get("backend") != "numpy" or not rerun.startswith("slotlab replay"):
         raise ValueError(f"{real.path}: not a real-engine run (slotlab replay / validate real/)")
@@ -387,6 +388,8 @@ def check_same_run(real: Any, values: Mapping[str, Any], model: str) -> None:
         raise ValueError(f"{real.path} ran different options: {' '.join(theirs)!r}, here: {' '.join(mine)!r}")
     if Path(str(real.config.get("model"))).resolve() != Path(model).resolve():
         raise ValueError(f"{real.path} ran model {real.config.get('model')}, here: {model}")
+    if real.config.get("numerics", "f32") != numerics:
+        raise ValueError(f"{real.path} ran numerics {real.config.get('numerics')}, here: {numerics} (--numerics)")
 
 
 def calibration_mismatch(latency: Any, model: str, threads: int, numerics: str = "f32") -> str | None:
@@ -553,7 +556,7 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
         reused = run_probes = track = None
         if args.real_run:
             reused = load_results(args.real_run)
-            check_same_run(reused, values, model)
+            check_same_run(reused, values, model, args.numerics)
             run_probes = read_run_probes(reused.path)
             track = read_run_track(reused.path)
         floor_run = None
@@ -563,7 +566,7 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
                                  "real run of the same workload")
             floor_run = load_results(args.noise_floor)
             try:
-                check_same_run(floor_run, values, model)
+                check_same_run(floor_run, values, model, args.numerics)
             except ValueError as exc:
                 raise ValueError(f"--noise-floor {args.noise_floor}: {exc}") from exc
         if correct:
