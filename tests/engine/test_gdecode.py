@@ -166,6 +166,22 @@ def test_fused_decode_does_not_apply_to_an_f32_kv_store(tiny_gguf, monkeypatch):
     assert calls == []
 
 
+def test_the_workers_are_held_awake_during_a_compiled_step_only(tiny_gguf, monkeypatch):
+    model = load(tiny_gguf(tensor_type="Q4_1", n_embd=256, n_head=4, n_head_kv=2, n_ff=1024), n_threads=2,
+                 numerics="ggml")
+    pool = model.matmul._spin
+    held = []
+    real = gdecode.decode_layer
+
+    def recording(*a):
+        held.append(int(pool.ctl[spin.HOLD]))
+        return real(*a)
+    monkeypatch.setattr(gdecode, "decode_layer", recording)
+    kv = model.new_kv(1, 32)
+    model.forward_batch(kv, [BatchChunk(0, PROMPT, 0, True)])
+    assert held == [1] * model.hparams.n_layer and pool.ctl[spin.HOLD] == 0
+
+
 def test_sched_yield_is_callable_from_compiled_code():
     assert spin.yield_core() == 0
 
@@ -185,6 +201,7 @@ def test_a_kernel_error_in_a_worker_is_raised_by_the_fused_caller(tiny_gguf, mon
     with pytest.raises(RuntimeError, match="a compiled kernel raised"):
         model.forward_batch(kv, [BatchChunk(0, [4], len(PROMPT), True)])
     assert not pool.lock.locked()                                       # released on the error
+    assert pool.ctl[spin.HOLD] == 0                                     # and the workers may sleep again
 
 
 @pytest.mark.parametrize("kw", [{"tensor_type": "Q4_1"}, {"tensor_type": "Q5_1", "arch": "qwen2", "tied": False}],

@@ -69,6 +69,29 @@ def test_workers_fall_asleep_and_wake_on_the_next_job():
         mm.close()
 
 
+def test_a_held_pool_keeps_its_workers_awake_past_the_spin_budget():
+    """HOLD set (a compiled caller's step): an awake worker with nothing to claim keeps polling past its spin
+    budget, 200 us here; cleared, it falls asleep."""
+    from engine.model import spinjobs
+    pool = spin.SpinPool(1, spinjobs.piece_c("ggml"), spin_us=200)
+    try:
+        with pool.lock:
+            pool.ctl[spin.HOLD] = 1
+            pool.wake()
+            deadline = time.monotonic() + 10
+            while pool.state() != [spin.AWAKE] and time.monotonic() < deadline:
+                time.sleep(0.001)
+            time.sleep(0.1)                                             # 500 spin budgets
+            assert pool.state() == [spin.AWAKE]
+            pool.ctl[spin.HOLD] = 0
+        deadline = time.monotonic() + 10
+        while pool.state() != [spin.SLEEPING] and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert pool.state() == [spin.SLEEPING]
+    finally:
+        pool.close()
+
+
 def test_the_caller_does_every_piece_when_no_worker_comes():
     """A worker marked awake that never runs (descheduled, say): no token is posted, nothing claims a piece
     but the caller, and the call returns with the right bits instead of waiting."""
