@@ -56,9 +56,10 @@ def packed(mod) -> bool:
 
 
 def layout(mod, q, d, m):
-    """(q, d, m) as kernel module `mod` reads them (m None: Q8_0, d again)."""
+    """(q, d, m) as kernel module `mod` reads them (m None: Q8_0, d again), in its group width (8 before the
+    groups of 16)."""
     if packed(mod):
-        return G.pack_blocks(q, d, m)
+        return G.pack_blocks(q, d, m, getattr(mod, "GROUP", 8))
     return q, d, (d if m is None else m)
 
 

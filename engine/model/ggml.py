@@ -53,7 +53,7 @@ from engine.model.f32 import Rope
 from engine.model.kv import KVStore, SeqKV
 from engine.model.matmul import _SPLIT_MIN_MACS, Matmul
 from engine.model.quant import QPart, concat_parts
-from engine.model.types import HParams, Linear
+from engine.model.types import PACK_GROUP, HParams, Linear
 
 QK8 = 32          # block of Q8_0 / Q8_1 (and of Q4_0 .. Q8_0 weights)
 QK_K = 256        # super-block of Q8_K (and of the K-quants)
@@ -336,19 +336,22 @@ class BlasPart:
         return self.lin.stream_bytes, self.lin.resident_bytes
 
 
-def pack_blocks(q: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def pack_blocks(q: np.ndarray, d: np.ndarray, m: np.ndarray | None,
+                group: int = PACK_GROUP) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The packed layout of the dot kernels from `quant.QPart`'s transposed one: q [nb, bs, n_out] (bs 16: two
-    nibbles a byte; 32: a byte each), d, m [nb, n_out] -> (qp uint8 [G, nb, 8 * bs], dp, mp float32 [G, nb, 8]),
-    G = ceil(n_out / 8) groups of 8 outputs, the last one padded with zeros; qp[g, b, 32 l + 4 o + e] is byte
-    4 l + e of output 8 g + o's block b (lane l). m None (Q8_0): mp is dp."""
+    nibbles a byte; 32: a byte each), d, m [nb, n_out] -> (qp uint8 [G, nb, P bs], dp, mp float32 [G, nb, P]),
+    P = group (the kernels read PACK_GROUP; another width serves benchmarks of older kernels), G = ceil(n_out / P)
+    groups of P outputs, the last one padded with zeros; qp[g, b, 4 P l + 4 o + e] is byte 4 l + e of output
+    P g + o's block b (lane l). m None (Q8_0): mp is dp."""
+    P = group
     nb, bs, n_out = q.shape
-    g = -(-n_out // 8)
-    pad = g * 8 - n_out
+    g = -(-n_out // P)
+    pad = g * P - n_out
     qz = np.pad(q.view(np.uint8), ((0, 0), (0, 0), (0, pad)))
-    qp = np.ascontiguousarray(qz.reshape(nb, bs // 4, 4, g, 8).transpose(3, 0, 1, 4, 2)).reshape(g, nb, 8 * bs)
+    qp = np.ascontiguousarray(qz.reshape(nb, bs // 4, 4, g, P).transpose(3, 0, 1, 4, 2)).reshape(g, nb, P * bs)
 
     def scales(s):
-        return np.ascontiguousarray(np.pad(s, ((0, 0), (0, pad))).reshape(nb, g, 8).transpose(1, 0, 2))
+        return np.ascontiguousarray(np.pad(s, ((0, 0), (0, pad))).reshape(nb, g, P).transpose(1, 0, 2))
     dp = scales(d.astype(np.float32, copy=False))
     return qp, dp, (dp if m is None else scales(m.astype(np.float32, copy=False)))
 
@@ -357,13 +360,14 @@ def unpack_blocks(qp: np.ndarray, dp: np.ndarray, mp: np.ndarray | None, n_out: 
                   has_m: bool) -> QPart:
     """`pack_blocks` undone: the `quant.QPart` (transposed layout; Q5_1 / Q8_0 quants int8) of packed arrays.
     mp None or has_m False: m is [0, n_out] (no minimums)."""
+    P = PACK_GROUP
     g, nb, blk = qp.shape
-    bs = blk // 8
-    q = qp.reshape(g, nb, bs // 4, 8, 4).transpose(1, 2, 4, 0, 3).reshape(nb, bs, 8 * g)[:, :, :n_out]
+    bs = blk // P
+    q = qp.reshape(g, nb, bs // 4, P, 4).transpose(1, 2, 4, 0, 3).reshape(nb, bs, P * g)[:, :, :n_out]
     q = np.ascontiguousarray(q if nib else q.view(np.int8))
 
     def scales(s):
-        return np.ascontiguousarray(s.transpose(1, 0, 2).reshape(nb, 8 * g)[:, :n_out])
+        return np.ascontiguousarray(s.transpose(1, 0, 2).reshape(nb, P * g)[:, :n_out])
     m = scales(mp) if has_m else np.zeros((0, n_out), np.float32)
     return QPart(nib=nib, q=q, d=scales(dp), m=m, has_m=has_m)
 
@@ -373,13 +377,13 @@ class Q8_1DotPart:
     """Output columns of Q4_1/Q5_1 weights, computed as ggml_vec_dot_q4_1_q8_1 (x86) does.
 
     The weights are held once, in the compiled kernels' packed layout (`pack_blocks`: GGUF's integer quants,
-    4-bit ones two per byte, and float32 d, m per block of 32, W = d*q + m exactly, in groups of 8 outputs).
+    4-bit ones two per byte, and float32 d, m per block of 32, W = d*q + m exactly, in groups of PACK_GROUP outputs).
     The numpy reference (`dot_q8_1`) reads `w` (`quant.QPart`'s transposed layout) and `qw` (the quants as
     float32 grouped by lane), both made from the packed arrays on first use. Build with `of`."""
 
-    q: np.ndarray      # [G, nb, 8 bs] uint8 (packed)
-    pd: np.ndarray     # [G, nb, 8] float32
-    pm: np.ndarray     # [G, nb, 8] float32 (pd again without minimums)
+    q: np.ndarray      # [G, nb, PACK_GROUP bs] uint8 (packed)
+    pd: np.ndarray     # [G, nb, PACK_GROUP] float32
+    pm: np.ndarray     # [G, nb, PACK_GROUP] float32 (pd again without minimums)
     n_out: int
     nib: bool
     has_m: bool
@@ -447,7 +451,7 @@ class PackedEmbedding:
     bits."""
 
     def __init__(self, part: Q8_0DotPart, n_embd: int):
-        if part.has_m or part.q.shape[2] != 8 * 32 or part.q.shape[1] * 32 != n_embd:
+        if part.has_m or part.q.shape[2] != PACK_GROUP * 32 or part.q.shape[1] * 32 != n_embd:
             raise ValueError("a packed embedding reads a Q8_0 part of n_embd inputs")
         self.part = part
         self.shape = (part.n_out, n_embd)
@@ -463,8 +467,8 @@ class PackedEmbedding:
             raise IndexError(f"token id out of range [0, {self.shape[0]})")
         p = self.part
         g, nb, _ = p.q.shape
-        grp, col = ids // 8, ids % 8
-        q = p.q.reshape(g, nb, 8, 8, 4)[grp, :, :, col, :]              # [T, nb, lane, 4]: element 4 lane + e
+        grp, col = ids // PACK_GROUP, ids % PACK_GROUP
+        q = p.q.reshape(g, nb, 8, PACK_GROUP, 4)[grp, :, :, col, :]              # [T, nb, lane, 4]: element 4 lane + e
         d = p.pd[grp, :, col]                                           # [T, nb]
         x = q.view(np.int8).astype(np.float32).reshape(ids.size, nb, 32) * d[:, :, None]
         return x.reshape(ids.size, nb * 32)

@@ -13,9 +13,9 @@ Rules that keep the bits:
   sums sequential); sums of exact integers or of exact f16 x f16 products may be written in any order the
   vectorizer likes only where every partial sum is exact (integer dot products below 2^24).
 
-Quantized weights come in the dot kernels' packed layout (`ggml.pack_blocks`: groups of 8 outputs, each group's
-blocks contiguous, a lane's bytes of the 8 outputs side by side), which their vector code (LLVM IR of ggml's AVX2
-integer instructions, `_group_dot_of`) reads 32 bytes at a time. All kernels are `nogil`: the engine's own
+Quantized weights come in the dot kernels' packed layout (`ggml.pack_blocks`: groups of 16 outputs, each group's
+blocks contiguous, a lane's bytes of the 16 outputs side by side), which their vector code (LLVM IR of ggml's x86
+integer instructions, `_group_dot_of`) reads 64 bytes (AVX-512) or 32 bytes (AVX2) at a time. All kernels are `nogil`: the engine's own
 threads (`Matmul._run`) and the polling workers call them on disjoint output ranges or query blocks.
 """
 
@@ -26,6 +26,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from engine.model.types import PACK_GROUP as GROUP   # outputs a group of the packed layout
 
 I16 = np.int16
 I32 = np.int32
@@ -243,25 +245,32 @@ def q8_values(qx, d16, out):
 # with one rounding (d_x * d_w is exact in float32), summs = fma(s_x, m_w, summs) likewise, and at the end
 # y = ((acc4 + acc0) + (acc6 + acc2)) + ((acc5 + acc1) + (acc7 + acc3)) + summs: ggml.dot_q8_1's operations.
 #
-# The weights are in the packed layout (`ggml.pack_blocks`): groups of 8 outputs, each group's blocks contiguous, and in
-# a block the 4 bytes of lane l of the 8 outputs side by side (32 bytes). One 32-byte load then holds lane l of 8
-# outputs, and the lane sums are the integer instructions ggml's own kernel uses (AVX2): `pmaddubsw` of the
-# unsigned weight bytes with the signed activation bytes (4 bytes of the lane broadcast to all 8 outputs) gives the
-# pair sums, `pmaddwd` with ones the lane sums, as 8 int32 (`mul_sum_us8_pairs_float` in ggml-cpu's quants.c).
-# Q8_0 weights are signed: ggml's sign trick, |w| x (x * sign(w)) (`mul_sum_i8_pairs_float`). The 8 outputs' lane
-# accumulators are 8 vector registers over a group's blocks. Exactness: a pair sum is at most 2 x 31 x 127 = 7874
-# (Q4_1: 15, Q5_1: 31) or 2 x 128 x 127 (Q8_0) in magnitude, so pmaddubsw's int16 saturation never applies, and
-# the lane sums are the exact integers of the reference.
+# The weights are in the packed layout (`ggml.pack_blocks`): groups of GROUP = 16 outputs, each group's blocks
+# contiguous, and in a block the 4 bytes of lane l of the 16 outputs side by side (64 bytes). One 64-byte load then
+# holds lane l of the group (a 32-byte load, of half of it), and the lane sums are the integer instructions ggml's
+# own kernel uses: `pmaddubsw` of the unsigned weight bytes with the signed activation bytes (4 bytes of the lane
+# broadcast to all outputs) gives the pair sums, `pmaddwd` with ones the lane sums, as int32
+# (`mul_sum_us8_pairs_float` in ggml-cpu's quants.c); with VNNI one `vpdpbusd` gives the lane sums directly, as
+# that function does on AVX512-VNNI / AVX-VNNI. Q8_0 weights are signed: ggml's sign trick, |w| x (x * sign(w))
+# (`mul_sum_i8_pairs_float`); with VNNI instead (w + 128) x (unsigned) . x - 128 sum(x), the 4-quant sums of the
+# activations precomputed per call (`_dot_packed`'s cx) and the vpdpbusd's starting value: two instructions a lane
+# (xor, vpdpbusd) where the sign trick takes four on 512-bit registers (AVX-512 has no vpsignb). The lane
+# accumulators are 8 vector registers over a group's blocks, each holding lane l of the group's outputs: one
+# 512-bit register (AVX-512), or two passes over the blocks with 256-bit registers, 8 outputs each (AVX2). Every
+# output's operations are the same in each: the width changes only how many outputs a register carries.
+# Exactness: a pair sum is at most 2 x 31 x 127 = 7874 (Q4_1: 15, Q5_1: 31) or 2 x 128 x 127 (Q8_0) in magnitude,
+# so pmaddubsw's int16 saturation never applies (vpdpbusd sums in int32, |sum| < 2^17), and the lane sums are the
+# exact integers of the reference.
 #
-# The vector code is LLVM IR written by `_group_dot` (numba's `intrinsic`): LLVM does not form pmaddubsw from
+# The vector code is LLVM IR written by `_group_dot_of` (numba's `intrinsic`): LLVM does not form pmaddubsw from
 # plain multiplies when it can bound the values (it proves the nibbles small and emits 16-bit multiplies, half the
-# speed), so the instructions are asked for by name when the compile target has AVX2 (numba's target features:
-# the host's, or NUMBA_CPU_NAME / NUMBA_CPU_FEATURES), and written as plain widening multiplies and pair adds --
-# the same integers -- for CPUs without it. numba's cache keys compiled code by the target's features.
+# speed), so the instructions are asked for by name as the compile target has them (`_target_isa`, from numba's
+# target features: the host's, or NUMBA_CPU_NAME / NUMBA_CPU_FEATURES), and written as plain widening multiplies
+# and pair adds -- the same integers -- for CPUs without AVX2. numba's cache keys compiled code by the target's
+# features.
 #
-# Measured on one thread, SmolLM2-shaped matrices (576 -> 30720 and 1536 -> 11520 outputs, AMD EPYC AVX2), against
-# the kernels this replaced (16-bit multiplies on the transposed layout): 1 row 0.38-0.44x the time, 16 and 64
-# rows 0.34-0.37x, the same bits.
+# Measured on one thread, SmolLM2-shaped matrices, against the kernels these replaced: see docs/engine.md,
+# "ggml's integer instructions" (AVX2: groups of 8) and "Groups of 16, VNNI" (AVX-512 VNNI).
 
 _ROWS_PER_PASS = 32     # rows per pass over a range of groups (their activations stay in L2; a group's weights
                         # in L1 while the rows pass)
@@ -271,21 +280,31 @@ _I8 = ir.IntType(8)
 _I16 = ir.IntType(16)
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
-_V32B = ir.VectorType(_I8, 32)
-_V16W = ir.VectorType(_I16, 16)
-_V8D = ir.VectorType(_I32, 8)
-_V8F = ir.VectorType(ir.FloatType(), 8)
 
 
-def _target_has_avx2(context) -> bool:
-    """Whether the code being compiled asks for AVX2: "+avx2" in the features numba gives LLVM's target machine
-    (the host's, or NUMBA_CPU_FEATURES). An empty feature list (NUMBA_CPU_FEATURES= with a NUMBA_CPU_NAME, as CI's
-    AVX2 pass sets it) asks for none, and the kernels take the plain code: correct on any x86-64, slower."""
+_ISA_512 = ("vnni512", "avx512")
+_ISA_VNNI = ("vnni512", "vnni")
+
+
+def _target_isa(context) -> str:
+    """The integer instructions the code being compiled may use, from the features numba gives LLVM's target
+    machine (the host's, or NUMBA_CPU_FEATURES): on 512-bit registers (a whole group of 16 outputs a register),
+    "vnni512" (vpdpbusd: AVX512-VNNI) or "avx512" (vpmaddubsw + vpmaddwd: AVX512-BW); on 256-bit ones (half a
+    group), "vnni" (vpdpbusd: AVX-VNNI, or AVX512-VNNI with AVX512-VL) or "avx2" (vpmaddubsw + vpmaddwd); or ""
+    (plain widening multiplies, SSE2). An empty feature list (NUMBA_CPU_FEATURES= with a NUMBA_CPU_NAME, as CI's
+    AVX2 pass sets it) asks for none: correct on any x86-64, slower. All give the same integers."""
     cg = context.codegen()
     feats = getattr(cg, "_tm_features", None)
     if feats is None:
         feats = cg._get_host_cpu_features()
-    return "+avx2" in str(feats).split(",")
+    f = set(str(feats).split(","))
+    if "+avx2" not in f:
+        return ""
+    if {"+avx512f", "+avx512bw"} <= f:
+        return "vnni512" if "+avx512vnni" in f else "avx512"
+    if {"+avx512vnni", "+avx512vl"} <= f or "+avxvnni" in f:
+        return "vnni"
+    return "avx2"
 
 
 def _call(builder, name, ret, args):
@@ -313,38 +332,46 @@ def _evens_odds(builder, v):
             for k in (0, 1)]
 
 
-def _lane_sums(builder, w, a, signed_w, avx2):
-    """<8 x i32> sums of 4 consecutive products of weight bytes w and activation bytes a (<32 x i8> each)."""
+def _lane_sums(builder, w, a, signed_w, isa):
+    """<W x i32> sums of 4 consecutive products of weight bytes w and activation bytes a (<4W x i8> each)."""
+    n = w.type.count
+    vb, vw, vd = (ir.VectorType(t, n // k) for t, k in ((_I8, 1), (_I16, 2), (_I32, 4)))
     if signed_w:                          # |w| x (a * sign(w)): ggml's sign trick; the products are w * a
-        a_signed = (_call(builder, "llvm.x86.avx2.psign.b", _V32B, [a, w]) if avx2 else
-                    builder.select(builder.icmp_signed("<", w, ir.Constant(_V32B, None)),
-                                   builder.sub(ir.Constant(_V32B, None), a), a))
-        w = _call(builder, "llvm.abs.v32i8", _V32B, [w, ir.Constant(ir.IntType(1), 0)])
+        a_signed = (_call(builder, "llvm.x86.avx2.psign.b", vb, [a, w]) if isa and n == 32 else
+                    builder.select(builder.icmp_signed("<", w, ir.Constant(vb, None)),
+                                   builder.sub(ir.Constant(vb, None), a), a))
+        w = _call(builder, f"llvm.abs.v{n}i8", vb, [w, ir.Constant(ir.IntType(1), 0)])
         a = a_signed
-    if avx2:
-        p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16W, [w, a])
-        return _call(builder, "llvm.x86.avx2.pmadd.wd", _V8D, [p, ir.Constant(_V16W, [1] * 16)])
-    ty16 = ir.VectorType(_I16, 16)
+    if isa in ("vnni", "vnni512"):        # one vpdpbusd into zero: the same 4-product sums, exact in int32
+        return _call(builder, "llvm.x86.avx512.vpdpbusd." + {32: "256", 64: "512"}[n], vd,
+                     [ir.Constant(vd, None), builder.bitcast(w, vd), builder.bitcast(a, vd)])
+    if isa:
+        madd = {32: ("llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd"),
+                64: ("llvm.x86.avx512.pmaddubs.w.512", "llvm.x86.avx512.pmaddw.d.512")}[n]
+        p = _call(builder, madd[0], vw, [w, a])
+        return _call(builder, madd[1], vd, [p, ir.Constant(vw, [1] * (n // 2))])
+    ty16 = ir.VectorType(_I16, n // 2)
     (we, wo), (ae, ao) = _evens_odds(builder, w), _evens_odds(builder, a)
     p = builder.add(builder.mul(builder.zext(we, ty16), builder.sext(ae, ty16)),
                     builder.mul(builder.zext(wo, ty16), builder.sext(ao, ty16)))     # exact: |p| <= 32512
     pe, po = _evens_odds(builder, p)
-    return builder.add(builder.sext(pe, _V8D), builder.sext(po, _V8D))
+    return builder.add(builder.sext(pe, vd), builder.sext(po, vd))
 
 
 def _group_dot_of(kind, has_m):
-    """The intrinsic computing 8 outputs (one group) of one row: see `_group_dot`."""
+    """The intrinsic computing the GROUP outputs of one group of one row: see `_group_dot`."""
     n_lane = 4 if kind == _NIB else 8
+    row = 4 * GROUP                     # bytes of one lane of a block: 4 per output
 
     @intrinsic
     def group_dot(typingctx, qw, qoff, dw, mw, doff, qx, xoff, dx, sx, boff, nb, y, yoff):
-        """y[yoff:yoff+8] (flat offsets, in elements) = the 8 outputs of the group whose blocks start at qw's byte
-        qoff and dw / mw's element doff, with activation quants qx from xoff and block values dx / sx from boff,
-        over nb blocks."""
+        """y[yoff:yoff+GROUP] (flat offsets, in elements) = the outputs of the group whose blocks start at qw's
+        byte qoff and dw / mw's element doff, with activation quants qx from xoff and block values dx / sx from
+        boff, over nb blocks."""
         sig = types.void(qw, qoff, dw, mw, doff, qx, xoff, dx, sx, boff, nb, y, yoff)
 
         def codegen(context, builder, signature, args):
-            avx2 = _target_has_avx2(context)
+            isa = _target_isa(context)
 
             def base(i):
                 a = context.make_array(signature.args[i])(context, builder, args[i])
@@ -359,45 +386,60 @@ def _group_dot_of(kind, has_m):
 
             qb, db, mb, xb, dxb, sxb, yb = (base(i) for i in (0, 2, 3, 5, 7, 8, 11))
             qo, do, xo, bo, n, yo = (word(i) for i in (1, 4, 6, 9, 10, 12))
-            zero = ir.Constant(_V8F, None)
-            acc = [cgutils.alloca_once_value(builder, zero) for _ in range(8)]
-            summ = cgutils.alloca_once_value(builder, zero)
-            with cgutils.for_range(builder, n) as loop:
-                b = loop.index
-                bx = builder.mul(builder.add(bo, b), k(4))
-                bw = builder.mul(builder.add(do, builder.mul(b, k(8))), k(4))
-                dd = builder.fmul(_splat(builder, _load(builder, dxb, bx, ir.FloatType(), 4), 8),
-                                  _load(builder, db, bw, _V8F, 4))               # d_x * d_w: exact
-                if has_m:
-                    s = _splat(builder, _load(builder, sxb, bx, ir.FloatType(), 4), 8)
-                    builder.store(_call(builder, "llvm.fma.v8f32", _V8F,
-                                        [s, _load(builder, mb, bw, _V8F, 4), builder.load(summ)]), summ)
-                qblk = builder.add(qo, builder.mul(b, k(32 * n_lane)))
-                xblk = builder.add(xo, builder.mul(b, k(32)))
-                for lane in range(n_lane):
-                    v = _load(builder, qb, builder.add(qblk, k(32 * lane)), _V32B, 1)
+            w_reg = GROUP if isa in _ISA_512 else 8          # outputs a register holds: the group, or half of it
+            vb, vf = ir.VectorType(_I8, 4 * w_reg), ir.VectorType(ir.FloatType(), w_reg)
+            fma = f"llvm.fma.v{w_reg}f32"
+            for h in range(0, GROUP, w_reg):                 # the group's outputs h..h+w_reg, one pass each
+                zero = ir.Constant(vf, None)
+                acc = [cgutils.alloca_once_value(builder, zero) for _ in range(8)]
+                summ = cgutils.alloca_once_value(builder, zero)
+                with cgutils.for_range(builder, n) as loop:
+                    b = loop.index
+                    bx = builder.mul(builder.add(bo, b), k(4))
+                    bw = builder.mul(builder.add(do, builder.add(builder.mul(b, k(GROUP)), k(h))), k(4))
+                    dd = builder.fmul(_splat(builder, _load(builder, dxb, bx, ir.FloatType(), 4), w_reg),
+                                      _load(builder, db, bw, vf, 4))               # d_x * d_w: exact
+                    if has_m:
+                        sv = _splat(builder, _load(builder, sxb, bx, ir.FloatType(), 4), w_reg)
+                        builder.store(_call(builder, fma, vf, [sv, _load(builder, mb, bw, vf, 4),
+                                                               builder.load(summ)]), summ)
+                    qblk = builder.add(qo, builder.add(builder.mul(b, k(row * n_lane)), k(4 * h)))
+                    xblk = builder.add(xo, builder.mul(b, k(32)))
+                    for lane in range(n_lane):
+                        v = _load(builder, qb, builder.add(qblk, k(row * lane)), vb, 1)
 
-                    def act(e):
-                        word4 = _load(builder, xb, builder.add(xblk, k(e)), _I32, 1)
-                        return builder.bitcast(_splat(builder, word4, 8), _V32B)
-                    if kind == _NIB:
-                        steps = [(lane, builder.and_(v, ir.Constant(_V32B, [15] * 32)), act(4 * lane)),
-                                 (lane + 4, builder.lshr(v, ir.Constant(_V32B, [4] * 32)), act(16 + 4 * lane))]
-                    else:
-                        steps = [(lane, v, act(4 * lane))]
-                    for i, wv, av in steps:
-                        xy = builder.sitofp(_lane_sums(builder, wv, av, kind == _S8, avx2), _V8F)
-                        builder.store(_call(builder, "llvm.fma.v8f32", _V8F, [xy, dd, builder.load(acc[i])]), acc[i])
-            a = [builder.load(p) for p in acc]
-            h0 = builder.fadd(a[4], a[0])
-            h1 = builder.fadd(a[5], a[1])
-            h2 = builder.fadd(a[6], a[2])
-            h3 = builder.fadd(a[7], a[3])
-            out = builder.fadd(builder.fadd(h0, h2), builder.fadd(h1, h3))
-            if has_m:
-                out = builder.fadd(out, builder.load(summ))
-            st = builder.store(out, builder.inttoptr(builder.add(yb, builder.mul(yo, k(4))), _V8F.as_pointer()))
-            st.align = 4
+                        def act(e):
+                            word4 = _load(builder, xb, builder.add(xblk, k(e)), _I32, 1)
+                            return builder.bitcast(_splat(builder, word4, w_reg), vb)
+                        if kind == _NIB:
+                            steps = [(lane, builder.and_(v, ir.Constant(vb, [15] * 4 * w_reg)), act(4 * lane)),
+                                     (lane + 4, builder.lshr(v, ir.Constant(vb, [4] * 4 * w_reg)),
+                                      act(16 + 4 * lane))]
+                        else:
+                            steps = [(lane, v, act(4 * lane))]
+                        for i, wv, av in steps:
+                            if kind == _S8 and isa in _ISA_VNNI:      # (w + 128) . a - 128 sum(a): exact
+                                c = _load(builder, sxb, builder.add(xblk, k(4 * lane)), _I32, 4)
+                                vd = ir.VectorType(_I32, w_reg)
+                                wu = builder.xor(wv, ir.Constant(vb, [-128] * 4 * w_reg))
+                                lanes = _call(builder, f"llvm.x86.avx512.vpdpbusd.{32 * w_reg}", vd,
+                                              [_splat(builder, c, w_reg), builder.bitcast(wu, vd),
+                                               builder.bitcast(av, vd)])
+                            else:
+                                lanes = _lane_sums(builder, wv, av, kind == _S8, isa)
+                            xy = builder.sitofp(lanes, vf)
+                            builder.store(_call(builder, fma, vf, [xy, dd, builder.load(acc[i])]), acc[i])
+                a = [builder.load(p) for p in acc]
+                h0 = builder.fadd(a[4], a[0])
+                h1 = builder.fadd(a[5], a[1])
+                h2 = builder.fadd(a[6], a[2])
+                h3 = builder.fadd(a[7], a[3])
+                out = builder.fadd(builder.fadd(h0, h2), builder.fadd(h1, h3))
+                if has_m:
+                    out = builder.fadd(out, builder.load(summ))
+                dst = builder.add(yb, builder.mul(builder.add(yo, k(h)), k(4)))
+                st = builder.store(out, builder.inttoptr(dst, vf.as_pointer()))
+                st.align = 4
             return context.get_dummy_value()
         return sig, codegen
     return group_dot
@@ -410,50 +452,59 @@ _group_s8 = _group_dot_of(_S8, False)
 
 @njit(cache=True, nogil=True)
 def _dot_packed(kind, qw, dw, mw, qx, dx, sx, y, o0, o1):
-    """y[:, o0:o1] for packed weights qw [G, nb, 8 bs] (`ggml.pack_blocks`), dw / mw [G, nb, 8]; qx [M, n_in] int8, dx /
-    sx [M, nb] (`quantize_q8`); o0 a multiple of 8. Rows pass in groups of _ROWS_PER_PASS over each group of
-    outputs."""
+    """y[:, o0:o1] for packed weights qw [G, nb, GROUP bs] (`ggml.pack_blocks`), dw / mw [G, nb, GROUP]; qx [M, n_in]
+    int8, dx / sx [M, nb] (`quantize_q8`); o0 a multiple of GROUP. Rows pass in groups of _ROWS_PER_PASS over each
+    group of outputs."""
     nb, blk = qw.shape[1], qw.shape[2]
     m, n_in = qx.shape
     n_out = y.shape[1]
-    if o0 % 8:
-        raise ValueError("output range not on a group of 8")
-    tail = np.empty((1, 8), F32)
+    if o0 % GROUP:
+        raise ValueError("output range not on a group")
+    tail = np.empty((1, GROUP), F32)
+    if kind == _S8:     # Q8_0 on VNNI: -128 x each 4 activation quants' sum, offset as qx's bytes (see _group_dot)
+        cx = np.empty((m, n_in // 4), I32)
+        for r in range(m):
+            for j in range(n_in // 4):
+                cx[r, j] = -128 * (I32(qx[r, 4 * j]) + I32(qx[r, 4 * j + 1]) + I32(qx[r, 4 * j + 2]) +
+                                   I32(qx[r, 4 * j + 3]))
+    else:
+        cx = np.empty((0, 0), I32)
     for r0 in range(0, m, _ROWS_PER_PASS):
-        for g in range(o0 // 8, (o1 + 7) // 8):
-            full = 8 * g + 8 <= n_out
+        for g in range(o0 // GROUP, (o1 + GROUP - 1) // GROUP):
+            full = GROUP * g + GROUP <= n_out
             for r in range(r0, min(m, r0 + _ROWS_PER_PASS)):
                 yy = y if full else tail
-                yo = r * n_out + 8 * g if full else 0
+                yo = r * n_out + GROUP * g if full else 0
+                qo, do = g * nb * blk, g * nb * GROUP
                 if kind == _NIB:
-                    _group_nib(qw, g * nb * blk, dw, mw, g * nb * 8, qx, r * n_in, dx, sx, r * nb, nb, yy, yo)
+                    _group_nib(qw, qo, dw, mw, do, qx, r * n_in, dx, sx, r * nb, nb, yy, yo)
                 elif kind == _U8:
-                    _group_u8(qw, g * nb * blk, dw, mw, g * nb * 8, qx, r * n_in, dx, sx, r * nb, nb, yy, yo)
+                    _group_u8(qw, qo, dw, mw, do, qx, r * n_in, dx, sx, r * nb, nb, yy, yo)
                 else:
-                    _group_s8(qw, g * nb * blk, dw, mw, g * nb * 8, qx, r * n_in, dx, sx, r * nb, nb, yy, yo)
+                    _group_s8(qw, qo, dw, mw, do, qx, r * n_in, dx, cx, r * nb, nb, yy, yo)
                 if not full:
-                    for o in range(8 * g, min(o1, n_out)):
-                        y[r, o] = tail[0, o - 8 * g]
+                    for o in range(GROUP * g, min(o1, n_out)):
+                        y[r, o] = tail[0, o - GROUP * g]
 
 
 @njit(cache=True, nogil=True)
 def dot_nib(qw, dw, mw, qx, dx, sx, y, o0, o1):
-    """y[:, o0:o1] of ggml.dot_q8_1 for Q4_1 weights in the packed layout (qw [G, nb, 128]: low nibble element j of
-    a block, high nibble element j + 16), dw, mw [G, nb, 8]; qx [M, n_in] int8, dx, sx [M, nb] from `quantize_q8`.
+    """y[:, o0:o1] of ggml.dot_q8_1 for Q4_1 weights in the packed layout (qw [G, nb, 16 GROUP]: low nibble element j
+    of a block, high nibble element j + 16), dw, mw [G, nb, GROUP]; qx [M, n_in] int8, dx, sx [M, nb] from `quantize_q8`.
     Lanes 0..3 of a block are the low nibbles of bytes 4l..4l+3, lanes 4..7 their high nibbles."""
     _dot_packed(_NIB, qw, dw, mw, qx, dx, sx, y, o0, o1)
 
 
 @njit(cache=True, nogil=True)
 def dot_byte(qw, dw, mw, qx, dx, sx, y, o0, o1):
-    """`dot_nib` for weights with one unsigned quant per byte (Q5_1): qw [G, nb, 256], lane l = bytes 4l..4l+3."""
+    """`dot_nib` for weights with one unsigned quant per byte (Q5_1): qw [G, nb, 32 GROUP], lane l = bytes 4l..4l+3."""
     _dot_packed(_U8, qw, dw, mw, qx, dx, sx, y, o0, o1)
 
 
 @njit(cache=True, nogil=True)
 def dot_q8_0(qw, dw, qx, dx, y, o0, o1):
     """y[:, o0:o1] of ggml.dot_q8_0 (ggml_vec_dot_q8_0_q8_0, and tinyBLAS_Q0_AVX: the same lane operations) for
-    Q8_0 weights in the packed layout, qw [G, nb, 256] (int8 quants as bytes), dw [G, nb, 8]; activations from
+    Q8_0 weights in the packed layout, qw [G, nb, 32 GROUP] (int8 quants as bytes), dw [G, nb, GROUP]; activations from
     `quantize_q8` (its s unused): per block the 8 exact lane sums, acc_l = fma(xy, d_x * d_w, acc_l),
     y = hsum_float_8(acc); no minimums."""
     _dot_packed(_S8, qw, dw, dw, qx, dx, dx, y, o0, o1)

@@ -62,9 +62,9 @@ def _put_blocks(job, cuts, kind, q, d, m, x, xb, y, n_pieces, align):
 
 @njit(cache=True, nogil=True)
 def post_dot(job, cuts, kind, qw, dw, mw, qx, dx, sx, y, n_pieces, align):
-    """A ggml dot job (kind DOT_*): qw [G, nb, blk], dw/mw [G, nb, 8] in the packed layout (`ggml.pack_blocks`),
+    """A ggml dot job (kind DOT_*): qw [G, nb, blk], dw/mw [G, nb, GROUP] in the packed layout (`ggml.pack_blocks`),
     qx [M, n_in] int8, dx/sx [M, nb], y [M, n_out]. Returns the number of pieces (ranges of outputs, `align` a
-    multiple of 8)."""
+    multiple of GROUP)."""
     job[13] = address(sx)
     return _put_blocks(job, cuts, kind, qw, dw, mw, qx, dx, y, n_pieces, align)
 
@@ -188,8 +188,8 @@ def run_ggml_piece(job, cuts, i):
     o0, o1 = cuts[2 * i], cuts[2 * i + 1]
     g, nb, blk, n_out, m, n_in, nbx = job[2], job[3], job[4], job[15], job[9], job[10], job[12]
     qw = u8_at(job[1], (g, nb, blk))
-    dw = f32_at(job[5], (g, nb, 8))
-    mw = f32_at(job[6], (g, nb, 8))
+    dw = f32_at(job[5], (g, nb, gkernels.GROUP))
+    mw = f32_at(job[6], (g, nb, gkernels.GROUP))
     qx = i8_at(job[8], (m, n_in))
     dx = f32_at(job[11], (m, nbx))
     sx = f32_at(job[13], (m, nbx))

@@ -48,6 +48,10 @@ class HParams:
 SMALL_M_MAX = 64
 _BLOCK_COLS = 64
 
+# Outputs a group of the ggml numerics' packed block layout (`ggml.pack_blocks`, read by `gkernels`): one 512-bit
+# register of float32 (AVX-512), or two 256-bit halves (AVX2).
+PACK_GROUP = 16
+
 
 _SMALL_N_OUT = 1024    # narrower blocks for narrow matrices: more blocks to share between threads
 

@@ -209,16 +209,16 @@ def test_q8_0_sign_trick_at_its_extremes(m):
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q5_1", "Q8_0"])
 @pytest.mark.parametrize("m", [1, 4, 33, 70])
 def test_output_ranges_and_row_passes_give_the_numpy_product(type_name, m):
-    """The kernels over output ranges (on groups of 8: the last one ends in a tail of 4 of 1100 outputs) and over
-    more rows than one pass holds (_ROWS_PER_PASS): every range gives its columns of `dot_q8_1`'s bits and writes
-    nothing outside them; a range that does not start on a group is refused."""
+    """The kernels over output ranges (on groups of 16: the last group is a tail of 12 of 1100 outputs, and one
+    range ends inside it) and over more rows than one pass holds (_ROWS_PER_PASS): every range gives its columns of
+    `dot_q8_1`'s bits and writes nothing outside them; a range that does not start on a group is refused."""
     lin = _qlinear([type_name], [1100], 96)
     [part] = lin.parts
     x = _activations(m, 96)
     want = G.dot_q8_1(part, x)
     qx, d16, s = G.quantize_q8_compiled(x)
     q, d, mw = part.packed
-    assert q.shape == (138, 3, 128 if part.nib else 256) and d.shape == mw.shape == (138, 3, 8)
+    assert q.shape == (69, 3, 256 if part.nib else 512) and d.shape == mw.shape == (69, 3, 16)
 
     def run(y, o0, o1):
         if not part.has_m:
@@ -226,7 +226,7 @@ def test_output_ranges_and_row_passes_give_the_numpy_product(type_name, m):
         else:
             (K.dot_nib if part.nib else K.dot_byte)(q, d, mw, qx, d16, s, y, o0, o1)
     y = np.full((m, part.n_out), np.nan, np.float32)
-    for o0, o1 in ((64, 1096), (0, 64), (1096, 1100)):
+    for o0, o1 in ((64, 1094), (0, 64), (1088, 1100)):
         before = y.copy()
         run(y, o0, o1)
         assert np.array_equal(y[:, o0:o1], want[:, o0:o1]), (o0, o1)
@@ -234,8 +234,8 @@ def test_output_ranges_and_row_passes_give_the_numpy_product(type_name, m):
         outside[o0:o1] = False
         assert np.array_equal(y[:, outside], before[:, outside], equal_nan=True)
     assert np.array_equal(y, want)
-    with pytest.raises(ValueError, match="group of 8"):
-        run(y, 4, 64)
+    with pytest.raises(ValueError, match="not on a group"):
+        run(y, 8, 64)
 
 
 def _compiled_and_numpy(lin: G.QLinear, x: np.ndarray, n_threads: int) -> tuple[np.ndarray, np.ndarray]:
@@ -457,55 +457,89 @@ def test_q8_0_kernel_rounds_each_fma_once(m):
 
 # --- the vector code without AVX2 --------------------------------------------------------------------------------
 
-_GENERIC_CHECK = """
-import re, sys
+_ISA_CHECK = """
+import sys
+import numba
 import numpy as np
 from gguf import GGMLQuantizationType, quants
 from engine.model import ggml as G, gkernels as K
+run = sys.argv[1] == "run"
 rng = np.random.default_rng(3)
 for name, n_in, n_out, m in (("Q4_1", 96, 70, 1), ("Q5_1", 64, 37, 5), ("Q8_0", 96, 20, 3)):
     qt = GGMLQuantizationType[name]
     w = rng.normal(0, 0.05, (n_out, n_in)).astype(np.float32)
     lin = G.qlinear([(None, qt, G.exact_part(quants.quantize(w, qt), qt, w.shape))])
     x = rng.normal(0, 1, (m, n_in)).astype(np.float32)
-    got = G.GgmlMatmul(1, compiled=True)(lin, x)
-    assert np.array_equal(got, G.dot_q8_1(lin.parts[0], x)), name
+    if run:
+        got = G.GgmlMatmul(1, compiled=True)(lin, x)
+        assert np.array_equal(got, G.dot_q8_1(lin.parts[0], x)), name
+    else:                                   # compiled, not run: the host may lack the target's instructions
+        p = lin.parts[0]
+        qx, d16, s = G.quantize_q8_compiled(x)
+        q, d, mw = p.packed
+        y = np.empty((m, n_out), np.float32)
+        args = (K._S8 if not p.has_m else K._NIB if p.nib else K._U8, q, d, mw, qx, d16, s, y, 0, n_out)
+        K._dot_packed.compile(tuple(numba.typeof(a) for a in args))
 asm = "".join(K._dot_packed.inspect_asm(s) for s in K._dot_packed.signatures)
-print("pmaddubsw" in asm, "ymm" in asm)
+print(*(k in asm for k in ("pmaddubsw", "vpdpbusd", "ymm", "zmm")))
 """
 
 
-def _asm_flags(env: dict) -> tuple[bool, bool]:
+def _asm_flags(env: dict, run: bool = True) -> dict[str, bool]:
+    """Which of pmaddubsw, vpdpbusd, ymm and zmm the dot kernels' code holds when compiled for env's target (a
+    private cache directory: numba keys its cache by the target's features anyway); run: the kernels also ran
+    and gave `dot_q8_1`'s bits for Q4_1, Q5_1 and Q8_0."""
     import os
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, "-c", _GENERIC_CHECK], env={**os.environ, **env}, capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-c", _ISA_CHECK, "run" if run else "compile"], env={**os.environ, **env},
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    a, b = out.stdout.split()
-    return a == "True", b == "True"
+    return dict(zip(("pmaddubsw", "vpdpbusd", "ymm", "zmm"), (v == "True" for v in out.stdout.split())))
+
+
+def _host_has(*features: str) -> bool:
+    from llvmlite import binding
+    host = binding.get_host_cpu_features()
+    return all(host.get(f, False) for f in features)
 
 
 def test_dot_kernels_without_avx2_give_the_same_bits(tmp_path):
-    """Compiled for baseline x86-64 (SSE2: NUMBA_CPU_NAME=x86-64, no features; numba keys its cache by them, and
-    a private cache directory keeps it apart anyway), the kernels take the plain widening multiplies instead of
-    pmaddubsw / pmaddwd and give `dot_q8_1`'s bits for Q4_1, Q5_1 and Q8_0; the code has no AVX register."""
-    pmadd, ymm = _asm_flags({"NUMBA_CPU_NAME": "x86-64", "NUMBA_CPU_FEATURES": "",
-                             "NUMBA_CACHE_DIR": str(tmp_path)})
-    assert not pmadd and not ymm
+    """Compiled for baseline x86-64 (SSE2: NUMBA_CPU_NAME=x86-64, no features), the kernels take the plain
+    widening multiplies instead of pmaddubsw / pmaddwd and give `dot_q8_1`'s bits for Q4_1, Q5_1 and Q8_0; the
+    code has no AVX register."""
+    f = _asm_flags({"NUMBA_CPU_NAME": "x86-64", "NUMBA_CPU_FEATURES": "", "NUMBA_CACHE_DIR": str(tmp_path)})
+    assert not any(f.values()), f
 
 
-def _host_has_avx2() -> bool:
-    from llvmlite import binding
-    return binding.get_host_cpu_features().get("avx2", False)
+# Targets by their features (NUMBA_CPU_NAME + NUMBA_CPU_FEATURES), what their code must hold, and the host
+# features it needs to run (otherwise it is compiled only).
+_ISA_TARGETS = {
+    "avx2": ("haswell", "+avx2,+fma,+avx,+sse4.2,+ssse3,+f16c", {"pmaddubsw", "ymm"}, ("avx2", "fma")),
+    "avx-vnni": ("alderlake", "+avx2,+fma,+avx,+sse4.2,+ssse3,+f16c,+avxvnni", {"vpdpbusd", "ymm"},
+                 ("avx2", "fma", "avxvnni")),
+    "avx512vnni-256": ("icelake-server", "+avx2,+fma,+avx,+sse4.2,+ssse3,+f16c,+avx512f,+avx512vl,+avx512vnni",
+                       {"vpdpbusd", "ymm"}, ("avx512f", "avx512vl", "avx512vnni")),     # no AVX512-BW: 256-bit
+    "avx512bw": ("skylake-avx512", "+avx2,+fma,+avx,+sse4.2,+ssse3,+f16c,+avx512f,+avx512bw,+avx512vl,+avx512dq",
+                 {"pmaddubsw", "zmm"}, ("avx512f", "avx512bw", "avx512vl")),
+    "avx512vnni": ("icelake-server", "+avx2,+fma,+avx,+sse4.2,+ssse3,+f16c,+avx512f,+avx512bw,+avx512vl,+avx512dq,"
+                   "+avx512vnni", {"vpdpbusd", "zmm"}, ("avx512f", "avx512bw", "avx512vl", "avx512vnni")),
+}
 
 
-@pytest.mark.skipif(not _host_has_avx2(), reason="this CPU has no AVX2")
-def test_dot_kernels_use_pmaddubsw_where_the_target_has_avx2(tmp_path):
-    """Compiled for an AVX2 target (NUMBA_CPU_NAME=haswell, its features), the kernels use pmaddubsw."""
-    pmadd, ymm = _asm_flags({"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": "+avx2,+fma,+avx,+sse4.2,+ssse3",
-                             "NUMBA_CACHE_DIR": str(tmp_path)})
-    assert pmadd and ymm
+@pytest.mark.parametrize("isa", list(_ISA_TARGETS))
+def test_dot_kernels_use_the_targets_integer_instructions(isa, tmp_path):
+    """Compiled for each x86 integer-instruction level the kernels know, their code holds its instructions and
+    registers: pmaddubsw on ymm (AVX2: a group of 16 outputs as two halves), vpdpbusd on ymm (AVX-VNNI), and on
+    zmm (a whole group a register) pmaddubsw (AVX512-BW) or vpdpbusd (AVX512-VNNI). Where this CPU has the
+    target's features the kernels also run and give `dot_q8_1`'s bits."""
+    name, feats, want, needs = _ISA_TARGETS[isa]
+    run = _host_has(*needs)
+    f = _asm_flags({"NUMBA_CPU_NAME": name, "NUMBA_CPU_FEATURES": feats, "NUMBA_CACHE_DIR": str(tmp_path)}, run)
+    held = {k for k, v in f.items() if v}
+    assert want <= held, (isa, held)
+    if "+avx512f" not in feats:
+        assert "zmm" not in held, (isa, held)                         # no 512-bit register without AVX-512
 
 
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q5_1", "Q8_0"])
