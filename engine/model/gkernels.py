@@ -6,6 +6,9 @@ Rules that keep the bits:
 
 - no `fastmath`: LLVM must not contract a * b + c into an fma, reassociate a sum or assume away inf / NaN
   (the one exception: `contract` in the attention's scores and V.p, whose products are exact, see there);
+- `error_model="numpy"` everywhere: a float division by zero gives IEEE's inf / NaN, as in the numpy reference,
+  instead of a ZeroDivisionError check, which kept the loops holding a division from vectorizing (SwiGLU's 5x
+  slower);
 - float32 values stay float32 (numba types float32 op float32 as float32; constants are typed `F32(...)`);
 - an fma of float32 operands is `llvm.fma.f32` (`_fma`, one rounding: vfmadd on CPUs with FMA, the C library's
   fmaf elsewhere), the correctly rounded result the numpy code's exact emulation gives (`ggml._fma`);
@@ -64,23 +67,88 @@ def _llvm_fma(typingctx, a, b, c):
     return sig, codegen
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _fma(a, b, c):
     """ggml._fma: fmaf(a, b, c) on float32 operands, one rounding."""
     return _llvm_fma(a, b, c)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def fma_array(a, b, c, out):
     """`_fma` element-wise (tests)."""
     for i in range(out.size):
         out[i] = _fma(a[i], b[i], c[i])
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def f16_value(h):
+    """The float32 value of fp16 bits h (uint16), exactly: the exponent and mantissa bits moved to float32's
+    place read a float32 2^-112 times the value (subnormal halves become float32 subnormals), times 2^112;
+    exponent 31 (inf, NaN) is set to float32's 255; the sign is put back."""
+    u = I32(h)
+    body = I32(I32(u & I32(0x7FFF)) << I32(13))
+    scaled = F32(body.view(np.float32) * F32(5.192296858534828e+33))   # 2^112
+    special = I32(body | I32(0x7F800000))
+    mag = special if I32(u & I32(0x7C00)) == I32(0x7C00) else scaled.view(np.int32)
+    return I32(mag | I32(I32(u & I32(0x8000)) << I32(16))).view(np.float32)
+
+
+def _target_features(context) -> set[str]:
+    """The features numba gives LLVM's target machine for the code being compiled ("+avx2", ...): the host's, or
+    NUMBA_CPU_NAME / NUMBA_CPU_FEATURES. numba keys its cache by them, so code compiled for one set is not loaded
+    on a CPU of another."""
+    cg = context.codegen()
+    feats = getattr(cg, "_tm_features", None)
+    if feats is None:
+        feats = cg._get_host_cpu_features()
+    return set(str(feats).split(","))
+
+
+@intrinsic
+def _has_f16c(typingctx):
+    """Whether the compile target has F16C (a constant of the compiled code: the branch not taken is removed)."""
+    def codegen(context, builder, signature, args):
+        return ir.Constant(ir.IntType(1), int("+f16c" in _target_features(context)))
+    return types.boolean(), codegen
+
+
+@intrinsic
+def _f16c_bits(typingctx, x):
+    """The fp16 bits of float32 x by the CPU's conversion (`fptrunc` to half: F16C's vcvtps2ph, IEEE round to
+    nearest even, overflow to inf, fp16 subnormals exact) where the target has F16C; 0 elsewhere, where LLVM would
+    call a runtime helper the JIT does not link (callers test `_has_f16c()` first)."""
+    if not (isinstance(x, types.Float) and x.bitwidth == 32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        if "+f16c" not in _target_features(context):
+            return ir.Constant(ir.IntType(16), 0)
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    return types.uint16(types.float32), codegen
+
+
+@intrinsic
+def _f16c_round(typingctx, x):
+    """float32 x rounded to fp16 and back by the CPU's conversions (`fptrunc` / `fpext` half: F16C's vcvtps2ph /
+    vcvtph2ps) where the target has F16C, x itself if it is a NaN; x elsewhere (callers test `_has_f16c()`)."""
+    if not (isinstance(x, types.Float) and x.bitwidth == 32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        if "+f16c" not in _target_features(context):
+            return args[0]
+        r = builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
+        return builder.select(builder.fcmp_unordered("uno", args[0], args[0]), args[0], r)
+    return types.float32(types.float32), codegen
+
+
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def f16_round(x):
     """float32 -> nearest fp16 (round half to even; overflow to inf) -> float32, as x.astype(float16).astype(
-    float32) does for every non-NaN x (a NaN is returned as it is)."""
+    float32) does for every non-NaN x (a NaN is returned as it is). With F16C, the CPU's conversion (the same
+    rounding, branch-free: loops over it vectorize); else bit operations."""
+    if _has_f16c():
+        return _f16c_round(F32(x))
     u = I64(F32(x).view(np.uint32))
     s = u & 0x80000000
     a = u & 0x7FFFFFFF
@@ -103,7 +171,7 @@ def f16_round(x):
     return np.uint32(r).view(np.float32)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def f16_bits(x):
     """The fp16 bits (uint16) of float32 x rounded to nearest, half to even (`f16_round`), as x.astype(float16)
     gives them for every non-NaN x. A NaN keeps its sign and the top 10 bits of its mantissa (at least 1), as
@@ -112,6 +180,9 @@ def f16_bits(x):
     u = I64(F32(x).view(np.uint32))
     sign = (u >> 16) & 0x8000
     a = u & 0x7FFFFFFF
+    if _has_f16c():                                      # the CPU's conversion; a NaN as numpy's software one
+        nan = sign | 0x7C00 | max((a & 0x7FFFFF) >> 13, I64(1))
+        return np.uint16(nan) if a > 0x7F800000 else _f16c_bits(F32(x))
     fr = F32(f16_round(x))                               # an fp16 value held in float32
     r = I64(F32(fr).view(np.uint32)) & 0x7FFFFFFF
     if a > 0x7F800000:                                   # NaN
@@ -126,27 +197,14 @@ def f16_bits(x):
     return np.uint16(sign | h)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def f16_bits_array(x, out):
     """`f16_bits` element-wise (tests)."""
     for i in range(x.size):
         out[i] = f16_bits(x[i])
 
 
-@njit(cache=True, nogil=True, inline="always")
-def f16_value(h):
-    """The float32 value of fp16 bits h (uint16), exactly: the exponent and mantissa bits moved to float32's
-    place read a float32 2^-112 times the value (subnormal halves become float32 subnormals), times 2^112;
-    exponent 31 (inf, NaN) is set to float32's 255; the sign is put back."""
-    u = I32(h)
-    body = I32(I32(u & I32(0x7FFF)) << I32(13))
-    scaled = F32(body.view(np.float32) * F32(5.192296858534828e+33))   # 2^112
-    special = I32(body | I32(0x7F800000))
-    mag = special if I32(u & I32(0x7C00)) == I32(0x7C00) else scaled.view(np.int32)
-    return I32(mag | I32(I32(u & I32(0x8000)) << I32(16))).view(np.float32)
-
-
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def kv_values(c16, n, out):
     """out [n_head_kv, n, hd] = the float32 values of the fp16 cells c16[:, :n] (uint16 bits [n_head_kv, cap, hd])."""
     for h in range(c16.shape[0]):
@@ -157,7 +215,7 @@ def kv_values(c16, n, out):
                 dst[d] = f16_value(src[d])
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def kv_values_t(c16, n, out):
     """out [n_head_kv, hd, n] = `kv_values` transposed (keys contiguous, for the score kernels)."""
     for h in range(c16.shape[0]):
@@ -167,7 +225,7 @@ def kv_values_t(c16, n, out):
                 dst[j] = f16_value(c16[h, j, d])
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def kv_shadow(k16, v16, lo, hi, kt, vf):
     """Cells lo..hi-1 of the fp16 K and V cells (uint16 bits [n_head_kv, cap, hd]) into their float32 shadow:
     kt [n_head_kv, hd, cap] (K transposed, as `kv_values_t`) and vf [n_head_kv, cap, hd] (as `kv_values`)."""
@@ -183,7 +241,7 @@ def kv_shadow(k16, v16, lo, hi, kt, vf):
                 dst[j] = f16_value(k16[h, j, d])
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def expf(x):
     """ggml.expf (ggml_v_expf, AVX-512) for one float32 x."""
     z = _fma(x, _LOG2E, _R)
@@ -194,40 +252,72 @@ def expf(x):
     j = _fma(_fma(_fma(_C5, b, _C4), u, _fma(_C3, b, _C2)), u, _fma(_C1, b, F32(1.0)))
     # written with selects, no early return, so that loops over it vectorize
     ok = abs(n) <= F32(192.0)                            # False for NaN
-    e = I64(n) if ok else I64(0)
-    p2 = I64((e + 1023) << 52)                           # 2^e as float64 bits (|e| <= 192: normal)
-    res = F32(F64(j) * p2.view(np.float64))              # = ldexpf(j, n): exact scaling, one rounding
+    e = I32(n) if ok else I32(0)
+    e1 = e >> 1                                          # 2^e = 2^e1 2^e2, |e1|, |e2| <= 96: normal float32s
+    e2 = e - e1
+    s1 = I32((e1 + 127) << 23).view(np.float32)
+    s2 = I32((e2 + 127) << 23).view(np.float32)
+    res = (j * s1) * s2                                  # = ldexpf(j, n): j s1 exact (normal), one rounding
     sat = F32(0.0) if n <= F32(0.0) else _INF            # |n| > 192: 0 or inf
-    return res if (ok or n != n) else sat                # NaN in (j is NaN), NaN out
+    keep = ok | (n != n)                                 # NaN in (j is NaN), NaN out; no `or`: no branch
+    return res if keep else sat
 
 
 # --- activation quantization --------------------------------------------------------------------------------
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _q8_block_scalar(x, qx, d16, s, r, b):
+    """Block b of row r of `quantize_q8`, one element at a time: the blocks holding an inf or NaN."""
+    o = 32 * b
+    amax = F32(0.0)
+    for j in range(32):
+        v = abs(x[r, o + j])
+        if v > amax or v != v:                           # max with NaN propagating, as np.max
+            amax = v
+    d = amax / F32(127.0)
+    inv = F32(127.0) / amax if amax != F32(0.0) else F32(0.0)
+    tot = F32(0.0)
+    for j in range(32):
+        q = np.rint(x[r, o + j] * inv)
+        qx[r, o + j] = q
+        tot += q
+    d16[r, b] = f16_round(d)
+    s[r, b] = f16_round(d * tot)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
 def quantize_q8(x, qx, d16, s):
     """ggml._q8_blocks / quantize_q8_1 for x [M, n] (n a multiple of 32): qx [M, n] the integer quants (int8,
-    or float32 holding them), d16 [M, n/32] the scales d = amax/127 rounded to fp16, s [M, n/32] = fp16(d * sum q)."""
+    or float32 holding them), d16 [M, n/32] the scales d = amax/127 rounded to fp16, s [M, n/32] = fp16(d * sum q).
+    Written to vectorize: amax as the largest |x| bit pattern (the float order of finite non-negative floats), the
+    sum of the quants in int32 (exact, |sum| <= 32 x 127: the float sum's value); a block with an inf or NaN, or
+    so small that 127 / amax overflows (its quants inf or NaN), takes the element-wise loop (`_q8_block_scalar`),
+    whose NaN propagation is np.max's."""
     m, n = x.shape
     for r in range(m):
+        xr = x[r]
+        qr = qx[r]
         for b in range(n // 32):
             o = 32 * b
-            amax = F32(0.0)
-            for j in range(32):
-                v = abs(x[r, o + j])
-                if v > amax or v != v:                   # max with NaN propagating, as np.max
-                    amax = v
-            d = amax / F32(127.0)
+            top = I32(0)
+            for j in range(o, o + 32):
+                top = max(top, I32(F32(xr[j]).view(np.int32) & I32(0x7FFFFFFF)))
+            amax = I32(top).view(np.float32)
             inv = F32(127.0) / amax if amax != F32(0.0) else F32(0.0)
-            tot = F32(0.0)
-            for j in range(32):
-                q = np.rint(x[r, o + j] * inv)
-                qx[r, o + j] = q
-                tot += q                                 # exact: |sum| <= 32 * 127
+            if top >= I32(0x7F800000) or inv == _INF:    # an inf or NaN, or 127 / amax overflows (amax < 2^-121)
+                _q8_block_scalar(x, qx, d16, s, r, b)
+                continue
+            d = amax / F32(127.0)
+            tot = I32(0)
+            for j in range(o, o + 32):
+                q = np.rint(xr[j] * inv)
+                qr[j] = q
+                tot += I32(q)
             d16[r, b] = f16_round(d)
-            s[r, b] = f16_round(d * tot)
+            s[r, b] = f16_round(d * F32(tot))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def q8_values(qx, d16, out):
     """out [M, n] = qx * d16 per block of 32: the Q8_0 / Q8_1 values (ggml.quantize_q8_0)."""
     m, n = qx.shape
@@ -293,11 +383,7 @@ def _target_isa(context) -> str:
     group), "vnni" (vpdpbusd: AVX-VNNI, or AVX512-VNNI with AVX512-VL) or "avx2" (vpmaddubsw + vpmaddwd); or ""
     (plain widening multiplies, SSE2). An empty feature list (NUMBA_CPU_FEATURES= with a NUMBA_CPU_NAME, as CI's
     AVX2 pass sets it) asks for none: correct on any x86-64, slower. All give the same integers."""
-    cg = context.codegen()
-    feats = getattr(cg, "_tm_features", None)
-    if feats is None:
-        feats = cg._get_host_cpu_features()
-    f = set(str(feats).split(","))
+    f = _target_features(context)
     if "+avx2" not in f:
         return ""
     if {"+avx512f", "+avx512bw"} <= f:
@@ -450,7 +536,7 @@ _group_u8 = _group_dot_of(_U8, True)
 _group_s8 = _group_dot_of(_S8, False)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def _dot_packed(kind, qw, dw, mw, qx, dx, sx, y, o0, o1):
     """y[:, o0:o1] for packed weights qw [G, nb, GROUP bs] (`ggml.pack_blocks`), dw / mw [G, nb, GROUP]; qx [M, n_in]
     int8, dx / sx [M, nb] (`quantize_q8`); o0 a multiple of GROUP. Rows pass in groups of _ROWS_PER_PASS over each
@@ -487,7 +573,7 @@ def _dot_packed(kind, qw, dw, mw, qx, dx, sx, y, o0, o1):
                         y[r, o] = tail[0, o - GROUP * g]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def dot_nib(qw, dw, mw, qx, dx, sx, y, o0, o1):
     """y[:, o0:o1] of ggml.dot_q8_1 for Q4_1 weights in the packed layout (qw [G, nb, 16 GROUP]: low nibble element j
     of a block, high nibble element j + 16), dw, mw [G, nb, GROUP]; qx [M, n_in] int8, dx, sx [M, nb] from `quantize_q8`.
@@ -495,13 +581,13 @@ def dot_nib(qw, dw, mw, qx, dx, sx, y, o0, o1):
     _dot_packed(_NIB, qw, dw, mw, qx, dx, sx, y, o0, o1)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def dot_byte(qw, dw, mw, qx, dx, sx, y, o0, o1):
     """`dot_nib` for weights with one unsigned quant per byte (Q5_1): qw [G, nb, 32 GROUP], lane l = bytes 4l..4l+3."""
     _dot_packed(_U8, qw, dw, mw, qx, dx, sx, y, o0, o1)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def dot_q8_0(qw, dw, qx, dx, y, o0, o1):
     """y[:, o0:o1] of ggml.dot_q8_0 (ggml_vec_dot_q8_0_q8_0, and tinyBLAS_Q0_AVX: the same lane operations) for
     Q8_0 weights in the packed layout, qw [G, nb, 32 GROUP] (int8 quants as bytes), dw [G, nb, GROUP]; activations from
@@ -511,7 +597,7 @@ def dot_q8_0(qw, dw, qx, dx, y, o0, o1):
 
 # --- norm, SwiGLU --------------------------------------------------------------------------------------------
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def rms_norm(x, w, eps, out):
     """ggml.rms_norm: out [T, D] = x * scale * w, scale = 1/sqrtf(float(sum of float32 squares in double,
     sequential) / D) + eps) (eps float32)."""
@@ -527,7 +613,7 @@ def rms_norm(x, w, eps, out):
             out[t, i] = (x[t, i] * scale) * w[i]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def silu_mul(g, u, out):
     """ggml.silu_mul: out = (g / (1 + expf(0 - g))) * u element-wise, [T, n] (C-contiguous). expf has a loop
     of its own: fused with the division the loop did not vectorize (measured 2.8x slower)."""
@@ -541,14 +627,14 @@ def silu_mul(g, u, out):
             orow[i] = (gr[i] / (F32(1.0) + orow[i])) * ur[i]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def expf_array(x, out):
     """ggml.expf element-wise (tests)."""
     for i in range(x.size):
         out[i] = expf(x[i])
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def f16_round_array(x, out):
     """`f16_round` element-wise (tests)."""
     for i in range(x.size):
@@ -565,7 +651,7 @@ def f16_round_array(x, out):
 _CONTRACT = {"contract"}
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _reduce16_col(a, j):
     """ggml._reduce16 of a[0:16, j] (halves added pairwise, 8 -> 4 -> 2 -> 1)."""
     b0 = a[8, j] + a[0, j]
@@ -583,7 +669,7 @@ def _reduce16_col(a, j):
     return (c0 + c2) + (c1 + c3)
 
 
-@njit(cache=True, nogil=True, fastmath=_CONTRACT)
+@njit(cache=True, nogil=True, error_model="numpy", fastmath=_CONTRACT)
 def _scores_hd64(qi, kt, n_keys, one, s, lanes):
     """`_scores` for head_dim 64, each of 16 lanes (one: ggml_vec_dot_f16's 64 lanes folded to 16; else
     tinyBLAS's 16) made in one pass over its 4 rows of K, then the 16-lane reduction; both loops over keys
@@ -610,7 +696,7 @@ def _scores_hd64(qi, kt, n_keys, one, s, lanes):
             s[j0 + j] = _reduce16_col(lanes, j)
 
 
-@njit(cache=True, nogil=True, fastmath=_CONTRACT)
+@njit(cache=True, nogil=True, error_model="numpy", fastmath=_CONTRACT)
 def _scores(qi, kt, n_keys, one, s, lanes, fold):
     """s[:n_keys] = K . qi in ggml.dot_f16_tiny (one False) or ggml.dot_f16_vec (one True) order; kt [hd, n_tot]
     float32 (f16 values), qi [hd]. Vectorized across keys: lanes [16 or 64, _KEYS] hold the lane sums (keys in
@@ -702,7 +788,7 @@ def _scores(qi, kt, n_keys, one, s, lanes, fold):
                 s[j0 + j] = F32(tail[j])
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def _softmax_f16(s, npad):
     """ggml.softmax_rows of s[:npad] in place, then the probabilities rounded to fp16 (ggml.round_f16)."""
     mx = s[0]
@@ -728,7 +814,7 @@ def _softmax_f16(s, npad):
         s[j] = f16_round(s[j] * inv)
 
 
-@njit(cache=True, nogil=True, fastmath=_CONTRACT)
+@njit(cache=True, nogil=True, error_model="numpy", fastmath=_CONTRACT)
 def _weighted(p, v, n_keys, npad, one, acc, fold, out):
     """out [hd] = V . p over the npad keys (V rows past n_keys are 0) in ggml.dot_f16_tiny / dot_f16_vec order
     along the keys; v [n_tot, hd] float32 (f16 values). Vectorized across head_dim: acc [16 or 64, hd].
@@ -771,7 +857,7 @@ def _weighted(p, v, n_keys, npad, one, acc, fold, out):
         out[d] = _reduce16_col(x, d)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def attend_block(q, kt, v, n_old, a, b, one, scale, n_gqa, out):
     """ggml.attend's `block(a, b)` for an f16 KV store: query rows a..b-1 of q [m, n_head, hd] (fp16 values)
     against keys 0..n_old+b-1; kt [n_head_kv, hd, n_tot], v [n_head_kv, n_tot, hd] float32 (the cells' f16
@@ -780,7 +866,7 @@ def attend_block(q, kt, v, n_old, a, b, one, scale, n_gqa, out):
     attend_heads(q, kt, v, n_old, a, b, one, scale, n_gqa, out, 0, q.shape[1])
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def attend_heads(q, kt, v, n_old, a, b, one, scale, n_gqa, out, h0, h1):
     """`attend_block` for the heads h0..h1-1 only (each head's work is independent of the others')."""
     hd = q.shape[2]

@@ -128,6 +128,27 @@ def test_q8_quantizer_matches_numpy(m, n):
     assert np.array_equal(vals, xq_ref) and np.array_equal(vals, G.quantize_q8_0(x))
 
 
+def test_q8_quantizer_blocks_of_extreme_values_match_numpy():
+    """Blocks whose largest magnitude is a subnormal, a negative zero, the largest float32, or whose values are
+    all -0.0: the largest-bit-pattern maximum is np.max's; a block holding an inf or a NaN takes the element-wise
+    path and its scales are the reference's (NaN with NaN), the other blocks of its row unaffected."""
+    x = _activations(3, 256)
+    x[0, 0:32] = np.float32(1e-41) * RNG.normal(0, 1, 32).astype(np.float32)      # subnormals
+    x[0, 32:64] = -0.0
+    x[0, 64:96] = np.float32(3.4e38) * np.sign(RNG.normal(0, 1, 32)).astype(np.float32)
+    x[1, 5] = np.inf
+    x[1, 40] = np.nan
+    x[2, 200] = -np.inf
+    with np.errstate(invalid="ignore", over="ignore"):
+        qx, d16, s = G.quantize_q8_compiled(x)
+        q, _, d16_ref = G._q8_blocks(x)
+        _, s_ref = G.quantize_q8_1(x)
+    assert np.array_equal(d16, d16_ref, equal_nan=True) and np.array_equal(s, s_ref, equal_nan=True)
+    finite = np.isfinite(q).reshape(x.shape)
+    assert np.array_equal(qx[finite], q.reshape(x.shape)[finite])
+    assert np.isnan(d16[1, 1]) and np.isinf(d16[1, 0]) and np.isinf(d16[0, 2])        # fp16(3.4e38 / 127) = inf
+
+
 def test_q8_quantizer_rejects_a_row_length_that_is_not_a_multiple_of_32():
     with pytest.raises(ValueError, match="multiple of 32"):
         G.quantize_q8_compiled(np.ones((2, 40), np.float32))
