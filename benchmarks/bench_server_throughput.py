@@ -1,8 +1,9 @@
 """Aggregate generation throughput of `slotlab serve` and the real llama-server under concurrent clients.
-Each server runs alone (one after the other) with the same flags; prints a table with the thread settings.
+Each server runs alone (one after the other) with the same flags; prints a table with the thread settings. With
+`--passes N` the servers run in turn N times and each pass gives its own slotlab / llama-server ratio.
 
     .venv/bin/python benchmarks/bench_server_throughput.py [--llama-server /work/ref/bin/llama-server]
-        [--threads 2] [--parallel 16] [--concurrency 1,4,16] [--rounds 3] [--servers llama-server,slotlab]
+        [--threads 2] [--parallel 16] [--concurrency 1,4,16] [--rounds 3] [--passes 1] [--servers llama-server,slotlab]
 
 A round at concurrency C starts C client threads at once, each sending one `/completion` request with its own
 random token-id prompt (no shared prefix, so no cache reuse), `n_predict` tokens with `ignore_eos`.
@@ -122,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-predict", type=int, default=64)
     p.add_argument("--concurrency", default="1,4,16", help="comma list of concurrent clients")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--passes", type=int, default=1,
+                   help="run the servers in turn this many times (A B A B ...): on a shared machine whose speed "
+                        "drifts, each pass's ratio compares runs minutes apart, not a whole benchmark apart")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--load-timeout", type=float, default=600.0)
     p.add_argument("--log-dir", default=None)
@@ -148,7 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()} {os.cpu_count()} cores; "
           f"flags {' '.join(flags)} --threads {args.threads}; prompt {args.prompt_tokens} tokens, "
           f"n_predict {args.n_predict} (ignore_eos); rounds {args.rounds}; logs {log_dir}", flush=True)
-    results = [bench_server(servers[n], flags, args) for n in names]
+    if args.passes < 1:
+        p.error("--passes must be at least 1")
+    passes = []
+    for i in range(args.passes):
+        if args.passes > 1:
+            print(f"--- pass {i + 1}/{args.passes} at {datetime.now(timezone.utc):%H:%M:%S} UTC", flush=True)
+        passes.append([bench_server(servers[n], flags, args) for n in names])
+    results = [res for one_pass in passes for res in one_pass]
     print(f"\n{'server':<13} {'build':<22} {'threads':>7} {'clients':>7} {'gen tok/s (median)':>18} {'best':>7} "
           f"{'per-req tok/s':>13} {'prompt ms':>9}")
     for res in results:
@@ -159,6 +170,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{res['server']:<13} {res['build_info']:<22} {args.threads:>7} {row['concurrency']:>7} "
                   f"{row['gen_tok_s_median']:>18.1f} {row['gen_tok_s_best']:>7.1f} {row['per_request_tok_s']:>13.1f} "
                   f"{row['prompt_ms_mean']:>9.0f}")
+    if "llama-server" in names and "slotlab" in names:
+        print("\nslotlab / llama-server, gen tok/s medians of the same pass (pass 1 .. n | median):")
+        for j, c in enumerate(args.concurrency):
+            ratios = []
+            for one_pass in passes:
+                by = {res["server"]: res["rows"][j]["gen_tok_s_median"] for res in one_pass}
+                ratios.append(by["slotlab"] / by["llama-server"])
+            print(f"  {c:>3} clients: " + " ".join(f"{r:.2f}x" for r in ratios) +
+                  f" | {statistics.median(ratios):.2f}x")
     return 0
 
 
