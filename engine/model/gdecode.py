@@ -32,7 +32,7 @@ from engine.model import gkernels as gk
 from engine.model import spin, spinjobs
 from engine.model.spin import ERROR
 # the words of a token's row of `seqs` (`spinjobs` defines them: its ATTEND_TOKENS pieces read the table)
-from engine.model.spinjobs import N_SEQ, S_CAP, S_K, S_KV_STRIDE, S_N_OLD, S_ONE, S_V, S_VALID
+from engine.model.spinjobs import N_SEQ, S_CAP, S_K, S_KV_STRIDE, S_N_OLD, S_ONE, S_V
 
 F32 = np.float32
 _NIB, _BYTE, _Q8_0 = spinjobs.DOT_NIB, spinjobs.DOT_BYTE, spinjobs.DOT_Q8_0
@@ -120,29 +120,33 @@ def decode_layer(x, attn_norm, ffn_norm, eps, scale, kinds,
     att = np.empty((n_tok, n_head, hd), F32)
     q16 = np.empty((n_tok, n_head, hd), F32)
     cost = 0
+    for t in range(n_tok):
+        cost += seqs[t, S_N_OLD] + 1
+    # every token's attention, once every cell is written (a token reads only the cells up to its own), split over
+    # the workers by tokens when there are several, else by heads (one token with many cells); split by tokens, a
+    # one-token chunk's shadow update goes with its attention (`spinjobs.attend_tokens`), on the worker that
+    # attends it, instead of here in the serial part (its capacity-strided K writes: ~5% of a 16-sequence step)
+    split = ints[N_WORKERS] > 0 and cost * n_q >= ints[ATTEND_MIN]
+    by_tokens = split and n_tok > 1
     for t in range(n_tok):                                               # each token's cells, its Q in fp16
         sq = seqs[t]
         cap, n_old = sq[S_CAP], sq[S_N_OLD]
         k16 = spin.u16_at(sq[S_K] + il * sq[S_KV_STRIDE], (n_head_kv, cap, hd))
         v16 = spin.u16_at(sq[S_V] + il * sq[S_KV_STRIDE], (n_head_kv, cap, hd))
-        kt, vf = spinjobs.shadow_at(sq, il, n_head_kv, hd)
-        valid = spin.i64_at(sq[S_VALID], (il + 1,))
         for h in range(n_head_kv):                                       # KV write: fp16 cells at n_old
             for j in range(hd):
                 k16[h, n_old, j] = gk.f16_bits(qkv[t, n_q + h * hd + j])
                 v16[h, n_old, j] = gk.f16_bits(qkv[t, n_q + n_kv + h * hd + j])
-        gk.kv_shadow(k16, v16, min(valid[il], n_old), n_old + 1, kt, vf)
-        valid[il] = n_old + 1
+        if not (by_tokens and sq[S_ONE] != 0):
+            spinjobs.update_shadow(sq, il, n_head_kv, hd)
         for h in range(n_head):                                          # Q to fp16 (K's vec_dot_type)
             for j in range(hd):
                 q16[t, h, j] = gk.f16_round(qkv[t, h * hd + j])
-        cost += n_old + 1
-    # every token's attention, now that every cell is written (a token reads only the cells up to its own); split
-    # over the workers by tokens when there are several, else by heads (one token with many cells)
     n_gqa = n_head // n_head_kv
-    if ints[N_WORKERS] > 0 and cost * n_q >= ints[ATTEND_MIN]:
-        if n_tok > 1:
-            n = spinjobs.post_attend_tokens(job, cuts, q16, seqs, il, att, n_head_kv, n_gqa, scale, ints[N_PIECES])
+    if split:
+        if by_tokens:
+            n = spinjobs.post_attend_tokens(job, cuts, q16, seqs, il, att, n_head_kv, n_gqa, scale, ints[N_PIECES],
+                                            True)
         else:                                                            # one token: its heads split
             sq = seqs[0]
             kt, vf = spinjobs.shadow_at(sq, il, n_head_kv, hd)
@@ -152,7 +156,7 @@ def decode_layer(x, attn_norm, ffn_norm, eps, scale, kinds,
         spin.run_compiled(ctl, job, cuts, n, piece)
         _keep(q16, att, seqs)
     else:
-        spinjobs.attend_tokens(q16, seqs, 0, n_tok, il, n_head_kv, n_gqa, scale, att)
+        spinjobs.attend_tokens(q16, seqs, 0, n_tok, il, n_head_kv, n_gqa, scale, att, False)
     y = np.empty((n_tok, dim), F32)
     _product(kinds[1], q_o, d_o, m_o, att.reshape(n_tok, n_q), y, ctl, job, cuts, ints, piece)
     for t in range(n_tok):                                               # output projection, residual

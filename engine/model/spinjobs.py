@@ -116,16 +116,33 @@ def shadow_at(sq, il, n_head_kv, hd):
 
 
 @njit(cache=True, nogil=True)
-def attend_tokens(q16, seqs, t0, t1, il, n_head_kv, n_gqa, scale, out):
+def update_shadow(sq, il, n_head_kv, hd):
+    """Bring layer il of the float32 shadow of the sequence whose `seqs` row is sq up to date through its cell
+    S_N_OLD (cells from min(valid[il], S_N_OLD) on, from the fp16 cells), and set valid[il] past it."""
+    cap, n_old = sq[S_CAP], sq[S_N_OLD]
+    k16 = u16_at(sq[S_K] + il * sq[S_KV_STRIDE], (n_head_kv, cap, hd))
+    v16 = u16_at(sq[S_V] + il * sq[S_KV_STRIDE], (n_head_kv, cap, hd))
+    kt, vf = shadow_at(sq, il, n_head_kv, hd)
+    valid = i64_at(sq[S_VALID], (il + 1,))
+    gkernels.kv_shadow(k16, v16, min(valid[il], n_old), n_old + 1, kt, vf)
+    valid[il] = n_old + 1
+
+
+@njit(cache=True, nogil=True)
+def attend_tokens(q16, seqs, t0, t1, il, n_head_kv, n_gqa, scale, out, update):
     """The attention of tokens t0..t1-1: row t of q16 [T, n_head, hd] (fp16 values) over the cells 0..S_N_OLD of
     its sequence's layer il (row t of `seqs`), into out[t]. Consecutive tokens of one chunk of 2+ tokens go in
     blocks of up to _BLOCK_ROWS rows (`gkernels.attend_block` masks each row's later cells; a row's values do not
-    depend on the block it is in, up to the sign of an all-zero output)."""
+    depend on the block it is in, up to the sign of an all-zero output). `update`: a one-token chunk's shadow is
+    brought up to date here first (`update_shadow`), by whichever thread attends it -- the caller leaves it so
+    only for one-token chunks, each its sequence's only token in the step, so no two threads touch one shadow."""
     hd = q16.shape[2]
     t = t0
     while t < t1:
         sq = seqs[t]
         b = t + 1
+        if update and sq[S_ONE] != 0:
+            update_shadow(sq, il, n_head_kv, hd)
         if sq[S_ONE] == 0:
             while (b < t1 and b - t < _BLOCK_ROWS and seqs[b, S_KT] == sq[S_KT]
                    and seqs[b, S_N_OLD] == sq[S_N_OLD] + (b - t)):
@@ -136,9 +153,10 @@ def attend_tokens(q16, seqs, t0, t1, il, n_head_kv, n_gqa, scale, out):
 
 
 @njit(cache=True, nogil=True)
-def post_attend_tokens(job, cuts, q16, seqs, il, out, n_head_kv, n_gqa, scale, n_pieces):
-    """An ATTEND_TOKENS job: `attend_tokens` of every token (q16, out [T, n_head, hd], seqs [T, N_SEQ]); the pieces
-    are ranges of tokens of near-equal cost (a token's cost is its cell count). Returns the number of pieces."""
+def post_attend_tokens(job, cuts, q16, seqs, il, out, n_head_kv, n_gqa, scale, n_pieces, update):
+    """An ATTEND_TOKENS job: `attend_tokens` of every token (q16, out [T, n_head, hd], seqs [T, N_SEQ]; `update` as
+    there); the pieces are ranges of tokens of near-equal cost (a token's cost is its cell count). Returns the
+    number of pieces."""
     n_tok = q16.shape[0]
     job[0] = ATTEND_TOKENS
     job[1] = address(q16)
@@ -151,6 +169,7 @@ def post_attend_tokens(job, cuts, q16, seqs, il, out, n_head_kv, n_gqa, scale, n
     job[8] = n_head_kv
     job[9] = n_gqa
     job[10] = I64(np.float32(scale).view(np.int32))
+    job[11] = 1 if update else 0
     total = 0
     for t in range(n_tok):
         total += seqs[t, S_N_OLD] + 1
@@ -174,7 +193,7 @@ def _run_attend_tokens(job, cuts, i):
     seqs = i64_at(job[5], (n_tok, N_SEQ))
     out = f32_at(job[7], (n_tok, n_head, hd))
     scale = np.int32(job[10]).view(np.float32)
-    attend_tokens(q16, seqs, cuts[2 * i], cuts[2 * i + 1], job[6], job[8], job[9], scale, out)
+    attend_tokens(q16, seqs, cuts[2 * i], cuts[2 * i + 1], job[6], job[8], job[9], scale, out, job[11] != 0)
 
 
 @njit(cache=True, nogil=True)

@@ -218,8 +218,8 @@ def test_attention_split_by_heads_on_the_workers_gives_the_same_bits(tiny_gguf, 
 
 def _mixed(model):
     """Batches that mix prompt chunks (of 1, 2, 17 and 40 tokens, from an empty sequence and after cached cells,
-    across the 16- and 64-key chunks of the attention) with one-token chunks of other sequences; the logits of
-    every row and each sequence's saved state."""
+    across the 16- and 64-key chunks of the attention) with one-token chunks of other sequences, then two batches
+    of one-token chunks only; the logits of every row and each sequence's saved state."""
     kv = model.new_kv(3, 128)
     rng = np.random.default_rng(5)
 
@@ -231,6 +231,9 @@ def _mixed(model):
         [BatchChunk(0, ids(1), 40, True), BatchChunk(1, ids(17), 0, True), BatchChunk(2, ids(2), 0, [0, 1])],
         [BatchChunk(1, ids(1), 17, True), BatchChunk(2, ids(40), 2, True), BatchChunk(0, ids(1), 41, True)],
         [BatchChunk(0, ids(17), 42, True), BatchChunk(1, ids(1), 18, True), BatchChunk(2, ids(1), 42, True)],
+        # one-token chunks only, twice: split by tokens, each token's shadow is updated by the thread attending it
+        [BatchChunk(0, ids(1), 59, True), BatchChunk(1, ids(1), 19, True), BatchChunk(2, ids(1), 43, True)],
+        [BatchChunk(0, ids(1), 60, True), BatchChunk(1, ids(1), 20, True), BatchChunk(2, ids(1), 44, True)],
     ]
     for b in batches:
         outs += model.forward_batch(kv, b)
@@ -254,6 +257,6 @@ def test_compiled_layers_give_the_layer_loops_bits_for_mixed_batches(tiny_gguf, 
         monkeypatch.setattr(gdecode, "ATTEND_SPLIT_MIN", 1)
     calls = _counting(monkeypatch)
     got = _mixed(model)
-    assert len(calls) == 4 * model.hparams.n_layer
+    assert len(calls) == 6 * model.hparams.n_layer
     assert np.array_equal(got[0], want[0])
     assert got[1] == want[1]
