@@ -166,10 +166,8 @@ def decode_layer(x, attn_norm, ffn_norm, eps, scale, kinds,
     n_ff = q_dn.shape[1] * 32                                            # down's inputs: nb blocks of 32
     gu = np.empty((n_tok, 2 * n_ff), F32)
     _product(kinds[2], q_gu, d_gu, m_gu, xn, gu, ctl, job, cuts, ints, piece)
-    g = np.ascontiguousarray(gu[:, :n_ff])
-    u = np.ascontiguousarray(gu[:, n_ff:])
     hid = np.empty((n_tok, n_ff), F32)
-    gk.silu_mul(g, u, hid)                                               # SwiGLU
+    gk.silu_mul_gu(gu, n_ff, hid)                                        # SwiGLU
     _product(kinds[3], q_dn, d_dn, m_dn, hid, y, ctl, job, cuts, ints, piece)
     for t in range(n_tok):                                               # down projection, residual
         for i in range(dim):

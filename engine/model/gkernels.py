@@ -628,6 +628,18 @@ def silu_mul(g, u, out):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
+def silu_mul_gu(gu, n_ff, out):
+    """`silu_mul` of gu [T, 2 n_ff] = (gate | up) column halves, read in place (no copies of the halves)."""
+    for t in range(gu.shape[0]):
+        row = gu[t]
+        orow = out[t]
+        for i in range(n_ff):
+            orow[i] = expf(F32(0.0) - row[i])
+        for i in range(n_ff):
+            orow[i] = (row[i] / (F32(1.0) + orow[i])) * row[n_ff + i]
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
 def expf_array(x, out):
     """ggml.expf element-wise (tests)."""
     for i in range(x.size):

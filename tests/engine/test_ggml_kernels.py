@@ -298,6 +298,9 @@ def test_silu_mul_matches_numpy_on_strided_views(t, n):
     G.silu_mul_compiled(gu[:, :n], gu[:, n:], a)
     G.silu_mul(gu[:, :n], gu[:, n:], b)
     assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    c = np.empty((t, n), np.float32)
+    K.silu_mul_gu(gu, n, c)                                     # the compiled layers' form: the halves in place
+    assert np.array_equal(c.view(np.uint32), b.view(np.uint32))
 
 
 # --- attention ---------------------------------------------------------------------------------------------------------
