@@ -137,7 +137,7 @@ def decode_layer(x, attn_norm, ffn_norm, eps, scale, kinds,
             for j in range(hd):
                 k16[h, n_old, j] = gk.f16_bits(qkv[t, n_q + h * hd + j])
                 v16[h, n_old, j] = gk.f16_bits(qkv[t, n_q + n_kv + h * hd + j])
-        if not (by_tokens and sq[S_ONE] != 0):
+        if not spinjobs.shadow_with_attention(sq, by_tokens):
             spinjobs.update_shadow(sq, il, n_head_kv, hd)
         for h in range(n_head):                                          # Q to fp16 (K's vec_dot_type)
             for j in range(hd):

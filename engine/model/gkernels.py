@@ -393,6 +393,14 @@ def _target_isa(context) -> str:
     return "avx2"
 
 
+@intrinsic
+def _vnni_target(typingctx):
+    """Whether the compile target's dot kernels use vpdpbusd (`_target_isa`), a constant of the compiled code."""
+    def codegen(context, builder, signature, args):
+        return ir.Constant(ir.IntType(1), int(_target_isa(context) in _ISA_VNNI))
+    return types.boolean(), codegen
+
+
 def _call(builder, name, ret, args):
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
     return builder.call(fn, args)
@@ -418,19 +426,24 @@ def _evens_odds(builder, v):
             for k in (0, 1)]
 
 
-def _lane_sums(builder, w, a, signed_w, isa):
-    """<W x i32> sums of 4 consecutive products of weight bytes w and activation bytes a (<4W x i8> each)."""
+def _lane_sums(builder, w, a, signed_w, isa, corr=None):
+    """<W x i32> sums of 4 consecutive products of weight bytes w and activation bytes a (<4W x i8> each). Signed
+    weights (Q8_0) with VNNI need corr, the i32 -128 x (sum of the lane's 4 activation quants)."""
     n = w.type.count
     vb, vw, vd = (ir.VectorType(t, n // k) for t, k in ((_I8, 1), (_I16, 2), (_I32, 4)))
-    if signed_w:                          # |w| x (a * sign(w)): ggml's sign trick; the products are w * a
+    start = ir.Constant(vd, None)
+    if signed_w and isa in _ISA_VNNI:     # (w + 128) . a - 128 sum(a), the correction as vpdpbusd's start: exact
+        w = builder.xor(w, ir.Constant(vb, [-128] * n))
+        start = _splat(builder, corr, n // 4)
+    elif signed_w:                        # |w| x (a * sign(w)): ggml's sign trick; the products are w * a
         a_signed = (_call(builder, "llvm.x86.avx2.psign.b", vb, [a, w]) if isa and n == 32 else
                     builder.select(builder.icmp_signed("<", w, ir.Constant(vb, None)),
                                    builder.sub(ir.Constant(vb, None), a), a))
         w = _call(builder, f"llvm.abs.v{n}i8", vb, [w, ir.Constant(ir.IntType(1), 0)])
         a = a_signed
-    if isa in ("vnni", "vnni512"):        # one vpdpbusd into zero: the same 4-product sums, exact in int32
+    if isa in _ISA_VNNI:                  # one vpdpbusd: the same 4-product sums, exact in int32
         return _call(builder, "llvm.x86.avx512.vpdpbusd." + {32: "256", 64: "512"}[n], vd,
-                     [ir.Constant(vd, None), builder.bitcast(w, vd), builder.bitcast(a, vd)])
+                     [start, builder.bitcast(w, vd), builder.bitcast(a, vd)])
     if isa:
         madd = {32: ("llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd"),
                 64: ("llvm.x86.avx512.pmaddubs.w.512", "llvm.x86.avx512.pmaddw.d.512")}[n]
@@ -504,16 +517,9 @@ def _group_dot_of(kind, has_m):
                         else:
                             steps = [(lane, v, act(4 * lane))]
                         for i, wv, av in steps:
-                            if kind == _S8 and isa in _ISA_VNNI:      # (w + 128) . a - 128 sum(a): exact
-                                c = _load(builder, sxb, builder.add(xblk, k(4 * lane)), _I32, 4)
-                                vd = ir.VectorType(_I32, w_reg)
-                                wu = builder.xor(wv, ir.Constant(vb, [-128] * 4 * w_reg))
-                                lanes = _call(builder, f"llvm.x86.avx512.vpdpbusd.{32 * w_reg}", vd,
-                                              [_splat(builder, c, w_reg), builder.bitcast(wu, vd),
-                                               builder.bitcast(av, vd)])
-                            else:
-                                lanes = _lane_sums(builder, wv, av, kind == _S8, isa)
-                            xy = builder.sitofp(lanes, vf)
+                            corr = (_load(builder, sxb, builder.add(xblk, k(4 * lane)), _I32, 4)
+                                    if kind == _S8 and isa in _ISA_VNNI else None)   # `_dot_packed`'s cx
+                            xy = builder.sitofp(_lane_sums(builder, wv, av, kind == _S8, isa, corr), vf)
                             builder.store(_call(builder, fma, vf, [xy, dd, builder.load(acc[i])]), acc[i])
                 a = [builder.load(p) for p in acc]
                 h0 = builder.fadd(a[4], a[0])
@@ -547,7 +553,7 @@ def _dot_packed(kind, qw, dw, mw, qx, dx, sx, y, o0, o1):
     if o0 % GROUP:
         raise ValueError("output range not on a group")
     tail = np.empty((1, GROUP), F32)
-    if kind == _S8:     # Q8_0 on VNNI: -128 x each 4 activation quants' sum, offset as qx's bytes (see _group_dot)
+    if kind == _S8 and _vnni_target():   # Q8_0 on VNNI: -128 x each 4 quants' sum, offset as qx's bytes (_lane_sums)
         cx = np.empty((m, n_in // 4), I32)
         for r in range(m):
             for j in range(n_in // 4):

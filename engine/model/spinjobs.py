@@ -128,20 +128,27 @@ def update_shadow(sq, il, n_head_kv, hd):
     valid[il] = n_old + 1
 
 
+@njit(cache=True, nogil=True, inline="always")
+def shadow_with_attention(sq, by_tokens):
+    """Whether the token of `seqs` row sq has its shadow updated by the thread that attends it (`attend_tokens`)
+    rather than before the attention is posted: a one-token chunk, when the step's attention is split by tokens
+    (the token is its sequence's only one in the step, so no two threads touch one shadow)."""
+    return by_tokens and sq[S_ONE] != 0
+
+
 @njit(cache=True, nogil=True)
 def attend_tokens(q16, seqs, t0, t1, il, n_head_kv, n_gqa, scale, out, update):
     """The attention of tokens t0..t1-1: row t of q16 [T, n_head, hd] (fp16 values) over the cells 0..S_N_OLD of
     its sequence's layer il (row t of `seqs`), into out[t]. Consecutive tokens of one chunk of 2+ tokens go in
     blocks of up to _BLOCK_ROWS rows (`gkernels.attend_block` masks each row's later cells; a row's values do not
-    depend on the block it is in, up to the sign of an all-zero output). `update`: a one-token chunk's shadow is
-    brought up to date here first (`update_shadow`), by whichever thread attends it -- the caller leaves it so
-    only for one-token chunks, each its sequence's only token in the step, so no two threads touch one shadow."""
+    depend on the block it is in, up to the sign of an all-zero output). `update` (the attention is split by
+    tokens): the shadows `shadow_with_attention` names are brought up to date here first (`update_shadow`)."""
     hd = q16.shape[2]
     t = t0
     while t < t1:
         sq = seqs[t]
         b = t + 1
-        if update and sq[S_ONE] != 0:
+        if shadow_with_attention(sq, update):
             update_shadow(sq, il, n_head_kv, hd)
         if sq[S_ONE] == 0:
             while (b < t1 and b - t < _BLOCK_ROWS and seqs[b, S_KT] == sq[S_KT]
