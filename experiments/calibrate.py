@@ -254,6 +254,7 @@ class _Bench:
         n_seq = max(p.n_sequences for p in grid) + 1
         self.max_ctx = max(p.max_cells for p in grid)
         self.backend = NumpyBackend(model, n_seq, self.max_ctx + 64, default_sampling=sampling)
+        self.model = model
         # copies priced per byte as the simulator counts them: the server config's kv_bytes_per_token
         self.sim_costs = SimBackend(ConstantLatency(0.0), model.config_facts()["kv_bytes_per_token"])
         self.scratch = n_seq - 1
@@ -305,6 +306,10 @@ class _Bench:
         self._valid[seq] = n_cells
         if n_new:
             kv.prepare_append([(seq, n_cells, n_new)])      # reserve only: nothing is appended
+        # a running slot's state: its float32 KV shadow (ggml mode) is current, so the step converts only its
+        # new cells; without this, whether a decode shape also timed converting its whole context depended on
+        # which shape had used the sequence before (2x spreads at 512 cells in ggml mode)
+        self.model.shadow_current(kv, seq)
 
     def prepare(self, point: GridPoint) -> None:
         """Bring the KV and the prompt cache to the state the point's plan expects (not timed)."""

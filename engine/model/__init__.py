@@ -164,6 +164,13 @@ class Model:
         with self.compute_threads():
             return forward_batch(self.weights, self.hparams, self.num, self.rope, self.matmul, kv, chunks)
 
+    def shadow_current(self, kv: KVStore, seq: int) -> None:
+        """Make sequence `seq`'s float32 KV shadow current (ggml mode's compiled attention keeps one; no-op in
+        the other modes): the state of a sequence that has been running, which converts only its new cells."""
+        if self.num.shadow_current is not None:
+            with self.compute_threads():
+                self.num.shadow_current(kv, kv.seq_kv(seq))
+
     def forward_logits(self, ids: Sequence[int]) -> np.ndarray:
         """Logits of every position of `ids` in a fresh context: [len(ids), n_vocab]."""
         ids = list(ids)

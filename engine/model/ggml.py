@@ -941,6 +941,24 @@ def _attend_values(q: np.ndarray, kt: np.ndarray, vf: np.ndarray, n_old: int, n_
     return out.reshape(m, n_head * head_dim)
 
 
+def shadow_current(kv: KVStore, s: SeqKV) -> None:
+    """Bring every layer of sequence `s`'s float32 shadow (`KVStore.shadow`) current through its last cell, as
+    the attention of a running sequence keeps it: a sequence that has been decoding converts only its new cell
+    each step. `slotlab calibrate` calls it (untimed) on the sequences it loads, so that a decode shape times a
+    running slot's step, not the one-off conversion of a freshly loaded context (which a real server pays in the
+    step after a prompt-cache load or a context shift, and which those shapes time)."""
+    if s.k.dtype != np.float16 or s.v.dtype != np.float16 or s.n == 0:
+        return
+    n = int(s.n)
+    sh = kv.shadow(s, n)
+    conv = kernels().kv_shadow
+    for il in range(s.k.shape[0]):
+        lo = min(int(sh.valid[il]), n)
+        if lo < n:
+            conv(s.k[il].view(np.uint16), s.v[il].view(np.uint16), lo, n, sh.kt[il], sh.v[il])
+        sh.valid[il] = n
+
+
 def attend_cells(q: np.ndarray, kv: KVStore, s: SeqKV, il: int, n_old: int, mm: Matmul | None = None) -> np.ndarray:
     """`attend_compiled` of sequence `s`'s cells of layer il, reading their float32 values from the store's
     shadow (`KVStore.shadow`): only the cells not yet current there (this chunk's, normally) are converted,

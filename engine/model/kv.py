@@ -300,6 +300,10 @@ class KVStore:
         s.pos[s.n:s.n + n_new] = np.arange(pos0, pos0 + n_new, dtype=np.int32)
         s.n += n_new
 
+    def seq_kv(self, seq: int) -> SeqKV:
+        """Sequence `seq`'s arrays (read by the forward pass and `Model.shadow_current`)."""
+        return self._seq(seq)
+
     def shadow(self, s: SeqKV, n_cells: int) -> Shadow:
         """`s`'s float32 shadow (module docstring) with room for `n_cells` cells: allocated (nothing current) on
         first use, grown by doubling (the current cells copied) when too small. Its capacity is the sequence's

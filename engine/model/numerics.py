@@ -42,6 +42,8 @@ class Numerics(ABC):
     attend: Attend                                   # one chunk's causal attention, see `f32.attend`
     # or, when set, (q, kv, seq's SeqKV, layer, n_old, matmul) -> the same, given the store (`ggml.attend_cells`)
     attend_cells: Callable[..., np.ndarray] | None = None
+    # when set, (kv, a sequence's SeqKV) -> None: its float32 shadow made current (`ggml.shadow_current`)
+    shadow_current: Callable[..., None] | None = None
     decode_batch: type[f32.DecodeBatch] | None       # attends one-token chunks of pooled sequences together
     # when set, (weights, hparams, rope, matmul, kv, the chunks' SeqKVs, their sizes, x [T, D], pos [T]) -> bool:
     # every layer of the step run on x in place, the same bits as the layer loop (False: not applicable)
@@ -141,6 +143,7 @@ class GgmlNumerics(Numerics):
             self.silu_mul = ggml.silu_mul_compiled
             self.attend = ggml.attend_compiled
             self.attend_cells = ggml.attend_cells         # the same, reading the store's float32 shadow
+            self.shadow_current = ggml.shadow_current
             self.compiled_layers = ggml.compiled_layers   # one compiled call per layer (`engine.model.gdecode`)
 
     def tensor_extra(self, t: Any) -> Any:

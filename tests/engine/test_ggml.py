@@ -469,3 +469,27 @@ def test_ggml_kv_shadow_follows_every_kv_operation(tiny_gguf, n_threads):
     run((0, PROMPT[:4], 0, True))
     assert n_checked[0] > 0
     assert kvs[0].shadow_bytes > 0
+
+
+def test_shadow_current_converts_every_cell_and_changes_no_logit(tiny_gguf):
+    """`Model.shadow_current` leaves a sequence's shadow as its decoding would have left it: every layer current
+    through the last cell (equal to the fp16 cells), so a following step converts only its own cells; the step's
+    logits are the same bits as without it. Other modes: a no-op."""
+    path = tiny_gguf(tensor_type="Q8_0")
+    model = load(path, n_threads=1, numerics="ggml")
+    kvs = [model.new_kv(2, 160) for _ in range(2)]
+    for kv in kvs:
+        model.forward_batch(kv, [BatchChunk(0, PROMPT * 3, 0, True)])
+        kv.state_load(1, kv.state_save(0))                # a loaded sequence: nothing of its shadow is current
+    s = kvs[0].seq_kv(1)
+    assert s.shadow is None or int(s.shadow.valid.max()) == 0
+    model.shadow_current(kvs[0], 1)
+    assert (s.shadow.valid == s.n).all() and _shadow_is_current(kvs[0]) >= s.n * kvs[0].n_layer
+    n = s.n
+    outs = [model.forward_batch(kv, [BatchChunk(1, [7], n, True)]) for kv in kvs]
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])
+    f32 = load(path, n_threads=1)
+    kv = f32.new_kv(1, 64)
+    f32.forward_batch(kv, [BatchChunk(0, PROMPT, 0, True)])
+    f32.shadow_current(kv, 0)
+    assert kv.shadow_bytes == 0

@@ -240,6 +240,23 @@ def test_a_sequence_reused_after_appends_holds_the_templates_cells(tiny):
         assert kv.state_save(0) == bench.blob(40)
 
 
+def test_ggml_bench_times_a_running_slots_step_with_its_kv_shadow_current(tiny):
+    """In ggml mode a decode shape's sequences hold a current float32 KV shadow when the step is timed, as a
+    running slot does (the step converts only its new cells), whichever shape used the sequence before: a
+    reload, or cells kept from a longer context."""
+    model = load(tiny, n_threads=1, numerics="ggml")
+    grid = [GridPoint("decode", decode=(100, 30)), GridPoint("decode", decode=(40,)),
+            GridPoint("shift", decode=(128,), shift=True)]
+    bench = _Bench(model, grid, replay_sampling(model, 0.0, 0), np.random.default_rng(0))
+    kv = bench.backend.kv
+    for first, then in ((grid[0], grid[1]), (grid[2], grid[1]), (grid[1], grid[0])):
+        bench.measure(first)
+        bench.prepare(then)
+        for seq, n_past in enumerate(then.decode):
+            sh = kv.seq_kv(seq).shadow
+            assert sh is not None and (sh.valid == n_past).all()
+
+
 def test_engine_layout_reads_the_models_constants(tiny):
     model = load(tiny, n_threads=2)
     layout = engine_layout(model)
