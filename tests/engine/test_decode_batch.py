@@ -71,18 +71,20 @@ def test_sequences_too_long_for_the_pool_get_their_own_arrays(tiny_model, monkey
     assert not kv._seqs[1].pooled and kv._seqs[0].pooled
 
 
-def test_pool_growth_during_a_batch_keeps_every_sequence(tiny_model, monkeypatch):
-    """Capacity starts at 64 cells: a prefill past it regrows the pool while other sequences decode."""
+def test_the_pool_is_allocated_once_at_full_capacity_and_a_long_prefill_moves_nothing(tiny_model, monkeypatch):
+    """The pool has its full capacity (n_ctx_seq) from its first use, as llama.cpp's KV cache: a prefill past 64
+    cells while other sequences decode reallocates nothing (a regrowth copied every sequence inside the step)."""
     model = tiny_model()
     kv, ref = _filled(model), _filled(model)
-    assert kv.pool_cap == 64
+    assert kv.pool_cap == 200
+    pool_k = kv.pool_k
     long_ids = [(i * 13) % 250 + 3 for i in range(70)]
     monkeypatch.setattr(llama_mod, "_DECODE_BATCH_MIN", 2)
     chunks = [BatchChunk(0, [9], 3), BatchChunk(3, long_ids, len(PROMPTS[3]), False), BatchChunk(4, [10], 1)]
     before = {seq: (kv._seqs[seq].k[:, :, :len(ids)].copy(), kv._seqs[seq].v[:, :, :len(ids)].copy())
               for seq, ids in PROMPTS.items()}
-    checked_forward(model, kv, chunks)                   # also: the chunks' earlier cells survive the growth
-    assert kv.pool_cap == 128
+    checked_forward(model, kv, chunks)
+    assert kv.pool_cap == 200 and kv.pool_k is pool_k
     for seq, (k, v) in before.items():                   # and so do the sequences not in the batch
         np.testing.assert_array_equal(kv._seqs[seq].k[:, :, :len(PROMPTS[seq])], k)
         np.testing.assert_array_equal(kv._seqs[seq].v[:, :, :len(PROMPTS[seq])], v)
@@ -112,7 +114,7 @@ def test_clear_releases_the_pool(tiny_model):
     kv.clear()
     assert kv.pool_k is None and kv.n_cells_used == 0
     model.forward_batch(kv, [(2, [1, 2, 3], 0, False)])
-    assert kv.pool_cap == 64 and kv.n_tokens(2) == 3
+    assert kv.pool_cap == 200 and kv.n_tokens(2) == 3
 
 
 def test_unified_pool_holds_up_to_twice_the_per_sequence_share(tiny_model, monkeypatch):
@@ -125,7 +127,7 @@ def test_unified_pool_holds_up_to_twice_the_per_sequence_share(tiny_model, monke
     long_ids = [(i * 7) % 250 + 3 for i in range(140)]
     for store in (kv, ref):
         model.forward_batch(store, [(0, long_ids, 0, False), (1, [5, 6, 7], 0, False)])
-    assert not kv._seqs[0].pooled and kv._seqs[1].pooled and kv.pool_cap == 64
+    assert not kv._seqs[0].pooled and kv._seqs[1].pooled and kv.pool_cap == 128
     assert _decode(model, kv, 3, [0, 1], monkeypatch, batched=True) == 0      # 0 is private: 1 alone is left
     _decode(model, ref, 3, [0, 1], monkeypatch, batched=False)
 

@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from engine.model import BatchChunk, load
+from engine.model.kv import KVStore
 from engine.model import ggml as G
 from engine.model import numerics as N
 from engine.model.tiny import tiny_tensors
@@ -461,13 +462,20 @@ def test_ggml_kv_shadow_follows_every_kv_operation(tiny_gguf, n_threads):
     both("seq_rm", 1, -1, -1)
     run((1, PROMPT * 6, 0, [0, 40, 71]))                  # 72 cells: past the first capacity (64), the pool grows
     run((0, [51], nxt(0), True), (1, [52], nxt(1), True), (2, [53], nxt(2), True))
-    assert kvs[0].pool_cap == 128 and kvs[0]._seqs[2].shadow.v.shape[2] == 64   # its own need, not the pool's
-    n0 = kvs[0].n_tokens(0)
-    run((0, PROMPT * 5, nxt(0), [0, 59]))                 # sequence 0's shadow grows, its current cells kept
-    assert kvs[0]._seqs[0].shadow.v.shape[2] == 128 and n0 < 64 < kvs[0].n_tokens(0)
+    assert kvs[0].pool_cap == 160 and kvs[0]._seqs[2].shadow.v.shape[2] == 160   # the arrays' capacity
+    run((0, PROMPT * 5, nxt(0), [0, 59]))
     both("clear")
     run((0, PROMPT[:4], 0, True))
     assert n_checked[0] > 0
+    # sequences with arrays of their own (no pool: pool_max_bytes 0) regrow them by doubling, and their shadow
+    # with them, its current cells kept
+    hp = models[0].hparams
+    kvs[:] = [KVStore(2, 200, hp.n_layer, hp.n_head_kv, hp.head_dim, m.rope, dtype=np.float16, pool_max_bytes=0)
+              for m in models]
+    run((0, PROMPT * 4, 0, True))
+    assert kvs[0]._seqs[0].shadow.v.shape[2] == 64 and not kvs[0]._seqs[0].pooled
+    run((0, PROMPT * 2, nxt(0), [0, 23]))                 # 72 cells: arrays and shadow doubled
+    assert kvs[0]._seqs[0].shadow.v.shape[2] == 128 and kvs[0].n_tokens(0) == 72
     assert kvs[0].shadow_bytes > 0
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from engine.model import KVCacheFull
-from engine.model.kv import KV_STATE_MAGIC, KVStore
+from engine.model.kv import KV_STATE_MAGIC, KVStore, lazy_zeros
 from tests import numerics_bounds as nb
 from tests.engine.forward_check import _tensors, checked_forward
 
@@ -287,3 +287,28 @@ def test_state_load_that_does_not_fit_raises_kv_full(tiny_model):
 def test_smollm2_bytes_per_token(smollm2):
     assert smollm2.new_kv(1, 16).bytes_per_token == 4 + 2 * 30 * 3 * 64 * 4         # 46084
     assert smollm2.new_kv(1, 16, dtype=np.float16).bytes_per_token == 4 + 2 * 30 * 3 * 64 * 2
+
+
+@pytest.mark.parametrize("shape, dtype", [((3,), np.float32), ((30, 4, 512, 64), np.float16), ((2, 1000), np.int32)])
+def test_lazy_zeros_is_a_writable_zeroed_array_whose_untouched_pages_stay_virtual(shape, dtype):
+    a = lazy_zeros(shape, dtype)
+    assert a.shape == shape and a.dtype == np.dtype(dtype) and a.flags.writeable and a.flags.c_contiguous
+    assert not a.any()
+    a[..., -1] = 7
+    assert a[..., -1].all() and int(a.sum(dtype=np.int64)) == 7 * a[..., -1].size
+
+
+def test_lazy_zeros_pages_are_resident_only_where_written():
+    """A 64 MB mapping with one byte written adds far less than 64 MB to this process's resident memory
+    (read from /proc/self/statm; skipped where it is missing)."""
+    def resident():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+    try:
+        before = resident()
+    except OSError:
+        pytest.skip("no /proc/self/statm")
+    a = lazy_zeros((64 << 20,), np.uint8)
+    a[len(a) // 2] = 1
+    assert resident() - before < 8 << 20
+    del a
