@@ -362,6 +362,19 @@ def proc_cpu_seconds() -> tuple[float, float] | None:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK"), t.user + t.system
 
 
+def proc_steal_seconds() -> float | None:
+    """CPU seconds the hypervisor ran other guests on this machine's virtual CPUs since boot (the `steal`
+    column of /proc/stat's first line), or None where /proc/stat is not readable. Steal is time this guest
+    wanted a CPU and did not get it: from inside the guest nothing else runs, yet every step takes longer."""
+    try:
+        first = Path("/proc/stat").read_text(encoding="ascii").split("\n", 1)[0].split()
+    except OSError:
+        return None
+    if len(first) < 9 or first[0] != "cpu":
+        return None
+    return int(first[8]) / os.sysconf("SC_CLK_TCK")
+
+
 @dataclass(frozen=True, slots=True)
 class Measured:
     """A grid point's cost, its measurements (seconds, one per pass, in pass order) and the 1-minute load
@@ -392,6 +405,7 @@ class PassInfo:
     load_start: tuple[float, ...]
     load_end: tuple[float, ...]
     others_cpu: float | None = None
+    steal_cpu: float | None = None     # of others_cpu, the cores the hypervisor gave to other guests (steal)
 
 
 @dataclass(frozen=True, slots=True)
@@ -415,7 +429,8 @@ class Measurement:
 def measure_grid(model: Any, grid: Sequence[GridPoint], sampling: Any, *, repeats: int, seed: int = 0,
                  progress: Any = None, max_seconds: float | None = None, min_repeats: int = MIN_PASSES,
                  load_reader: LoadReader = os.getloadavg, cpu_reader: CpuReader = proc_cpu_seconds,
-                 clock: Callable[[], float] = time.perf_counter) -> Measurement:
+                 clock: Callable[[], float] = time.perf_counter,
+                 steal_reader: Callable[[], float | None] = proc_steal_seconds) -> Measurement:
     """Measure every point once per pass, `repeats` passes, each in a fresh shuffled order (interleaved: load
     that moves during the run spreads over all shapes instead of biasing some), after one warm-up execution
     of the first point of each kind. With `max_seconds`, no pass starts that would end past it (by the mean
@@ -446,7 +461,7 @@ def measure_grid(model: Any, grid: Sequence[GridPoint], sampling: Any, *, repeat
             if clock() - t0 + mean_pass > max_seconds:
                 stopped = True
                 break
-        p_start, l_start, cpu_start = clock(), tuple(load_reader()), cpu_reader()
+        p_start, l_start, cpu_start, steal_start = clock(), tuple(load_reader()), cpu_reader(), steal_reader()
         for i in rng.permutation(len(grid)).tolist():
             cost, elapsed = bench.measure(grid[i])
             costs[i] = cost
@@ -459,7 +474,10 @@ def measure_grid(model: Any, grid: Sequence[GridPoint], sampling: Any, *, repeat
         others = None
         if cpu_start is not None and cpu_end is not None and wall > 0:
             others = max(0.0, (cpu_end[0] - cpu_start[0]) - (cpu_end[1] - cpu_start[1])) / wall
-        passes.append(PassInfo(wall, l_start, tuple(load_reader()), others))
+        steal_end = steal_reader()
+        stolen = (max(0.0, steal_end - steal_start) / wall
+                  if steal_start is not None and steal_end is not None and wall > 0 else None)
+        passes.append(PassInfo(wall, l_start, tuple(load_reader()), others, stolen))
     points = [Measured(p, c, tuple(s), tuple(ld)) for p, c, s, ld in zip(grid, costs, samples, loads)]
     return Measurement(points, passes, load_before, tuple(load_reader()), clock() - t0, stopped)
 
@@ -484,11 +502,13 @@ def load_figures(m: Measurement, threshold: float) -> dict[str, Any]:
     return {
         "reader": "os.getloadavg() (1, 5, 15 min), read before and after the run and after every execution; "
                   "others_cpu: cores used by other processes per pass (/proc/stat busy time minus this "
-                  "process's CPU time, over the pass's wall time)",
+                  "process's CPU time, over the pass's wall time); steal_cpu: of it, the cores the hypervisor "
+                  "gave to other guests (/proc/stat steal)",
         "before": list(m.load_before), "after": list(m.load_after),
         "load1_min": lo, "load1_max": hi, "load1_moved_by": hi - lo,
         "passes": [{"wall_s": p.wall_s, "load1_start": p.load_start[0], "load1_end": p.load_end[0],
-                    "others_cpu": p.others_cpu, "speed": sp} for p, sp in zip(m.passes, speed)],
+                    "others_cpu": p.others_cpu, "steal_cpu": p.steal_cpu, "speed": sp}
+                   for p, sp in zip(m.passes, speed)],
         "pass_speed_spread": (max(speed) - min(speed)) if speed else 0.0,
         "criterion": basis, "moved_by": moved_by, "threshold": threshold,
         "moved": moved_by > threshold,
@@ -933,6 +953,9 @@ def run_calibrate(args: argparse.Namespace, *, load_reader: LoadReader = os.getl
     wall = time.perf_counter() - t_start
     speeds = ", ".join(f"{s:.2f}" for s in m.pass_speed())
     others = ", ".join("?" if p.others_cpu is None else f"{p.others_cpu:.2f}" for p in m.passes)
+    steals = [p.steal_cpu for p in m.passes if p.steal_cpu is not None]
+    if steals:
+        others += f" (steal {min(steals):.2f}-{max(steals):.2f})"
     print(f"{model.threads_desc}; {n_passes} passes{' (stopped by --max-seconds)' if m.stopped_by_budget else ''}, "
           f"pass speed {speeds}; other processes' cores per pass {others}; "
           f"load average {m.load_before[0]:.2f} -> {m.load_after[0]:.2f} "

@@ -15,7 +15,9 @@ row per `NumpyBackend.execute` call, in order, with
 - `kind`: decode, prefill, mixed, copy (host-RAM cache save/load in the step) or shift (K re-rotation);
 - `others_cores`: the CPU that *other* processes used while the step ran, in cores, from /proc/stat
   (machine busy time minus this process's own CPU time, over windows of at least half a second; NaN where
-  /proc/stat is not readable or before the first window closed).
+  /proc/stat is not readable or before the first window closed);
+- `steal_cores`: of those, the CPU the hypervisor gave to other guests while this one wanted it (/proc/stat's
+  `steal`, same windows; NaN where unknown): on a virtual machine, contention no process list shows.
 
 `step_errors(steps, latency)` prices every logged step with a latency model and compares it with the measured
 time. Because both sides see the *same* step, this error is the timing model's alone: it does not depend on
@@ -38,7 +40,7 @@ import numpy as np
 import pandas as pd
 
 from engine.core.types import BatchPlan, ForwardCall
-from experiments.calibrate import proc_cpu_seconds
+from experiments.calibrate import proc_cpu_seconds, proc_steal_seconds
 from sim.backend import SimBackend
 from sim.latency import ConstantLatency, StepCost
 
@@ -48,6 +50,8 @@ COST_COLUMNS = ("n_prefill_tokens", "n_decode_tokens", "n_seqs", "attn_ctx_token
                 "kv_copy_bytes", "kv_save_bytes", "kv_shift_tokens", "kv_read_tokens")
 # other processes' CPU (cores, in some window of the real run) above which validate warns
 OTHERS_CORES_WARN = 0.5
+# mean steal over the run above which validate warns: 5% of one core, well above an idle host's (0.00-0.01)
+STEAL_CORES_WARN = 0.05
 # measured/predicted ratio moving by more than this between tenths of the run: validate warns (machine speed)
 DRIFT_WARN = 0.10
 
@@ -71,7 +75,10 @@ class StepLog:
 
     def __init__(self, kv_bytes_per_token: int, *, cpu_reader: Callable[[], tuple[float, float] | None] = proc_cpu_seconds,
                  clock: Callable[[], float] = time.perf_counter, window_s: float = 0.5,
-                 run_clock: Callable[[], float] | None = None) -> None:
+                 run_clock: Callable[[], float] | None = None,
+                 steal_reader: Callable[[], float | None] = proc_steal_seconds) -> None:
+        self._steal = steal_reader
+        self._win_steal: float | None = None
         self._run_clock = run_clock
         self._costs = SimBackend(ConstantLatency(0.0), kv_bytes_per_token)
         self._cpu = cpu_reader
@@ -89,11 +96,11 @@ class StepLog:
         if self._t0 is None:
             self._t0 = start
             # the first reading comes at the first step's end: the first window opens there
-            self._win_clock, self._win_cpu = end, self._cpu()
+            self._win_clock, self._win_cpu, self._win_steal = end, self._cpu(), self._steal()
         cost = self._costs.layout_cost(plan)
         charged = bool(plan.tasks) or any(type(p) is ForwardCall for p in plan.program)
         row = {"t_s": start - self._t0, "elapsed_s": elapsed_s, "kind": step_kind(cost), "charged": charged,
-               "others_cores": math.nan,
+               "others_cores": math.nan, "steal_cores": math.nan,
                "clock_s": self._run_clock() if self._run_clock is not None else math.nan}
         for name in COST_COLUMNS:
             row[name] = getattr(cost, name)
@@ -103,19 +110,24 @@ class StepLog:
             self._close_window(end)
 
     def _close_window(self, end: float) -> None:
-        cpu = self._cpu()
+        cpu, steal = self._cpu(), self._steal()
         if cpu is not None and self._win_cpu is not None and end > self._win_clock:
             busy = cpu[0] - self._win_cpu[0]
             own = cpu[1] - self._win_cpu[1]
             others = max(0.0, (busy - own) / (end - self._win_clock))
             for row in self.rows[self._win_start:]:
                 row["others_cores"] = others
-        self._win_start, self._win_clock, self._win_cpu = len(self.rows), end, cpu
+        if steal is not None and self._win_steal is not None and end > self._win_clock:
+            stolen = max(0.0, (steal - self._win_steal) / (end - self._win_clock))
+            for row in self.rows[self._win_start:]:
+                row["steal_cores"] = stolen
+        self._win_start, self._win_clock, self._win_cpu, self._win_steal = len(self.rows), end, cpu, steal
 
     def frame(self) -> pd.DataFrame:
         if self._win_start < len(self.rows):
             self._close_window(self._clock())
-        cols = ["t_s", "elapsed_s", "kind", "charged", *COST_COLUMNS, "calls", "others_cores", "clock_s"]
+        cols = ["t_s", "elapsed_s", "kind", "charged", *COST_COLUMNS, "calls", "others_cores", "steal_cores",
+                "clock_s"]
         return pd.DataFrame(self.rows, columns=cols)
 
     def write(self, run_dir: str | Path) -> Path:
@@ -184,7 +196,8 @@ def step_errors(steps: pd.DataFrame, latency: Any, n_bins: int = 10,
     (Σ predicted / Σ measured − 1: the error of the run's total busy time). `drift`: the median
     measured/predicted ratio in each of `n_bins` equal tenths of the steps in time order (a machine whose speed
     did not move gives a flat list) and `drift_range` = max/min − 1 of it. `others_cores`: mean and max over the
-    run of the CPU other processes used (None without /proc/stat). `shape_err`: the median |ratio / (centred
+    run of the CPU other processes used (None without /proc/stat); `steal_cores` the same of the CPU the
+    hypervisor gave to other guests (None without it, e.g. a step log written before it was recorded). `shape_err`: the median |ratio / (centred
     rolling median of the ratio over `window_steps` steps) − 1| — the model's error across step shapes once the
     machine's speed of the moment is taken out (how well it would do on a machine of steady speed).
     `predicted`: `predict_steps(steps, latency)` when the caller has it already (priced once)."""
@@ -212,6 +225,9 @@ def step_errors(steps: pd.DataFrame, latency: Any, n_bins: int = 10,
     others = steps["others_cores"].to_numpy(float) if "others_cores" in steps.columns else np.array([])
     others = others[np.isfinite(others)]
     out["others_cores"] = ({"mean": float(others.mean()), "max": float(others.max())} if len(others) else None)
+    steal = steps["steal_cores"].to_numpy(float) if "steal_cores" in steps.columns else np.array([])
+    steal = steal[np.isfinite(steal)]
+    out["steal_cores"] = ({"mean": float(steal.mean()), "max": float(steal.max())} if len(steal) else None)
     return out
 
 
@@ -222,6 +238,12 @@ def step_warnings(errors: dict[str, Any]) -> list[str]:
     if others and others["max"] > OTHERS_CORES_WARN:
         warnings.append(f"other processes used up to {others['max']:.2f} cores (mean {others['mean']:.2f}) during "
                         f"the real run: its step times are those of a shared machine")
+    steal = errors.get("steal_cores")
+    if steal and steal["mean"] > STEAL_CORES_WARN:
+        warnings.append(f"the hypervisor gave this machine's CPUs to other guests for {steal['mean']:.2f} cores "
+                        f"on average (max {steal['max']:.2f}) during the real run (steal time, /proc/stat): its "
+                        f"steps include waits for a CPU that no latency model predicts; rerun when the host is "
+                        f"quieter, or compare with --speed-correct track")
     if errors.get("drift_range", 0.0) > DRIFT_WARN:
         d = errors["drift"]
         warnings.append(f"the engine's speed moved during the real run: measured/predicted step time went "
@@ -245,6 +267,9 @@ def format_step_errors(errors: dict[str, Any]) -> str:
     others = errors.get("others_cores")
     machine = (f"; other processes {others['mean']:.2f} cores mean, {others['max']:.2f} max" if others
                else "; other processes' CPU unknown (no /proc/stat)")
+    steal = errors.get("steal_cores")
+    if steal:
+        machine += f" (of which steal {steal['mean']:.2f} mean, {steal['max']:.2f} max)"
     parts.append(f"  measured/predicted over the run's tenths {min(d):.2f}..{max(d):.2f}{machine}")
     parts.append(f"  against the machine's speed of the moment (ratio / its rolling median over "
                  f"{errors['shape_err']['window_steps']} steps): median |err| "

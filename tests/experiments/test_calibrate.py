@@ -217,6 +217,29 @@ def test_time_budget_keeps_at_least_three_passes(tiny):
     assert len(full.passes) == 4 and not full.stopped_by_budget
 
 
+def test_each_pass_records_the_hypervisors_steal(tiny):
+    """Per pass, the cores /proc/stat's steal grew by over the pass's wall time (a fake reader and clock here),
+    in the file's load block; unknown steal is None."""
+    model = load(tiny, n_threads=1)
+    grid = calibration_grid(quick=True)[:2]
+    t, stolen = [0.0], [10.0]
+
+    def clock():
+        t[0] += 0.5
+        return t[0]
+
+    def steal():
+        stolen[0] += 0.1                                  # read at a pass's start and end: 0.1 s of steal
+        return stolen[0]                                  # while its clock moves 0.5 s -> 0.2 cores
+    m = measure_grid(model, grid, replay_sampling(model, 0.0, 0), repeats=3, load_reader=steady_load,
+                     clock=clock, steal_reader=steal)
+    info = load_figures(m, threshold=0.5)
+    assert [p["steal_cpu"] for p in info["passes"]] == pytest.approx([0.2] * 3)
+    blind = measure_grid(model, grid, replay_sampling(model, 0.0, 0), repeats=3, load_reader=steady_load,
+                         steal_reader=lambda: None)
+    assert all(p.steal_cpu is None for p in blind.passes)
+
+
 def test_template_holds_the_longest_context_in_consecutive_positions(tiny):
     model = load(tiny, n_threads=1)
     grid = [GridPoint("decode", decode=(TEMPLATE_CHUNK * 2 + 9,))]

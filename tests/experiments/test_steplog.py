@@ -12,6 +12,7 @@ from engine.core.types import BatchPlan, Chunk, ForwardCall, KVOp, Task
 from experiments.cli import main
 from experiments.steplog import (
     DRIFT_WARN,
+    STEAL_CORES_WARN,
     STEPS_FILE,
     StepLog,
     predict_steps,
@@ -45,6 +46,7 @@ class Fake:
         self.t = 100.0
         self.busy = 50.0
         self.own = 5.0
+        self.stolen = 2.0
 
     def clock(self):
         return self.t
@@ -52,10 +54,13 @@ class Fake:
     def cpu(self):
         return self.busy, self.own
 
+    def steal(self):
+        return self.stolen
+
 
 def test_each_step_is_logged_with_its_cost_kind_and_measured_time():
     fake = Fake()
-    log = StepLog(BPT, cpu_reader=fake.cpu, clock=fake.clock, window_s=10.0)
+    log = StepLog(BPT, cpu_reader=fake.cpu, steal_reader=fake.steal, clock=fake.clock, window_s=10.0)
     steps = [
         (plan(call(Chunk(0, 0, [5] * 7, 3, (0,), True)), sample=(0,)), 0.2),
         (plan(call(Chunk(0, 0, [5], 10, (0,), False), Chunk(1, 1, [6], 4, (1,), False)), sample=(0, 1)), 0.05),
@@ -85,7 +90,7 @@ def test_each_step_is_logged_with_its_cost_kind_and_measured_time():
 
 def test_other_processes_cpu_is_busy_time_minus_our_own_per_window():
     fake = Fake()
-    log = StepLog(BPT, cpu_reader=fake.cpu, clock=fake.clock, window_s=0.8)
+    log = StepLog(BPT, cpu_reader=fake.cpu, steal_reader=fake.steal, clock=fake.clock, window_s=0.8)
     p = plan(call(Chunk(0, 0, [5], 10, (0,), False)), sample=(0,))
     # window 1 opens at the first reading (end of step 1) and closes after step 4: 0.9 s wall, the machine
     # busy 1.8 CPU s, 0.9 of them ours -> others 1.0 core (step 1 gets its window's figure)
@@ -106,13 +111,38 @@ def test_other_processes_cpu_is_busy_time_minus_our_own_per_window():
 
 def test_without_proc_stat_others_cpu_is_unknown():
     fake = Fake()
-    log = StepLog(BPT, cpu_reader=lambda: None, clock=fake.clock, window_s=0.1)
+    log = StepLog(BPT, cpu_reader=lambda: None, steal_reader=lambda: None, clock=fake.clock, window_s=0.1)
     for _ in range(3):
         fake.t += 0.2
         log(plan(call(Chunk(0, 0, [5], 3, (0,), False)), sample=(0,)), 0.2)
     df = log.frame()
-    assert df["others_cores"].isna().all()
-    assert step_errors(df, ConstantLatency(0.1))["others_cores"] is None
+    assert df["others_cores"].isna().all() and df["steal_cores"].isna().all()
+    err = step_errors(df, ConstantLatency(0.1))
+    assert err["others_cores"] is None and err["steal_cores"] is None
+
+
+def test_steal_time_is_recorded_per_window_and_warned_about():
+    """The hypervisor's steal (part of the machine's busy time) per window, in cores; a run whose mean steal is
+    above STEAL_CORES_WARN is warned about, an idle host's is not."""
+    fake = Fake()
+    log = StepLog(BPT, cpu_reader=fake.cpu, steal_reader=fake.steal, clock=fake.clock, window_s=0.5)
+    p = plan(call(Chunk(0, 0, [5], 10, (0,), False)), sample=(0,))
+    for stolen in (0.0, 0.12, 0.12, 0.0):                # per 0.6 s step: 0, 0.2, 0.2, 0 cores
+        fake.t += 0.6
+        fake.busy += 0.6 + stolen
+        fake.own += 0.6
+        fake.stolen += stolen
+        log(p, 0.6)
+    df = log.frame()
+    assert np.allclose(df["steal_cores"].iloc[1:], [0.2, 0.2, 0.0]) and np.allclose(df["others_cores"].iloc[1:],
+                                                                                      [0.2, 0.2, 0.0])
+    err = step_errors(df, ConstantLatency(0.6))
+    assert err["steal_cores"]["max"] == pytest.approx(0.2) and err["steal_cores"]["mean"] > STEAL_CORES_WARN
+    assert any("steal time" in w for w in step_warnings(err))
+    quiet = step_errors(frame([0.1] * 5).assign(steal_cores=0.01), ConstantLatency(0.1))
+    assert not any("steal" in w for w in step_warnings(quiet))
+    old = step_errors(frame([0.1] * 5), ConstantLatency(0.1))          # a step log from before the column
+    assert old["steal_cores"] is None
 
 
 def frame(measured, kinds=None, others=0.0):
@@ -212,13 +242,13 @@ def test_validate_reports_the_models_error_on_the_real_steps_and_the_calibration
 
 def test_each_step_records_the_runs_clock_when_given_one():
     fake, run_clock = Fake(), [12.5]
-    log = StepLog(BPT, cpu_reader=fake.cpu, clock=fake.clock, window_s=10.0, run_clock=lambda: run_clock[0])
+    log = StepLog(BPT, cpu_reader=fake.cpu, steal_reader=fake.steal, clock=fake.clock, window_s=10.0, run_clock=lambda: run_clock[0])
     for t in (12.5, 13.0):
         run_clock[0] = t
         fake.t += 0.1
         log(plan(call(Chunk(0, 0, [5], 10, (0,), False)), sample=(0,)), 0.1)
     assert list(log.frame()["clock_s"]) == [12.5, 13.0]
-    plain = StepLog(BPT, cpu_reader=fake.cpu, clock=fake.clock)
+    plain = StepLog(BPT, cpu_reader=fake.cpu, steal_reader=fake.steal, clock=fake.clock)
     plain(plan(call(Chunk(0, 0, [5], 10, (0,), False)), sample=(0,)), 0.1)
     assert plain.frame()["clock_s"].isna().all()
 
