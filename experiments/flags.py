@@ -353,6 +353,12 @@ FLAGS: tuple[Flag, ...] = (
          "sim and real are compared, and report it beside the simulator's errors: how far two real runs on "
          "this machine differ, which no latency model can beat (default: none)", (VALIDATE,), str,
          metavar="DIR"),
+    Flag(None, ("--arrivals",), "loop = the simulator's chat turns arrive as the workload says, think time after "
+         "the simulated reply (closed loop); real = each turn arrives when it arrived in the real run (or when "
+         "its simulated previous reply ends, if later): the loop no longer carries one run's timing error "
+         "into the next turn's batch, so the errors are the timing model's and the decisions' (open-loop "
+         "workloads arrive at their own times either way; default: loop)", (VALIDATE,), str, "loop",
+         "loop|real", choices=("loop", "real")),
     Flag(None, ("--speed-correct",), "probe = multiply the simulator's step times by the speed probe's ratio "
          "(the machine's step times around the real run / the probe's at calibration); grid = by the probe "
          "around the real run / the calibration grid's own medians of the same shapes (what the model was "

@@ -79,6 +79,7 @@ from sim.driver import Simulation
 from sim.latency import ScaledLatency, TrackedLatency, unscaled
 from sim.latency_spec import get_latency_model
 from traces import Trace, read_trace
+from traces.synthetic.chat import ChatWorkload
 
 METRICS = ("ttft", "tpot", "e2e", "queue")
 CORRECTIONS = ("probe", "grid", "track")      # --speed-correct values that change the simulator's step times
@@ -353,9 +354,33 @@ def add_validate_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def pin_arrivals(workload: Any, real_requests: pd.DataFrame) -> tuple[Any, int]:
+    """(`workload` with every chat turn after the first sent when the real run's request of that session and
+    turn arrived (`Turn.send_at_s`; the simulator still waits for the simulated previous reply), how many turns
+    were pinned). An open-loop workload, whose arrivals are its own in both runs, comes back unchanged (0).
+    A turn the real run never sent (its session ended early) keeps its think time."""
+    if not isinstance(workload, ChatWorkload):
+        return workload, 0
+    at = {(str(s), int(t)): float(a) for s, t, a in
+          zip(real_requests["session_id"], real_requests["turn"], real_requests["arrival_s"])}
+    sessions, n = [], 0
+    for sess in workload.sessions:
+        turns = []
+        for k, turn in enumerate(sess.turns):
+            when = at.get((sess.session_id, k)) if k > 0 else None
+            if when is not None and math.isfinite(when):
+                turn = dataclasses.replace(turn, send_at_s=when)
+                n += 1
+            turns.append(turn)
+        sessions.append(dataclasses.replace(sess, turns=tuple(turns)))
+    return dataclasses.replace(workload, sessions=tuple(sessions)), n
+
+
 def _validate_argv(values: Mapping[str, Any], model: str, threads: int, temp: float,
-                   speed_correct: str = "off", probe_every: float = TRACK_EVERY_S, numerics: str = "f32") -> list[str]:
+                   speed_correct: str = "off", probe_every: float = TRACK_EVERY_S, numerics: str = "f32",
+                   arrivals: str = "loop") -> list[str]:
     correct = [] if speed_correct == "off" else ["--speed-correct", speed_correct]
+    correct += [] if arrivals == "loop" else ["--arrivals", arrivals]
     every = [] if probe_every == TRACK_EVERY_S else ["--probe-every", f"{probe_every:g}"]
     num = [] if numerics == "f32" else ["--numerics", numerics]
     return ["validate", *simulate_argv(values)[2:], "-m", model, "--threads", str(threads), "--temp", str(temp),
@@ -480,6 +505,9 @@ def run_validate_recorded(args: argparse.Namespace, values: dict[str, Any]) -> i
         if args.noise_floor:
             raise UsageError("--noise-floor compares two real engine runs of a generated workload or trace; a "
                              "recorded trace is one upstream run: drop it")
+        if args.arrivals != "loop":
+            raise UsageError("--arrivals real pins a chat's turns to a real engine run's arrivals; a recorded "
+                             "trace is replayed at its own recorded arrival times already: drop it")
         trace = load_recorded(args.recorded)
         latency = get_latency_model(values["latency"])
         cfg = server_config(values, latency)
@@ -583,7 +611,7 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
         print(f"slotlab validate: warning: the machine's load moved while {values['latency']} was calibrated "
               f"(load_moved in the file): its step times mix loads", file=sys.stderr)
     argv = _validate_argv(values, model, args.threads, args.temp, args.speed_correct, args.probe_every,
-                          args.numerics)
+                          args.numerics, args.arrivals)
     context = run_context(argv, desc)
     load_start = os.getloadavg()
 
@@ -622,6 +650,9 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
                            f"stored with the real run ({PROBE_FILE})" if run_probes else None)
     for warning in speed_warnings(speed, values["latency"], args.speed_correct, speed["factor"], real.path):
         print(f"slotlab validate: warning: {warning}", file=sys.stderr)
+    n_pinned = 0
+    if args.arrivals == "real":
+        workload, n_pinned = pin_arrivals(workload, real.requests)
     with bar("sim") as b:
         run_sim_twin(values, workload, real.config, model, out / "sim", context, csv=args.csv,
                      plots=not args.no_plots, progress=follow(b), latency=sim_latency)
@@ -635,7 +666,11 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
         load_average_after_real=list(load_mid), load_average_end=list(os.getloadavg()), real_dir=str(real.path),
         real_reused=reused is not None, sim_dir=str(out / "sim"), real_sim_s=real.summary.get("sim_s"),
         sim_sim_s=sim.summary.get("sim_s"), real_steps=real.run.get("steps"), sim_steps=sim.run.get("steps"),
-        command=context["command"], speed_probe=speed)
+        command=context["command"], speed_probe=speed,
+        arrivals={"mode": args.arrivals, "n_pinned": n_pinned,
+                  "definition": "loop: the simulated chat turns follow the simulated replies (closed loop, as the "
+                                "real run); real: turns after the first arrive when they did in the real run, "
+                                "or when the simulated previous reply ends if later"})
     scaled = f" {factor_text(speed)}" if correct else ""
     title = (f"{Path(model).name}, {summary['threads']} threads vs {latency.describe().get('kind')}{scaled} latency "
              f"({summary['n_requests']} requests)")

@@ -262,7 +262,11 @@ class Simulation:
             yield env.timeout(start - env.now)
         replies: list[list[int]] = []
         for k, turn in enumerate(sess.turns):
-            if k > 0 and turn.think_s > 0:
+            if k > 0 and turn.send_at_s is not None:       # pinned (validate --arrivals real)
+                at = round(turn.send_at_s * NS)
+                if at > env.now:
+                    yield env.timeout(at - env.now)
+            elif k > 0 and turn.think_s > 0:
                 yield env.timeout(round(turn.think_s * NS))
             prompt = wl.prompt_tokens(sess.session_id, k, space, replies)
             task = yield self.submit(prompt, turn.n_output, index=index0 + k, session_id=sess.session_id, turn=k)

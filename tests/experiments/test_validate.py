@@ -83,6 +83,36 @@ def test_closed_loop_chat_joins_every_turn(tiny, calib, tmp_path):
     assert (per["finish_real"] == "limit").all() and (per["n_cached_real"][per["turn"] == 1] > 0).all()
 
 
+def test_arrivals_real_pins_the_simulated_turns_to_the_real_runs_arrivals(tiny, calib, tmp_path, capsys):
+    """`--arrivals real` on an existing closed-loop real run: every later turn is pinned, and arrives in the
+    simulation when it did in the real run, unless the simulated previous reply ended later (then right after
+    it); `loop` leaves the loop; a recorded trace refuses it."""
+    chat = ["--users", "3", "--turns", "3", "--think-time", "0.2", "--user-tokens", "8-16", "--output-tokens", "2-4",
+            "-np", "2", "-c", "2048"]
+    common = ["-m", tiny, "--threads", "1", "--latency", f"parametric:{calib}", "--quiet", "--no-plots"]
+    assert run_validate(parse(*common, "--out", str(tmp_path / "loop"), *chat)) == 0
+    real = str(tmp_path / "loop" / "real")
+    assert run_validate(parse(*common, "--out", str(tmp_path / "pin"), "--real-run", real, "--arrivals", "real",
+                              *chat)) == 0
+    per, _, summary = read_validation(tmp_path / "pin")
+    later = per[per["turn"] > 0]
+    assert summary["arrivals"]["mode"] == "real" and summary["arrivals"]["n_pinned"] == len(later) == 6
+    assert (later["arrival_sim_s"] >= later["arrival_real_s"] - 1e-9).all()
+    sim = pd.read_parquet(tmp_path / "pin" / "sim" / "requests.parquet").set_index(["session_id", "turn"])
+    for (sid, turn), row in sim.iterrows():
+        if turn > 0:
+            prev_end = sim.loc[(sid, turn - 1), "end_s"]
+            want = max(float(per[(per["session_id"] == sid) & (per["turn"] == turn)]["arrival_real_s"].iloc[0]),
+                       prev_end)
+            assert row["arrival_s"] == pytest.approx(want, abs=1e-9)
+    _, _, looped = read_validation(tmp_path / "loop")
+    assert looped["arrivals"] == {**looped["arrivals"], "mode": "loop", "n_pinned": 0}
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("")
+    assert run_validate(parse("--recorded", str(trace), "--arrivals", "real", "--out", str(tmp_path / "r"))) == 2
+    assert "--arrivals real" in capsys.readouterr().err
+
+
 def test_bad_latency_spec_is_a_usage_error(tiny, tmp_path, capsys):
     assert run_validate(parse("-m", tiny, "--latency", "parametric:/nope.json", "--out", str(tmp_path),
                               *WORKLOAD)) == 2

@@ -53,6 +53,17 @@ def test_closed_loop_next_turn_extends_previous_prompt_and_reply():
     assert sum(x["n_cached"] for x in r.requests) > 0               # multi-turn prefixes are reused
 
 
+def test_a_pinned_turn_arrives_at_its_time_but_never_before_the_previous_reply():
+    """`Turn.send_at_s` (validate --arrivals real) replaces the think time: the turn is sent at that time, or
+    when the previous reply ends if that is later."""
+    turns = (Turn(20, 10, 0.0), Turn(10, 5, 9.0, send_at_s=3.0), Turn(10, 5, 9.0, send_at_s=0.05))
+    wl = ChatWorkload((ChatSession("u", 0.0, 0, turns),), (50,), 0)
+    rows = Simulation(ServerConfig(n_ctx=4096, n_parallel=1), ConstantLatency(0.01)).run(wl).requests
+    assert rows[0]["end_s"] < 3.0
+    assert rows[1]["arrival_s"] == 3.0                                  # pinned, not end + 9 s of thinking
+    assert rows[2]["arrival_s"] == rows[1]["end_s"] > 0.05             # its time passed: right after the reply
+
+
 def test_closed_loop_session_ends_at_first_error():
     wl = ChatWorkload((ChatSession("u", 0.0, 0, (Turn(100, 10, 0.0), Turn(300, 10, 1.0), Turn(5, 5, 1.0))),),
                       (50,), 0)

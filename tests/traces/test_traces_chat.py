@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from traces import (ChatWorkload, TokenSpace, ZipfLength, chat_sessions, default_chat_workload,
@@ -101,6 +103,12 @@ def test_chat_workload_save_load_round_trip(tmp_path, name):
     w = small(3)
     save_chat_workload(w, tmp_path / name)
     assert load_chat_workload(tmp_path / name) == w
+    s0 = w.sessions[0]                                    # a pinned turn (validate --arrivals real) keeps its time
+    pinned = dataclasses.replace(w, sessions=(dataclasses.replace(
+        s0, turns=(s0.turns[0], dataclasses.replace(s0.turns[1], send_at_s=12.5), *s0.turns[2:])), *w.sessions[1:]))
+    save_chat_workload(pinned, tmp_path / name)
+    back = load_chat_workload(tmp_path / name)
+    assert back == pinned and back.sessions[0].turns[1].send_at_s == 12.5 and back.sessions[1].turns[1].send_at_s is None
 
 
 def test_chat_workload_load_names_line_and_field(write):

@@ -1,7 +1,8 @@
 """Closed-loop multi-turn chat sessions: the workload where slot reuse and the host-RAM prompt cache matter.
 
 A session sends turn 0 at `start_s`; turn k > 0 is sent `turns[k].think_s` seconds after the reply to
-turn k-1 has finished. Turn k's prompt is `system + u0 + g0 + u1 + g1 + ... + uk`, where u are the user
+turn k-1 has finished, or, when the turn has a `send_at_s` (`slotlab validate --arrivals real`: the times a real
+run's turns arrived), at that time, or as soon as the reply to turn k-1 has finished if that is later. Turn k's prompt is `system + u0 + g0 + u1 + g1 + ... + uk`, where u are the user
 tokens below and g the tokens generated for the earlier turns (the simulator's, or `reply_tokens`).
 """
 
@@ -23,6 +24,7 @@ class Turn:
     n_user: int          # new user tokens appended in this turn
     n_output: int        # tokens the reply generates (the request's n_predict)
     think_s: float       # wait after the previous reply before sending this turn; 0.0 for turn 0
+    send_at_s: float | None = None   # instead: sent at this time (not before the previous reply has finished)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,14 @@ VERSION = 1
 
 def _session_obj(s: ChatSession) -> dict:
     return {"session_id": s.session_id, "start_s": s.start_s, "system_prompt_id": s.system_prompt_id,
-            "turns": [{"n_user": t.n_user, "n_output": t.n_output, "think_s": t.think_s} for t in s.turns]}
+            "turns": [_turn_obj(t) for t in s.turns]}
+
+
+def _turn_obj(t: Turn) -> dict:
+    obj = {"n_user": t.n_user, "n_output": t.n_output, "think_s": t.think_s}
+    if t.send_at_s is not None:
+        obj["send_at_s"] = t.send_at_s
+    return obj
 
 
 def save_chat_workload(workload: ChatWorkload, path: str | Path) -> None:
@@ -45,7 +52,8 @@ def _session(obj: object) -> ChatSession:
     for t in turns_obj:
         if not isinstance(t, dict):
             raise FieldError("turns", "objects with n_user, n_output, think_s", t)
-        turns.append(Turn(json_count(t, "n_user"), json_count(t, "n_output"), json_seconds(t, "think_s")))
+        send_at = json_seconds(t, "send_at_s") if t.get("send_at_s") is not None else None
+        turns.append(Turn(json_count(t, "n_user"), json_count(t, "n_output"), json_seconds(t, "think_s"), send_at))
     return ChatSession(sid, json_seconds(obj, "start_s"), json_count(obj, "system_prompt_id"), tuple(turns))
 
 
