@@ -10,7 +10,7 @@ each sequence may hold `n_ctx_seq` cells. Unified: all sequences share one pool 
 cells (only the accounting differs; `seq_cp` copies count as new cells, where llama.cpp shares them).
 
 Pool: the sequences' arrays are views `pool_k[:, seq]` of one array `pool_k` [n_layer, n_seq, n_head_kv, cap,
-head_dim] (same for V) with one capacity for all, grown by doubling. The forward pass then attends the
+head_dim] (same for V) with one capacity for all. The forward pass then attends the
 one-token chunks of many sequences with a few batched matmuls over `pool_k[layer, lo:hi]` instead of a loop
 of small calls per sequence. The pool is allocated once, at its full capacity, when a sequence first needs
 cells (as llama.cpp allocates its KV cache when the context is created): growing it by doubling copied every
@@ -53,7 +53,7 @@ _HEADER = struct.Struct("<4sIIIIII")
 _DTYPE_CODE = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}
 _CODE_DTYPE = {code: dt.newbyteorder("<") for dt, code in _DTYPE_CODE.items()}
 _MIN_CAPACITY = 64
-POOL_MAX_BYTES = 4 << 30     # virtual size of the shared pool; calloc'd pages are resident only once written
+POOL_MAX_BYTES = 4 << 30     # virtual size of the shared pool; its pages are resident only once written
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
@@ -331,8 +331,8 @@ class KVStore:
 
     def shadow(self, s: SeqKV, n_cells: int) -> Shadow:
         """`s`'s float32 shadow (module docstring) with room for `n_cells` cells: allocated (nothing current) on
-        first use, grown by doubling (the current cells copied) when too small. Its capacity is the sequence's
-        own need, not the pool's common one. The reader converts layer l's cells min(valid[l], s.n) ..
+        first use at the capacity of the sequence's arrays (the pool's, for a pooled sequence), grown by doubling
+        (the current cells copied) only when they have grown (a private sequence). The reader converts layer l's cells min(valid[l], s.n) ..
         n_tot-1 and sets valid[l]."""
         sh = s.shadow
         cap = 0 if sh is None else sh.v.shape[2]
