@@ -362,6 +362,9 @@ def proc_cpu_seconds() -> tuple[float, float] | None:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK"), t.user + t.system
 
 
+STEAL_CORES_WARN = 0.05    # mean steal (cores) above which calibrate and validate warn; an idle host: 0.00-0.01
+
+
 def proc_steal_seconds() -> float | None:
     """CPU seconds the hypervisor ran other guests on this machine's virtual CPUs since boot (the `steal`
     column of /proc/stat's first line), or None where /proc/stat is not readable. Steal is time this guest
@@ -886,9 +889,11 @@ def replay_sampling(model: Any, temp: float, seed: int) -> Any:
 
 
 def run_calibrate(args: argparse.Namespace, *, load_reader: LoadReader = os.getloadavg,
-                  cpu_reader: CpuReader = proc_cpu_seconds) -> int:
+                  cpu_reader: CpuReader = proc_cpu_seconds,
+                  steal_reader: Callable[[], float | None] = proc_steal_seconds) -> int:
     """`slotlab calibrate`; returns the exit code (2 = bad usage). `load_reader` reads the load average,
-    `cpu_reader` the machine's and this process's CPU seconds (see `load_figures`)."""
+    `cpu_reader` the machine's and this process's CPU seconds, `steal_reader` the hypervisor's steal seconds
+    (see `load_figures`)."""
     t_start = time.perf_counter()
     repeats = args.repeats if args.repeats is not None else (2 if args.quick else DEFAULT_PASSES)
     try:
@@ -911,7 +916,7 @@ def run_calibrate(args: argparse.Namespace, *, load_reader: LoadReader = os.getl
               disable=args.quiet) as bar:
         sampling = replay_sampling(model, args.temp, args.seed)
         m = measure_grid(model, grid, sampling, repeats=repeats, seed=args.seed, progress=bar, max_seconds=budget,
-                         load_reader=load_reader, cpu_reader=cpu_reader)
+                         load_reader=load_reader, cpu_reader=cpu_reader, steal_reader=steal_reader)
     probe = measure_probe(model, sampling, seed=args.seed, grid=m, load_reader=load_reader, cpu_reader=cpu_reader)
     layout = engine_layout(model)
     fits = fit_models(m.points, layout, args.weighting)
@@ -969,5 +974,11 @@ def run_calibrate(args: argparse.Namespace, *, load_reader: LoadReader = os.getl
               f"--load-threshold {args.load_threshold:g}; load average {load_info['load1_min']:.2f}-"
               f"{load_info['load1_max']:.2f}); step times measured at different loads are mixed in this "
               f"calibration (marked load_moved in {out.name}): recalibrate on a quieter machine for figures",
+              file=sys.stderr)
+    if steals and statistics.mean(steals) > STEAL_CORES_WARN:
+        print(f"slotlab calibrate: warning: the hypervisor gave this machine's CPUs to other guests for "
+              f"{statistics.mean(steals):.2f} cores on average per pass (steal time, /proc/stat; "
+              f"{min(steals):.2f}-{max(steals):.2f}): the step times include waits for a CPU, and the host's "
+              f"speed may differ when the calibration is used; recalibrate when the host is quieter",
               file=sys.stderr)
     return 0

@@ -40,7 +40,7 @@ import numpy as np
 import pandas as pd
 
 from engine.core.types import BatchPlan, ForwardCall
-from experiments.calibrate import proc_cpu_seconds, proc_steal_seconds
+from experiments.calibrate import STEAL_CORES_WARN, proc_cpu_seconds, proc_steal_seconds
 from sim.backend import SimBackend
 from sim.latency import ConstantLatency, StepCost
 
@@ -50,8 +50,6 @@ COST_COLUMNS = ("n_prefill_tokens", "n_decode_tokens", "n_seqs", "attn_ctx_token
                 "kv_copy_bytes", "kv_save_bytes", "kv_shift_tokens", "kv_read_tokens")
 # other processes' CPU (cores, in some window of the real run) above which validate warns
 OTHERS_CORES_WARN = 0.5
-# mean steal over the run above which validate warns: 5% of one core, well above an idle host's (0.00-0.01)
-STEAL_CORES_WARN = 0.05
 # measured/predicted ratio moving by more than this between tenths of the run: validate warns (machine speed)
 DRIFT_WARN = 0.10
 

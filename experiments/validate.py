@@ -196,9 +196,12 @@ def format_errors(errors: pd.DataFrame, summary: Mapping[str, Any]) -> str:
     lines.append("per request |rel err|: " + ", ".join(
         f"{names[m]} median {100 * summary[f'{m}_median_ape']:.1f}% mean {100 * summary[f'{m}_mape']:.1f}%"
         for m in ("ttft", "tpot", "e2e")))
+    arrivals = summary.get("arrivals") or {}
+    pinned = (f" (arrivals pinned to the real run's: {arrivals['n_pinned']} turns)"
+              if arrivals.get("mode") == "real" else "")
     lines.append(f"decisions: same slot {100 * summary['slot_match_rate']:.1f}%, same n_cached "
                  f"{100 * summary['n_cached_match_rate']:.1f}%, both {100 * summary['decision_match_rate']:.1f}% "
-                 f"of {summary['n_requests']} requests")
+                 f"of {summary['n_requests']} requests{pinned}")
     matched = summary.get("decision_matched") or {}
     if matched.get("n_requests"):
         lines.append(f"over the {matched['n_requests']} requests with the same decisions, per request |rel err| "
@@ -883,9 +886,10 @@ def _write_comparison(out: Path, per, errors, summary: dict, real_rows, sim_rows
 
 def _print_quiet(errors, summary: dict, out: Path, what: str) -> None:
     e2e = errors[(errors["metric"] == "e2e") & (errors["stat"] == "p50")].iloc[0]
+    pinned = ", arrivals pinned" if (summary.get("arrivals") or {}).get("mode") == "real" else ""
     print(f"slotlab validate: {summary['n_requests']} {what}, E2E P50 real {e2e['real_s']:.3g} s sim "
           f"{e2e['sim_s']:.3g} s ({100 * e2e['rel_err']:+.1f}%), decisions match "
-          f"{100 * summary['decision_match_rate']:.0f}%{_steps_clause(summary)}{_speed_clause(summary)} -> {out}")
+          f"{100 * summary['decision_match_rate']:.0f}%{pinned}{_steps_clause(summary)}{_speed_clause(summary)} -> {out}")
 
 
 def _speed_clause(summary: dict) -> str:

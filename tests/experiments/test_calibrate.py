@@ -4,6 +4,7 @@ plans it measures counted in the simulator's units, interleaved passes, cross-va
 import argparse
 import itertools
 import json
+import time
 
 import numpy as np
 import pandas as pd
@@ -238,6 +239,23 @@ def test_each_pass_records_the_hypervisors_steal(tiny):
     blind = measure_grid(model, grid, replay_sampling(model, 0.0, 0), repeats=3, load_reader=steady_load,
                          steal_reader=lambda: None)
     assert all(p.steal_cpu is None for p in blind.passes)
+
+
+def test_a_calibration_under_steal_time_is_warned_about(tiny, tmp_path, capsys):
+    stolen = [0.0]
+
+    def steal():                                      # a core's worth of steal per second of wall time
+        stolen[0] = time.perf_counter()
+        return stolen[0]
+    args = parse("-m", tiny, "--threads", "1", "--quick", "--quiet", "--no-plots", "--out", str(tmp_path / "c.json"))
+    assert run_calibrate(args, load_reader=steady_load, cpu_reader=cpu_of_others(lambda i: 0.0),
+                         steal_reader=steal) == 0
+    err = capsys.readouterr().err
+    assert "steal time" in err and "hypervisor" in err
+    assert json.loads((tmp_path / "c.json").read_text())["load"]["passes"][0]["steal_cpu"] == pytest.approx(1.0, rel=0.05)
+    assert run_calibrate(args, load_reader=steady_load, cpu_reader=cpu_of_others(lambda i: 0.0),
+                         steal_reader=lambda: 5.0) == 0
+    assert "steal" not in capsys.readouterr().err
 
 
 def test_template_holds_the_longest_context_in_consecutive_positions(tiny):

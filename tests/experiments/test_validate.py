@@ -92,8 +92,10 @@ def test_arrivals_real_pins_the_simulated_turns_to_the_real_runs_arrivals(tiny, 
     common = ["-m", tiny, "--threads", "1", "--latency", f"parametric:{calib}", "--quiet", "--no-plots"]
     assert run_validate(parse(*common, "--out", str(tmp_path / "loop"), *chat)) == 0
     real = str(tmp_path / "loop" / "real")
+    capsys.readouterr()
     assert run_validate(parse(*common, "--out", str(tmp_path / "pin"), "--real-run", real, "--arrivals", "real",
                               *chat)) == 0
+    assert "arrivals pinned" in capsys.readouterr().out
     per, _, summary = read_validation(tmp_path / "pin")
     later = per[per["turn"] > 0]
     assert summary["arrivals"]["mode"] == "real" and summary["arrivals"]["n_pinned"] == len(later) == 6
