@@ -18,7 +18,8 @@ pooled sequence's cells inside the step that crossed a power of two (a 19 ms dec
 512). Its pages come from an anonymous mapping (`lazy_zeros`: zero pages supplied on first touch, transparent
 huge pages refused), so only the cells written are resident. A sequence longer than the pool's capacity
 (n_ctx_seq; in unified mode at most 2 * n_ctx_seq) or than `pool_max_bytes` (virtual) allows gets arrays of
-its own instead ("private", grown by doubling); the forward pass attends it alone.
+its own instead ("private", grown by doubling); the forward pass attends it alone. Where the system refuses
+the pool's whole virtual size at once (ENOMEM), it grows by doubling instead.
 
 K is stored after RoPE, so `seq_add` re-rotates the shifted cells' K by the position delta.
 
@@ -332,18 +333,20 @@ class KVStore:
     def shadow(self, s: SeqKV, n_cells: int) -> Shadow:
         """`s`'s float32 shadow (module docstring) with room for `n_cells` cells: allocated (nothing current) on
         first use at the capacity of the sequence's arrays (the pool's, for a pooled sequence), grown by doubling
-        (the current cells copied) only when they have grown (a private sequence). The reader converts layer l's cells min(valid[l], s.n) ..
-        n_tot-1 and sets valid[l]."""
+        (the current cells copied) only when they have grown (a private sequence), or when the system refuses
+        the arrays' whole capacity at once (then as many cells as needed, doubled). The reader converts layer
+        l's cells min(valid[l], s.n) .. n_tot-1 and sets valid[l]."""
         sh = s.shadow
         cap = 0 if sh is None else sh.v.shape[2]
         if n_cells <= cap:
             return sh
-        new_cap = max(_MIN_CAPACITY, cap, s.pos.shape[0])       # the capacity of the sequence's arrays
-        while new_cap < n_cells:
-            new_cap *= 2
-        grown = Shadow(kt=lazy_zeros((self.n_layer, self.n_head_kv, self.head_dim, new_cap), np.float32),
-                       v=lazy_zeros((self.n_layer, self.n_head_kv, new_cap, self.head_dim), np.float32),
-                       valid=np.zeros(self.n_layer, np.int64))
+        need = max(_MIN_CAPACITY, cap)
+        while need < n_cells:
+            need *= 2
+        try:
+            grown = self._new_shadow(max(need, s.pos.shape[0]))        # the capacity of the sequence's arrays
+        except (OSError, MemoryError):
+            grown = self._new_shadow(need)
         if sh is not None:
             n = int(sh.valid.max())
             grown.kt[..., :n] = sh.kt[..., :n]
@@ -351,6 +354,11 @@ class KVStore:
             grown.valid[:] = sh.valid
         s.shadow = grown
         return grown
+
+    def _new_shadow(self, cap: int) -> Shadow:
+        return Shadow(kt=lazy_zeros((self.n_layer, self.n_head_kv, self.head_dim, cap), np.float32),
+                      v=lazy_zeros((self.n_layer, self.n_head_kv, cap, self.head_dim), np.float32),
+                      valid=np.zeros(self.n_layer, np.int64))
 
     @property
     def shadow_bytes(self) -> int:
@@ -395,7 +403,12 @@ class KVStore:
             new_cap *= 2
         if s.pooled:
             if n_cells <= self._pool_cap_max:
-                self._grow_pool(self._pool_cap_max)         # once: the pool's full capacity
+                try:
+                    self._grow_pool(max(self.pool_cap, self._pool_cap_max))   # once: the pool's full capacity
+                except (OSError, MemoryError):
+                    # the system refuses that much virtual memory at once (a small machine without overcommit
+                    # room): grow by doubling instead, as the pool did before it was allocated whole
+                    self._grow_pool(min(new_cap, self._pool_cap_max))
                 return
             s.pooled = False                       # too long for the pool: its own arrays from now on
         grown = self._private(s.seq, new_cap)

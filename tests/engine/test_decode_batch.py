@@ -142,3 +142,29 @@ def test_a_private_sequence_rejoins_the_pool_when_a_state_that_fits_replaces_it(
     assert kv._seqs[3].pooled and kv.positions(3).tolist() == [0, 1, 2]
     assert _decode(model, kv, 2, [0, 3, 4], monkeypatch, batched=True) == 2
     _decode(model, ref, 2, [0, 3, 4], monkeypatch, batched=False)
+
+
+def test_where_the_system_refuses_the_whole_pool_it_grows_by_doubling(tiny_model, monkeypatch):
+    """A machine that will not map the pool's full capacity at once (no overcommit room): the pool and the
+    shadows are allocated by doubling instead, and every sequence decodes as in an unrestricted store."""
+    from engine.model import kv as kv_mod
+    model = tiny_model()
+    ref = _filled(model)
+    real = kv_mod.lazy_zeros
+    cell_bytes = 2 * model.hparams.n_layer * model.hparams.n_head_kv * model.hparams.head_dim * 4
+
+    def refusing(shape, dtype):
+        if int(np.prod(shape)) * np.dtype(dtype).itemsize > 8 * 150 * cell_bytes // 2:   # K or V of 8 x 150 cells
+            raise OSError(12, "Cannot allocate memory")
+        return real(shape, dtype)
+    monkeypatch.setattr(kv_mod, "lazy_zeros", refusing)
+    kv = _filled(model)
+    assert kv.pool_cap == 64
+    long_ids = [(i * 13) % 250 + 3 for i in range(70)]
+    for store in (kv, ref):
+        model.forward_batch(store, [BatchChunk(3, long_ids, len(PROMPTS[3]), False)])
+    assert kv.pool_cap == 128 and ref.pool_cap == 200
+    for step in range(2):
+        chunks = [BatchChunk(seq, [(seq * 31 + step * 7) % 250 + 3], ref.pos_max(seq) + 1) for seq in PROMPTS]
+        for got, want in zip(model.forward_batch(kv, chunks), model.forward_batch(ref, chunks)):
+            np.testing.assert_array_equal(got, want)
