@@ -346,18 +346,26 @@ LoadReader = Callable[[], Sequence[float]]
 CpuReader = Callable[[], "tuple[float, float] | None"]
 
 
-def proc_cpu_seconds() -> tuple[float, float] | None:
-    """(CPU seconds the whole machine has been busy since boot, CPU seconds of this process), or None where
-    /proc/stat is not readable. Busy = user + nice + system + irq + softirq + steal (a KVM guest's steal is
-    time the host gave to others); the process's own time (all its threads) is `os.times()`."""
+def _proc_stat_cpu() -> list[int] | None:
+    """The machine's CPU time counters since boot, in clock ticks: /proc/stat's first line (user, nice, system,
+    idle, iowait, irq, softirq, steal; missing ones 0), or None where it is not readable."""
     try:
         first = Path("/proc/stat").read_text(encoding="ascii").split("\n", 1)[0].split()
     except OSError:
         return None
     if not first or first[0] != "cpu":
         return None
-    v = [int(x) for x in first[1:9]] + [0] * 8
-    user, nice, system, _idle, _iowait, irq, softirq, steal = v[:8]
+    return ([int(x) for x in first[1:9]] + [0] * 8)[:8]
+
+
+def proc_cpu_seconds() -> tuple[float, float] | None:
+    """(CPU seconds the whole machine has been busy since boot, CPU seconds of this process), or None where
+    /proc/stat is not readable. Busy = user + nice + system + irq + softirq + steal (a KVM guest's steal is
+    time the host gave to others); the process's own time (all its threads) is `os.times()`."""
+    v = _proc_stat_cpu()
+    if v is None:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = v
     t = os.times()
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK"), t.user + t.system
 
@@ -369,13 +377,8 @@ def proc_steal_seconds() -> float | None:
     """CPU seconds the hypervisor ran other guests on this machine's virtual CPUs since boot (the `steal`
     column of /proc/stat's first line), or None where /proc/stat is not readable. Steal is time this guest
     wanted a CPU and did not get it: from inside the guest nothing else runs, yet every step takes longer."""
-    try:
-        first = Path("/proc/stat").read_text(encoding="ascii").split("\n", 1)[0].split()
-    except OSError:
-        return None
-    if len(first) < 9 or first[0] != "cpu":
-        return None
-    return int(first[8]) / os.sysconf("SC_CLK_TCK")
+    v = _proc_stat_cpu()
+    return None if v is None else v[7] / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True, slots=True)

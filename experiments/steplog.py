@@ -220,13 +220,16 @@ def step_errors(steps: pd.DataFrame, latency: Any, n_bins: int = 10,
     window = max(5, len(ratio) // 20)
     local = pd.Series(ratio).rolling(window, center=True, min_periods=1).median().to_numpy()
     out["shape_err"] = {"median_abs_err": float(np.median(np.abs(ratio / local - 1.0))), "window_steps": window}
-    others = steps["others_cores"].to_numpy(float) if "others_cores" in steps.columns else np.array([])
-    others = others[np.isfinite(others)]
-    out["others_cores"] = ({"mean": float(others.mean()), "max": float(others.max())} if len(others) else None)
-    steal = steps["steal_cores"].to_numpy(float) if "steal_cores" in steps.columns else np.array([])
-    steal = steal[np.isfinite(steal)]
-    out["steal_cores"] = ({"mean": float(steal.mean()), "max": float(steal.max())} if len(steal) else None)
+    out["others_cores"] = _mean_max(steps, "others_cores")
+    out["steal_cores"] = _mean_max(steps, "steal_cores")
     return out
+
+
+def _mean_max(steps: pd.DataFrame, column: str) -> dict[str, float] | None:
+    """{"mean", "max"} of a column's finite values, None when it has none (or the log has no such column)."""
+    values = steps[column].to_numpy(float) if column in steps.columns else np.array([])
+    values = values[np.isfinite(values)]
+    return {"mean": float(values.mean()), "max": float(values.max())} if len(values) else None
 
 
 def step_warnings(errors: dict[str, Any]) -> list[str]:

@@ -167,9 +167,8 @@ class Model:
     def shadow_current(self, kv: KVStore, seq: int) -> None:
         """Make sequence `seq`'s float32 KV shadow current (ggml mode's compiled attention keeps one; no-op in
         the other modes): the state of a sequence that has been running, which converts only its new cells."""
-        if self.num.shadow_current is not None:
-            with self.compute_threads():
-                self.num.shadow_current(kv, kv.seq_kv(seq))
+        if self.num.shadow_current is not None:          # a compiled conversion: no BLAS thread limit to set
+            self.num.shadow_current(kv, kv.seq_kv(seq))
 
     def forward_logits(self, ids: Sequence[int]) -> np.ndarray:
         """Logits of every position of `ids` in a fresh context: [len(ids), n_vocab]."""

@@ -50,7 +50,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from engine.model.f32 import Rope
-from engine.model.kv import KVStore, SeqKV
+from engine.model.kv import KVStore, SeqKV, Shadow
 from engine.model.matmul import _SPLIT_MIN_MACS, Matmul
 from engine.model.quant import QPart, concat_parts
 from engine.model.types import PACK_GROUP, HParams, Linear
@@ -951,12 +951,17 @@ def shadow_current(kv: KVStore, s: SeqKV) -> None:
         return
     n = int(s.n)
     sh = kv.shadow(s, n)
-    conv = kernels().kv_shadow
     for il in range(s.k.shape[0]):
-        lo = min(int(sh.valid[il]), n)
-        if lo < n:
-            conv(s.k[il].view(np.uint16), s.v[il].view(np.uint16), lo, n, sh.kt[il], sh.v[il])
-        sh.valid[il] = n
+        _shadow_through(s, sh, il, n, n)
+
+
+def _shadow_through(s: SeqKV, sh: Shadow, il: int, n_old: int, n_tot: int) -> None:
+    """Layer il of `s`'s shadow `sh` made current through cell n_tot - 1: cells from min(valid, n_old) on are
+    converted (cells at n_old and beyond are always re-converted: they may have just been written)."""
+    lo = min(int(sh.valid[il]), n_old)
+    if lo < n_tot:
+        kernels().kv_shadow(s.k[il].view(np.uint16), s.v[il].view(np.uint16), lo, n_tot, sh.kt[il], sh.v[il])
+    sh.valid[il] = n_tot
 
 
 def attend_cells(q: np.ndarray, kv: KVStore, s: SeqKV, il: int, n_old: int, mm: Matmul | None = None) -> np.ndarray:
@@ -969,7 +974,5 @@ def attend_cells(q: np.ndarray, kv: KVStore, s: SeqKV, il: int, n_old: int, mm: 
         return attend(q, k, v, n_old, mm)
     n_tot = n_old + m
     sh = kv.shadow(s, n_tot)
-    lo = min(int(sh.valid[il]), n_old)                     # cells from n_old on: this chunk's, just written
-    kernels().kv_shadow(k.view(np.uint16), v.view(np.uint16), lo, n_tot, sh.kt[il], sh.v[il])
-    sh.valid[il] = n_tot
+    _shadow_through(s, sh, il, n_old, n_tot)               # cells from n_old on: this chunk's, just written
     return _attend_values(q, sh.kt[il], sh.v[il], n_old, n_head // k.shape[0], mm)

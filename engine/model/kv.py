@@ -404,7 +404,7 @@ class KVStore:
         if s.pooled:
             if n_cells <= self._pool_cap_max:
                 try:
-                    self._grow_pool(max(self.pool_cap, self._pool_cap_max))   # once: the pool's full capacity
+                    self._grow_pool(self._pool_cap_max)     # once: the pool's full capacity
                 except (OSError, MemoryError):
                     # the system refuses that much virtual memory at once (a small machine without overcommit
                     # room): grow by doubling instead, as the pool did before it was allocated whole
