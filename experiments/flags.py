@@ -366,9 +366,11 @@ FLAGS: tuple[Flag, ...] = (
          "by a factor that follows the run's clock, through the probe before the run, its passes during it "
          "(--probe-every) and the probe after, each over the latency model's own times of the same shapes, "
          "one factor for decode steps and one for steps with prompt tokens (a machine whose speed moves during "
-         "the run, §8); probe and grid need a calibration with a probe, all a real run with its probes "
-         "(default: off = report the ratios only)", (VALIDATE,), str, "off", "off|probe|grid|track",
-         choices=("off", "probe", "grid", "track")),
+         "the run, §8); steps = by the real run's own measured / predicted ratio per window of --probe-every "
+         "seconds of its clock (default 10 s when 0), per path: an oracle that says what the machine's drift "
+         "costs, not a prediction (§10); probe and grid need a calibration with a probe, probe, grid and track "
+         "a real run with its probes (default: off = report the ratios only)", (VALIDATE,), str, "off",
+         "off|probe|grid|track|steps", choices=("off", "probe", "grid", "track", "steps")),
     Flag(None, ("--probe-every",), "during the real run, one pass of the speed probe's shapes every this many "
          "wall seconds, between two steps and on its own KV cells: outside the run's clock (replay's clock "
          "advances by the run's own step times), stored as real/speed_track.json, the knots of --speed-correct "

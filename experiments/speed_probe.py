@@ -249,13 +249,22 @@ def speed_warnings(report: Mapping[str, Any], latency: str, correct: str, factor
     threshold); `real_dir`: the real run's directory, for the command that reuses it."""
     r, threshold = report["ratio"], report["threshold"]
     out = []
+    if correct == "steps":
+        out.append("--speed-correct steps gave the simulator the speed the real run itself measured (its steps' "
+                   "measured / predicted ratio per window of its clock): the errors below are the latency model's "
+                   "across step shapes, the closed loop's and the decisions', at a speed the simulator could not "
+                   "know in advance. A diagnostic of what the machine's drift costs, not a prediction of this run; "
+                   "compare with --speed-correct off or track for that")
     off = [name for name in ("before", "after") if r[name] is not None and abs(r[name] - 1) > threshold]
     if off:
         figures = " and ".join(f"x{r[name]:.3f} {name}" for name in ("before", "after") if r[name] is not None)
         text = (f"the machine's speed differs from when {latency} was calibrated: the speed probe's step times "
                 f"were {figures} the real run (now / calibration, > 1 = slower now; threshold "
                 f"{100 * threshold:.0f}%): ")
-        if correct == "track":
+        if correct == "steps":
+            text += ("the simulator's step times were multiplied by the real run's own measured speed "
+                     "(--speed-correct steps)")
+        elif correct == "track":
             text += ("the simulator's step times were multiplied by a factor following the run's clock "
                      "(--speed-correct track); it does not follow contention that slows some step terms more "
                      "than others, so recalibrate (`slotlab calibrate`) right before validating for figures")
@@ -323,6 +332,10 @@ def format_speed(report: Mapping[str, Any], factor: float, where: str = "") -> s
         head += f"; over the run (probe before, {track['n_in_run']} passes during, after; / the model's times) {span}"
     if report.get("correct") == "track" and track:
         return f"{head}{where}; simulator step times {span}, following the run's clock"
+    steps = report.get("steps_track")
+    if report.get("correct") == "steps" and steps:
+        return (f"{head}{where}; simulator step times {track_span(steps)}, the real run's own speed per "
+                f"{steps['every_s']:g} s of its clock (an oracle)")
     return f"{head}{where}; simulator step times x{factor:.3f}"
 
 

@@ -42,7 +42,7 @@ import pandas as pd
 from engine.core.types import BatchPlan, ForwardCall
 from experiments.calibrate import STEAL_CORES_WARN, proc_cpu_seconds, proc_steal_seconds
 from sim.backend import SimBackend
-from sim.latency import ConstantLatency, StepCost
+from sim.latency import ConstantLatency, StepCost, unscaled
 
 STEPS_FILE = "steps.parquet"
 KINDS = ("decode", "prefill", "mixed", "copy", "shift")
@@ -177,6 +177,64 @@ def predict_steps(steps: pd.DataFrame, latency: Any) -> np.ndarray:
     base = latency.base                      # the tracked model's own clock is the simulation's, not this log's
     return np.array([factor_at(t, c) * base.step_time_s(c) if ok else 0.0
                      for c, ok, t in zip(step_costs(steps, layout), charged, steps["clock_s"])], dtype=float)
+
+
+STEP_KNOTS_EVERY_S = 10.0          # --speed-correct steps: one knot per this many seconds of the run's clock
+
+
+def step_knots(steps: pd.DataFrame, latency: Any, every_s: float = STEP_KNOTS_EVERY_S) -> dict[str, Any]:
+    """The knots of `--speed-correct steps`: the machine's speed of each moment read from the real run's own steps.
+
+    The run's clock is cut into windows of `every_s` seconds; a window's knot (at its centre) is the median
+    measured / predicted ratio of its charged steps, `latency` pricing them as `predict_steps` does: `factor` over
+    the steps without prompt tokens, `factor_prompt` over those with (the two paths of `TrackedLatency`). A window
+    without steps of a path takes that path's nearest window that has some (the other path's factor where the run
+    has none of it). The same keys as `speed_probe.track_knots`, so the track's printing and plots read it.
+
+    This is an oracle, not a prediction: the simulator is given the speed the real run measured, so what is left of
+    its error is the latency model's across step shapes, the closed loop's and the decisions'. It says how close the
+    simulator comes on a machine whose speed it knew (docs/validation_sim.md §10). ValueError for a log without a
+    run clock or without a charged step."""
+    if not (math.isfinite(every_s) and every_s > 0):
+        raise ValueError(f"the knots' window must be a number of seconds > 0, got {every_s}")
+    if "clock_s" not in steps.columns or steps["clock_s"].isna().any():
+        raise ValueError("this step log has no run clock (clock_s): the step knots need one")
+    measured = steps["elapsed_s"].to_numpy(float)
+    predicted = predict_steps(steps, unscaled(latency))
+    ok = steps["charged"].to_numpy(bool) & (measured > 0) & (predicted > 0)
+    if not ok.any():
+        raise ValueError("the step log has no charged step with a measured time: no speed to read from it")
+    clock = steps["clock_s"].to_numpy(float)[ok]
+    ratio = measured[ok] / predicted[ok]
+    prompt = steps["n_prefill_tokens"].to_numpy()[ok] > 0
+    end = float(max(clock.max() + measured[ok][clock.argmax()], every_s))
+    n = int(math.ceil(end / every_s))
+    window = np.minimum((clock // every_s).astype(int), n - 1)
+
+    def per_window(mask: np.ndarray) -> list[float | None]:
+        return [float(np.median(ratio[mask & (window == w)])) if (mask & (window == w)).any() else None
+                for w in range(n)]
+
+    def filled(values: list[float | None], fallback: list[float]) -> list[float]:
+        have = [w for w, v in enumerate(values) if v is not None]
+        if not have:
+            return list(fallback)
+        return [v if v is not None else values[min(have, key=lambda h: (abs(h - w), h))]
+                for w, v in enumerate(values)]
+
+    raw, raw_prompt = per_window(~prompt), per_window(prompt)
+    overall = [float(np.median(ratio))] * n
+    factor = filled(raw, filled(raw_prompt, overall))
+    factor_prompt = filled(raw_prompt, factor)
+    return {"clock_s": [(w + 0.5) * every_s for w in range(n)], "raw": raw, "factor": factor,
+            "raw_prompt": raw_prompt, "factor_prompt": factor_prompt, "n_in_run": n, "every_s": every_s,
+            "smooth": 1, "n_steps": int(ok.sum()), "range": [min(factor), max(factor)],
+            "range_prompt": [min(factor_prompt), max(factor_prompt)], "reference_s": {}, "prompt_labels": [],
+            "definition": "knots at the centres of windows of every_s seconds of the real run's clock; factor = the "
+                          "median measured / predicted ratio of the window's steps without prompt tokens, "
+                          "factor_prompt of those with (raw, raw_prompt: None where the window has none, then the "
+                          "nearest window's); the real run's own speed given to the simulator: an oracle, not a "
+                          "prediction"}
 
 
 def _errors(measured: np.ndarray, predicted: np.ndarray) -> dict[str, float]:

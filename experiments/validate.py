@@ -70,8 +70,10 @@ from experiments.steplog import (
     format_step_errors,
     plot_step_ratio,
     predict_steps,
+    STEP_KNOTS_EVERY_S,
     read_steps,
     step_errors,
+    step_knots,
     step_warnings,
 )
 from experiments.workloads import build_workload
@@ -82,7 +84,7 @@ from traces import Trace, read_trace
 from traces.synthetic.chat import ChatWorkload
 
 METRICS = ("ttft", "tpot", "e2e", "queue")
-CORRECTIONS = ("probe", "grid", "track")      # --speed-correct values that change the simulator's step times
+CORRECTIONS = ("probe", "grid", "track", "steps")   # --speed-correct values that change the simulator's step times
 STATS = ("p50", "p90", "p99", "mean")
 MEASURED_CALIBRATION = Path(__file__).resolve().parents[1] / "sim" / "data" / "smollm2_numpy_2threads.json"
 # the same grid measured in the ggml numerics (`slotlab calibrate --threads 2 --numerics ggml`): the default latency
@@ -645,10 +647,19 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
     else:
         real = reused
     load_mid = os.getloadavg()
+    knots_of_steps = None
+    if args.speed_correct == "steps":
+        try:
+            knots_of_steps = step_knots(read_steps(real.path), latency,
+                                        args.probe_every if args.probe_every > 0 else STEP_KNOTS_EVERY_S)
+        except ValueError as exc:
+            print(f"slotlab validate: error: --speed-correct steps: {real.path}: {exc}", file=sys.stderr)
+            return 2
     speed, sim_latency = speed_correction(
         cal_probe, run_probes, model, args.threads, args.speed_correct, latency, track=track,
         end_clock_s=real.summary.get("sim_s") or 0.0,
-        kv_bytes_per_token=int((real.config.get("server_config") or {}).get("kv_bytes_per_token") or 0))
+        kv_bytes_per_token=int((real.config.get("server_config") or {}).get("kv_bytes_per_token") or 0),
+        knots_of_steps=knots_of_steps)
     speed["run_probes"] = ("measured with this real run" if reused is None else
                            f"stored with the real run ({PROBE_FILE})" if run_probes else None)
     for warning in speed_warnings(speed, values["latency"], args.speed_correct, speed["factor"], real.path):
@@ -689,7 +700,7 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
             print(f"slotlab validate: warning: {warning}", file=sys.stderr)
         if not args.no_plots:
             # the probe's knots beside the ratio to the model as it is: not to a model that already follows them
-            knots = speed.get("track") if speed.get("correct") != "track" else None
+            knots = speed.get("track") if speed.get("correct") not in ("track", "steps") else None
             plot_step_ratio(steps, predicted, out / FILES["steps"], title, probe=knots)
     _write_comparison(out, per, errors, summary, real.requests, sim.requests, None if args.no_plots else title)
     if args.quiet:
@@ -777,6 +788,14 @@ def check_speed_correction(spec: str, cal_probe: SpeedProbe | None, model: str, 
     probe's shapes; (all) with --real-run, probes stored with the run. track compares the run's probes with the
     latency model's own times of the probe's shapes: it needs no calibration probe."""
     flag = f"--speed-correct {correct}"
+    if correct == "steps":
+        if reused is not None:
+            steps = read_steps(reused.path)
+            if steps is None or "clock_s" not in steps.columns or steps["clock_s"].isna().any():
+                raise UsageError(f"{flag} reads the machine's speed from the real run's step log with its clock, and "
+                                 f"{reused.path} has none (a run written before the step log's clock_s): rerun "
+                                 "validate without --real-run")
+        return
     if reused is None and correct == "track" and probe_every == 0:
         raise UsageError(f"{flag} follows the probe passes taken during the real run, and --probe-every 0 turns "
                          "them off: leave --probe-every at its default (10 s) or give a number of seconds")
@@ -802,7 +821,8 @@ def check_speed_correction(spec: str, cal_probe: SpeedProbe | None, model: str, 
 
 def speed_correction(cal_probe: SpeedProbe | None, run_probes: tuple[SpeedProbe, SpeedProbe] | None, model: str,
                      threads: int, correct: str, latency: Any, *, track: SpeedTrack | None = None,
-                     end_clock_s: float = 0.0, kv_bytes_per_token: int = 0) -> tuple[dict[str, Any], Any]:
+                     end_clock_s: float = 0.0, kv_bytes_per_token: int = 0,
+                     knots_of_steps: dict[str, Any] | None = None) -> tuple[dict[str, Any], Any]:
     """validation.json's `speed_probe` (ratios, `correct`, the `factor` used) and the latency model the
     simulator runs with: `latency`, or ScaledLatency(latency, ratio.mean) with `correct` = "probe",
     ScaledLatency(latency, ratio.grid) with "grid", TrackedLatency through `track_knots` with "track": the
@@ -810,7 +830,8 @@ def speed_correction(cal_probe: SpeedProbe | None, run_probes: tuple[SpeedProbe,
     over what `latency` charges for the probe's shapes (`probe_predictions`; `kv_bytes_per_token` of the run's
     server), whose `factor` is then the geometric mean of the knots' factors; the track needs no calibration
     probe. A calibration probe that is not comparable gives no ratio (`calibration_unusable` says why). With the
-    run's probes, `track` holds the knots whatever `correct` is."""
+    run's probes, `track` holds the knots whatever `correct` is. With "steps", TrackedLatency through
+    `knots_of_steps` (`steplog.step_knots`: the real run's own speed, an oracle), kept as `steps_track`."""
     before, after = run_probes if run_probes else (None, None)
     why = probe_unusable(cal_probe, run_probes, model, threads) if cal_probe is not None else None
     report = speed_report(None if why else cal_probe, before, after)
@@ -822,6 +843,13 @@ def speed_correction(cal_probe: SpeedProbe | None, run_probes: tuple[SpeedProbe,
         knots = track_knots(probe_predictions(latency, kv_bytes_per_token), before, after, track, end_clock_s,
                             prompt_labels=[p.label for p in probe_points() if p.prompt])
     report["track"] = knots
+    report["steps_track"] = knots_of_steps
+    if correct == "steps":
+        if knots_of_steps is None:
+            raise RuntimeError("--speed-correct steps without the step log's knots")
+        k = knots_of_steps
+        report.update(correct=correct, factor=geomean(k["factor"]))
+        return report, TrackedLatency(latency, k["clock_s"], k["factor"], k["factor_prompt"])
     if correct == "track":
         if knots is None:             # check_speed_correction rules this out before the run
             raise RuntimeError(f"--speed-correct track without knots ({why or 'a probe is missing'})")
@@ -840,6 +868,9 @@ def factor_text(speed: Mapping[str, Any]) -> str:
     if speed.get("correct") == "track" and speed.get("track"):
         k = speed["track"]
         return f"{track_span(k)} (tracked: {len(k['clock_s'])} knots, {k['n_in_run']} during the run)"
+    if speed.get("correct") == "steps" and speed.get("steps_track"):
+        k = speed["steps_track"]
+        return f"{track_span(k)} (the real run's own steps: {len(k['clock_s'])} knots of {k['every_s']:g} s)"
     return f"x{speed['factor']:.3f}"
 
 

@@ -313,3 +313,88 @@ def test_speed_correct_track_is_refused_with_the_passes_turned_off(setup, tmp_pa
 def test_probe_every_must_be_a_non_negative_number(setup, tmp_path, capsys, every):
     assert validate(setup, tmp_path / "v", "--probe-every", every, speed_probe=injected(1.0, 1.0)) == 2
     assert "--probe-every must be a number of seconds >= 0" in capsys.readouterr().err
+
+
+# --- --speed-correct steps: the real run's own speed (an oracle) --------------------------------------------
+
+
+def with_steps(setup, tmp_path, scale_of_clock):
+    """A copy of the setup's real run whose logged step times are multiplied by scale_of_clock(clock_s)."""
+    from experiments.steplog import STEPS_FILE
+    real = tmp_path / "real"
+    shutil.copytree(setup["out"] / "real", real)
+    steps = pd.read_parquet(real / STEPS_FILE)
+    steps["elapsed_s"] = steps["elapsed_s"] * [scale_of_clock(c) for c in steps["clock_s"]]
+    steps.to_parquet(real / STEPS_FILE)
+    return real, steps
+
+
+def medians_of_ratio(setup, steps, prompt):
+    """The median measured / predicted ratio of the charged steps with (prompt) or without prompt tokens."""
+    from experiments.steplog import predict_steps
+    from sim.latency_spec import get_latency_model
+    predicted = predict_steps(steps, get_latency_model(f"parametric:{setup['plain']}"))
+    ok = steps["charged"].to_numpy(bool) & (predicted > 0)
+    ok &= (steps["n_prefill_tokens"].to_numpy() > 0) == prompt
+    return float(pd.Series(steps["elapsed_s"].to_numpy()[ok] / predicted[ok]).median())
+
+
+def test_speed_correct_steps_multiplies_by_the_real_runs_own_ratio(setup, tmp_path, capsys):
+    """One window: the factors are the medians of measured / predicted over the run's decode steps and over its
+    prompt steps; steps three times slower give factors three times larger, and simulated times three times
+    longer (every arrival at t = 0: a uniform factor reorders nothing). No probe and no calibration probe needed."""
+    base, steps1 = with_steps(setup, tmp_path / "a", lambda c: 1.0)
+    slow, steps3 = with_steps(setup, tmp_path / "b", lambda c: 3.0)
+    for real, out in ((base, "one"), (slow, "three")):
+        (real / PROBE_FILE).unlink()
+        assert validate(setup, tmp_path / out, "--real-run", str(real), "--speed-correct", "steps",
+                        "--probe-every", "1000", cal=setup["plain"]) == 0
+    assert "--speed-correct steps gave the simulator the speed the real run itself measured" in capsys.readouterr().err
+    (_, _, one), (_, _, three) = read_validation(tmp_path / "one"), read_validation(tmp_path / "three")
+    k1, k3 = one["speed_probe"]["steps_track"], three["speed_probe"]["steps_track"]
+    assert one["speed_probe"]["correct"] == "steps" and k1["n_in_run"] == 1 and k1["clock_s"] == [500.0]
+    assert k1["factor"] == [pytest.approx(medians_of_ratio(setup, steps1, prompt=False), rel=1e-12)]
+    assert k1["factor_prompt"] == [pytest.approx(medians_of_ratio(setup, steps1, prompt=True), rel=1e-12)]
+    assert k1["factor"] != k1["factor_prompt"]                     # two paths, two factors
+    assert k3["factor"] == pytest.approx([3 * f for f in k1["factor"]], rel=1e-12)
+    assert k3["factor_prompt"] == pytest.approx([3 * f for f in k1["factor_prompt"]], rel=1e-12)
+    assert three["latency_model"]["kind"] == "tracked"
+    a, b = (pd.read_parquet(tmp_path / d / "sim" / "requests.parquet").sort_values("request").reset_index(drop=True)
+            for d in ("one", "three"))
+    assert list(a["slot"]) == list(b["slot"]) and list(a["n_cached"]) == list(b["n_cached"])
+    for col in ("ttft_s", "e2e_s"):
+        assert list(b[col]) == pytest.approx(list(3 * a[col]), rel=1e-6), col
+
+
+def test_speed_correct_steps_follows_a_slower_second_half(setup, tmp_path):
+    """Windows of a quarter of the run: steps logged twice as slow after the half give knots twice as large
+    there, while the first windows keep the unscaled run's factors."""
+    steps = pd.read_parquet(setup["out"] / "real" / "steps.parquet")
+    end = float((steps["clock_s"] + steps["elapsed_s"]).max())
+    half = steps["clock_s"].iloc[len(steps) // 2]
+    every = end / 4
+    runs = {}
+    for name, scale in (("flat", lambda c: 1.0), ("slow", lambda c: 2.0 if c >= half else 1.0)):
+        real, _ = with_steps(setup, tmp_path / name, scale)
+        assert validate(setup, tmp_path / f"v_{name}", "--real-run", str(real), "--speed-correct", "steps",
+                        "--probe-every", f"{every!r}") == 0
+        runs[name] = read_validation(tmp_path / f"v_{name}")[2]["speed_probe"]["steps_track"]
+    flat, slow = runs["flat"], runs["slow"]
+    assert len(flat["clock_s"]) >= 4
+    seen = {"before": 0, "after": 0}
+    for c, f, s in zip(flat["clock_s"], flat["factor"], slow["factor"]):
+        if c + every / 2 <= half:                                   # a window wholly before the half
+            assert s == pytest.approx(f, rel=1e-12)
+            seen["before"] += 1
+        elif c - every / 2 >= half:                                 # wholly after
+            assert s == pytest.approx(2 * f, rel=1e-12)
+            seen["after"] += 1
+    assert seen["before"] and seen["after"]
+
+
+def test_speed_correct_steps_needs_the_step_logs_clock(setup, tmp_path, capsys):
+    real, steps = with_steps(setup, tmp_path, lambda c: 1.0)
+    steps.drop(columns=["clock_s"]).to_parquet(real / "steps.parquet")
+    assert validate(setup, tmp_path / "v", "--real-run", str(real), "--speed-correct", "steps") == 2
+    assert "has none (a run written before the step log's clock_s)" in capsys.readouterr().err
+    assert not (tmp_path / "v").exists()
