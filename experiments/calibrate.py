@@ -42,7 +42,15 @@ from engine.model.sampling import SamplingParams
 from experiments.flags import CALIBRATE, add_flags
 from experiments.results import new_results_dir
 from experiments.runs import resolve_model
-from experiments.speed_probe import TRACK_REPEATS, ProbeShape, SpeedProbe, SpeedTrack, TrackPass, format_probe
+from experiments.speed_probe import (
+    TRACK_REPEATS,
+    ProbeShape,
+    SpeedProbe,
+    SpeedTrack,
+    TrackPass,
+    format_probe,
+    grid_offset_warning,
+)
 from sim.backend import SimBackend
 from sim.latency import ConstantLatency, cost_features, error_summary, fit_parametric, held_out_predictions
 from sim.latency_physical import (
@@ -978,6 +986,9 @@ def run_calibrate(args: argparse.Namespace, *, load_reader: LoadReader = os.getl
               f"{load_info['load1_max']:.2f}); step times measured at different loads are mixed in this "
               f"calibration (marked load_moved in {out.name}): recalibrate on a quieter machine for figures",
               file=sys.stderr)
+    offset_warning = grid_offset_warning(probe)
+    if offset_warning:
+        print(f"slotlab calibrate: warning: {offset_warning}", file=sys.stderr)
     if steals and statistics.mean(steals) > STEAL_CORES_WARN:
         print(f"slotlab calibrate: warning: the hypervisor gave this machine's CPUs to other guests for "
               f"{statistics.mean(steals):.2f} cores on average per pass (steal time, /proc/stat; "

@@ -180,6 +180,23 @@ def geomean(values: Sequence[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
+GRID_OFFSET_WARN = 0.10           # calibrate warns when its probe and its grid differ by more than this
+
+
+def grid_offset_warning(calibration: SpeedProbe, threshold: float = GRID_OFFSET_WARN) -> str | None:
+    """What calibrate says when the speed probe measured right after its grid disagrees with the grid's own
+    medians of the same shapes by more than `threshold` (None otherwise, or without grid medians): the machine's
+    speed moved within seconds, and the calibration holds the grid's speed, which later runs may not see."""
+    offset = grid_offset(calibration)
+    if offset is None or abs(offset - 1.0) <= threshold:
+        return None
+    faster = "faster" if offset < 1 else "slower"
+    return (f"the speed probe measured right after the grid ran x{offset:.3f} of the grid's medians of the same "
+            f"shapes ({faster}, more than {100 * threshold:.0f}% apart): the machine's speed moved between them, "
+            "and the fitted models hold the grid's speed; recalibrate, or validate with --speed-correct grid "
+            "(which rescales by this offset)")
+
+
 def time_ratio(now: SpeedProbe, ref: SpeedProbe) -> dict[str, Any]:
     """now / ref step time per shape both measured (by label) and their geometric mean (`ratio`: > 1 = the
     machine is slower now). ValueError when they share no shape."""

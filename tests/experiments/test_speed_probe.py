@@ -311,3 +311,18 @@ def test_a_speed_that_moved_and_came_back_is_warned_about_from_the_track():
     assert f"x{lo:.3f}-x{hi:.3f}" in text and "`--speed-correct track --real-run V/real` follows it" in text
     report["track"] = track_knots(REFERENCE, before, after, track_of([(5.0, 1.01), (10.0, 1.02)]), 30.0)
     assert not any("while the probes" in w for w in speed_warnings(report, "x", "off", 1.0))
+
+
+def test_calibrate_warns_when_its_probe_and_its_grid_disagree():
+    from experiments.speed_probe import GRID_OFFSET_WARN, grid_offset_warning
+    probe = make_probe(CAL_S)
+    assert grid_offset_warning(probe) is None                                    # no grid medians (--quick)
+    assert grid_offset_warning(with_grid(probe, [1.05, 1.0, 0.97])) is None      # within the threshold
+    slower = [1.25, 1.3, 1.2]                                                    # the grid ran ~25% slower
+    text = grid_offset_warning(with_grid(probe, slower))
+    offset = (1 / (1.25 * 1.3 * 1.2)) ** (1 / 3)
+    assert text is not None and f"x{offset:.3f}" in text and "faster" in text and "--speed-correct grid" in text
+    assert "slower" in grid_offset_warning(with_grid(probe, [0.8, 0.8, 0.8]))
+    edge = 1 / (1 - GRID_OFFSET_WARN)                                            # offset 1 - threshold: not beyond it
+    assert grid_offset_warning(with_grid(probe, [edge * 0.999] * 3)) is None
+    assert grid_offset_warning(with_grid(probe, [edge * 1.01] * 3)) is not None
