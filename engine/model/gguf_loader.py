@@ -8,6 +8,7 @@ Mirrors `llama_model_loader` + `llama_model::load_hparams` / `load_tensors` of l
 from __future__ import annotations
 
 import os
+import warnings
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ SUPPORTED_TENSOR_TYPES = frozenset({
     GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q4_K,
     GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
 })
+# not quantized: a float32 copy of these is no loss of their blocks (the dequantized-matrices warning skips them)
+FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
 
 
 class GGUFError(ValueError):
@@ -273,6 +276,11 @@ def load_gguf(path: str | os.PathLike[str], n_workers: int = 2, numerics: str | 
 
     with ThreadPoolExecutor(max_workers=max(1, n_workers)) as pool:
         pairs = dict(zip(names, pool.map(read, names)))
+    dequantized = {n: (tensors[n].tensor_type, w.nbytes) for n, (w, _) in pairs.items()   # layer matrices only
+                   if w is not None and w.ndim == 2 and n.startswith("blk.") and tensors[n].tensor_type not in FLOAT_TYPES}
+    note = num.dequantized_warning(path, dequantized)
+    if note:
+        warnings.warn(note, RuntimeWarning, stacklevel=2)
     arrays = {n: w for n, (w, _) in pairs.items()}
     extras = {n: e for n, (_, e) in pairs.items() if e is not None}
     types = {n: tensors[n].tensor_type for n in names}

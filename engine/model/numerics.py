@@ -13,7 +13,7 @@ warning; ggml's numpy reference `GGML_REFERENCE` gives its results without numba
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -57,6 +57,12 @@ class Numerics(ABC):
     def keeps_quantized(self, extra: Any) -> bool:
         """True when the tensor whose `tensor_extra` is `extra` needs no float32 copy (the loader skips it)."""
         return False
+
+    def dequantized_warning(self, path: str, dequantized: Mapping[str, tuple[GGMLQuantizationType, int]]) -> str | None:
+        """What the loader warns about when quantized layer matrices of the file got a float32 copy (name -> (type,
+        bytes of the copy)); None when this mode means to (f32 mode dequantizes every matrix: it is the reference).
+        The output head is not counted: a mode may dequantize it by design (ggml: any head but Q8_0)."""
+        return None
 
     def q_scale(self, hp: HParams) -> np.float32 | None:
         """A factor folded into the Q rows (and Q bias) of every layer at load, or None."""
@@ -160,6 +166,19 @@ class GgmlNumerics(Numerics):
 
     def keeps_quantized(self, extra: Any) -> bool:
         return isinstance(extra, quant.QPart)
+
+    def dequantized_warning(self, path: str, dequantized: Mapping[str, tuple[GGMLQuantizationType, int]]) -> str | None:
+        """A file with quantized matrices this mode has no exact kernel for (a Q4_K_M file's Q4_K / Q6_K, say):
+        they were dequantized to float32 and go through BLAS, which costs memory and speed and is not llama.cpp's
+        arithmetic; "q" keeps every one of those types in its blocks."""
+        if not dequantized:
+            return None
+        types = ", ".join(sorted({t.name for t, _ in dequantized.values()}))
+        mb = sum(n for _, n in dequantized.values()) / 1e6
+        return (f"{path}: numerics 'ggml' keeps only Q4_1, Q5_1 and Q8_0 layer matrices in their quant blocks "
+                f"(llama.cpp's kernels replayed); {len(dequantized)} quantized layer matrices of this file "
+                f"({types}) were dequantized to float32 ({mb:.0f} MB) and are multiplied by BLAS: not llama.cpp's "
+                "arithmetic, and slower and larger than their blocks. --numerics q keeps them in their quant blocks")
 
     def embedding(self, w: np.ndarray | None, extra: Any) -> Any:
         """A Q8_0 token embedding (its exact head, tied or not): rows read from the head's packed part

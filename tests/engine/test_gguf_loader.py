@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -234,3 +235,22 @@ def test_model_tokenizes_with_the_vocabulary_of_its_gguf(tiny_model):
     ids = model.tokenize("<|im_start|>Hello the world<|im_end|>")
     assert ids[0] == 1 and ids[-1] == 2                   # control tokens parsed as specials
     assert model.detokenize(ids) == "<|im_start|>Hello the world<|im_end|>"
+
+
+@pytest.mark.parametrize("tensor_type,warned", [("Q4_K", True), ("Q6_K", True), ("F16", False), ("Q4_1", False)])
+def test_ggml_mode_warns_when_it_dequantizes_quantized_layer_matrices(tiny_gguf, tensor_type, warned):
+    """ggml numerics keep only Q4_1 / Q5_1 / Q8_0 layer matrices in their blocks (llama.cpp's kernels replayed);
+    a quantized matrix of another type is dequantized to float32, with one warning that names the file, the types
+    and --numerics q. 16-bit and exact types load silently; the "q" mode never warns."""
+    pytest.importorskip("numba")
+    path = tiny_gguf(tensor_type=tensor_type, **_dims(tensor_type))
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        load_gguf(path, numerics="ggml")
+        load_gguf(path, numerics="q")
+    texts = [str(w.message) for w in got if "dequantized to float32" in str(w.message)]
+    if warned:
+        assert len(texts) == 1, texts
+        assert path in texts[0] and tensor_type in texts[0] and "--numerics q" in texts[0]
+    else:
+        assert texts == []
