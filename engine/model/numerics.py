@@ -177,7 +177,7 @@ class GgmlNumerics(Numerics):
         mb = sum(n for _, n in dequantized.values()) / 1e6
         return (f"{path}: numerics 'ggml' keeps only Q4_1, Q5_1 and Q8_0 layer matrices in their quant blocks "
                 f"(llama.cpp's kernels replayed); {len(dequantized)} quantized layer matrices of this file "
-                f"({types}) were dequantized to float32 ({mb:.0f} MB) and are multiplied by BLAS: not llama.cpp's "
+                f"({types}) were dequantized to float32 ({mb:.1f} MB) and are multiplied by BLAS: not llama.cpp's "
                 "arithmetic, and slower and larger than their blocks. --numerics q keeps them in their quant blocks")
 
     def embedding(self, w: np.ndarray | None, extra: Any) -> Any:
