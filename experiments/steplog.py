@@ -162,6 +162,16 @@ def step_costs(steps: pd.DataFrame, with_layout: bool = True) -> list[StepCost]:
     return costs
 
 
+def has_run_clock(steps: pd.DataFrame) -> bool:
+    """True when every logged step has its start on the run's clock (`clock_s`; logs written before it have none)."""
+    return "clock_s" in steps.columns and not steps["clock_s"].isna().any()
+
+
+def compared(steps: pd.DataFrame, measured: np.ndarray, predicted: np.ndarray) -> np.ndarray:
+    """The steps a measured / predicted ratio is taken over: charged, with both times > 0."""
+    return steps["charged"].to_numpy(bool) & (measured > 0) & (predicted > 0)
+
+
 def predict_steps(steps: pd.DataFrame, latency: Any) -> np.ndarray:
     """What `latency` charges for each logged step (0 where the simulator charges nothing). A model whose
     factor follows the clock (`TrackedLatency`) is priced at each step's `clock_s` (the run's clock at its start);
@@ -172,7 +182,7 @@ def predict_steps(steps: pd.DataFrame, latency: Any) -> np.ndarray:
     if factor_at is None:
         return np.array([latency.step_time_s(c) if ok else 0.0
                          for c, ok in zip(step_costs(steps, layout), charged)], dtype=float)
-    if "clock_s" not in steps.columns or steps["clock_s"].isna().any():
+    if not has_run_clock(steps):
         raise ValueError("this step log has no run clock (clock_s): a clock-tracked latency model cannot price it")
     base = latency.base                      # the tracked model's own clock is the simulation's, not this log's
     return np.array([factor_at(t, c) * base.step_time_s(c) if ok else 0.0
@@ -197,11 +207,11 @@ def step_knots(steps: pd.DataFrame, latency: Any, every_s: float = STEP_KNOTS_EV
     run clock or without a charged step."""
     if not (math.isfinite(every_s) and every_s > 0):
         raise ValueError(f"the knots' window must be a number of seconds > 0, got {every_s}")
-    if "clock_s" not in steps.columns or steps["clock_s"].isna().any():
+    if not has_run_clock(steps):
         raise ValueError("this step log has no run clock (clock_s): the step knots need one")
     measured = steps["elapsed_s"].to_numpy(float)
     predicted = predict_steps(steps, unscaled(latency))
-    ok = steps["charged"].to_numpy(bool) & (measured > 0) & (predicted > 0)
+    ok = compared(steps, measured, predicted)
     if not ok.any():
         raise ValueError("the step log has no charged step with a measured time: no speed to read from it")
     clock = steps["clock_s"].to_numpy(float)[ok]
@@ -212,8 +222,8 @@ def step_knots(steps: pd.DataFrame, latency: Any, every_s: float = STEP_KNOTS_EV
     window = np.minimum((clock // every_s).astype(int), n - 1)
 
     def per_window(mask: np.ndarray) -> list[float | None]:
-        return [float(np.median(ratio[mask & (window == w)])) if (mask & (window == w)).any() else None
-                for w in range(n)]
+        values = [ratio[mask & (window == w)] for w in range(n)]
+        return [float(np.median(v)) if len(v) else None for v in values]
 
     def filled(values: list[float | None], fallback: list[float]) -> list[float]:
         have = [w for w, v in enumerate(values) if v is not None]
@@ -260,7 +270,7 @@ def step_errors(steps: pd.DataFrame, latency: Any, n_bins: int = 10,
     measured = steps["elapsed_s"].to_numpy(float)
     if predicted is None:
         predicted = predict_steps(steps, latency)
-    ok = steps["charged"].to_numpy(bool) & (measured > 0) & (predicted > 0)
+    ok = compared(steps, measured, predicted)
     out: dict[str, Any] = {"n_steps": len(steps), "n_compared": int(ok.sum())}
     if not ok.any():
         return out
@@ -349,7 +359,7 @@ def plot_step_ratio(steps: pd.DataFrame, predicted: Sequence[float], path: str |
 
     p = np.asarray(predicted, dtype=float)
     m = steps["elapsed_s"].to_numpy(float)
-    ok = steps["charged"].to_numpy(bool) & (m > 0) & (p > 0)
+    ok = compared(steps, m, p)
     t = steps["t_s"].to_numpy(float)[ok]
     ratio = pd.Series(m[ok] / p[ok])
     kinds = steps["kind"].to_numpy()[ok]

@@ -67,10 +67,11 @@ from experiments.speed_probe import (
     write_run_track,
 )
 from experiments.steplog import (
+    STEP_KNOTS_EVERY_S,
     format_step_errors,
+    has_run_clock,
     plot_step_ratio,
     predict_steps,
-    STEP_KNOTS_EVERY_S,
     read_steps,
     step_errors,
     step_knots,
@@ -647,10 +648,11 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
     else:
         real = reused
     load_mid = os.getloadavg()
+    steps = read_steps(real.path)
     knots_of_steps = None
     if args.speed_correct == "steps":
         try:
-            knots_of_steps = step_knots(read_steps(real.path), latency,
+            knots_of_steps = step_knots(steps, latency,
                                         args.probe_every if args.probe_every > 0 else STEP_KNOTS_EVERY_S)
         except ValueError as exc:
             print(f"slotlab validate: error: --speed-correct steps: {real.path}: {exc}", file=sys.stderr)
@@ -691,7 +693,6 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
     summary["calibration_error"] = calibration_error(latency)
     if floor_run is not None:
         summary["noise_floor"] = noise_floor(real, floor_run)
-    steps = read_steps(real.path)
     step_report = None
     if steps is not None:
         predicted = predict_steps(steps, sim_latency)
@@ -791,7 +792,7 @@ def check_speed_correction(spec: str, cal_probe: SpeedProbe | None, model: str, 
     if correct == "steps":
         if reused is not None:
             steps = read_steps(reused.path)
-            if steps is None or "clock_s" not in steps.columns or steps["clock_s"].isna().any():
+            if steps is None or not has_run_clock(steps):
                 raise UsageError(f"{flag} reads the machine's speed from the real run's step log with its clock, and "
                                  f"{reused.path} has none (a run written before the step log's clock_s): rerun "
                                  "validate without --real-run")
