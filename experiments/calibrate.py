@@ -44,6 +44,8 @@ from experiments.results import new_results_dir
 from experiments.runs import resolve_model
 from experiments.speed_probe import (
     TRACK_REPEATS,
+    MixCall,
+    MixSample,
     ProbeShape,
     SpeedProbe,
     SpeedTrack,
@@ -72,6 +74,8 @@ NUMERICS_DESC = {"f32": "f32 weights, f32 KV", "ggml": "quantized weights, llama
 DEFAULT_PASSES = 5                 # interleaved passes over the grid (the median of them is fitted)
 MIN_PASSES = 3                     # --max-seconds never cuts below this many
 PROBE_REPEATS = 5                  # interleaved passes over the speed probe's shapes (the median is kept)
+MIX_DECODE, MIX_PROMPT = 4, 2      # the run's own steps a probe pass replays at most: without / with prompt tokens
+MIX_BUDGET = 0.15                  # ... of step time at most this fraction of the pass interval, half per path (>= 1)
 GROUPS_DOC = ("decode and mixed shapes by batch size, prompt chunks by length, each copy, shift and split "
               "shape alone")
 
@@ -246,6 +250,75 @@ def build_plan(point: GridPoint, tokens: Callable[[int], list[int]], tasks: Sequ
     plan_tasks = {c.seq: tasks[c.seq] for c in chunks}
     n_prompt = sum(n for _, n in point.prompt)
     return BatchPlan(0.0, tuple(ops), n_prompt, len(decode), plan_tasks)
+
+
+def plan_shape(plan: BatchPlan) -> tuple[MixCall, ...]:
+    """A run's step as the probe's mix replays it: its forward calls, each chunk as (sequence index in order of
+    first appearance, pos0, n_tokens, asks for logits, is_prompt). Its KV operations (cache copies, context
+    shifts) are left out: the replay times the forward computation, which the machine's speed moves."""
+    index: dict[int, int] = {}
+    return tuple(tuple((index.setdefault(c.seq, len(index)), int(c.pos0), len(c.tokens), bool(c.sample_for),
+                        bool(c.is_prompt)) for c in call.chunks) for call in plan.forwards)
+
+
+def mix_plan(calls: Sequence[MixCall], tokens: Callable[[int], list[int]], tasks: Sequence[Any]) -> BatchPlan:
+    """The BatchPlan of a replayed step shape (`plan_shape`) on sequences 0..n-1; `tokens(n)` draws n token ids,
+    `tasks[seq]` is the Task that samples for sequence `seq`."""
+    program, n_prompt, n_decode, plan_tasks = [], 0, 0, {}
+    for call in calls:
+        chunks = []
+        for seq, pos0, n, samples, is_prompt in call:
+            chunks.append(Chunk(seq, tasks[seq].id, tuple(tokens(n)), pos0, (seq,) if samples else (), is_prompt))
+            if samples:
+                plan_tasks[seq] = tasks[seq]
+            if is_prompt:
+                n_prompt += n
+            else:
+                n_decode += n
+        program.append(ForwardCall(tuple(chunks), sum(len(c.tokens) for c in chunks)))
+    return BatchPlan(0.0, tuple(program), n_prompt, n_decode, plan_tasks)
+
+
+class _MixBench:
+    """The run's own step shapes re-executed on KV cells of their own (a NumpyBackend of the run's slot count and
+    per-slot context): the run's cells, slots and prompt cache are untouched. A sequence is brought to the
+    context a chunk continues (its first chunk's pos0) by dropping its last cells or appending cells that keep
+    whatever the arrays hold (zeros, or an earlier replay's values), outside the timing: a step's time depends
+    on how many cells it reads, not on their values (as calibrate's bench, `_Bench`, which fills a template
+    only because its states are saved and loaded by the copy shapes). The float32 shadow is brought current as
+    a running slot's is (`Model.shadow_current`)."""
+
+    def __init__(self, model: Any, n_seq: int, n_ctx_seq: int, sampling: Any, rng: np.random.Generator) -> None:
+        self.backend = NumpyBackend(model, n_seq, n_ctx_seq, default_sampling=sampling)
+        self.model, self.rng, self.n_vocab = model, rng, model.hparams.n_vocab
+        self.tasks = [Task(id=seq, tokens=[0]) for seq in range(n_seq)]
+
+    def tokens(self, n: int) -> list[int]:
+        return self.rng.integers(0, self.n_vocab, n).tolist()
+
+    def _hold(self, seq: int, n_cells: int, n_new: int) -> None:
+        kv = self.backend.kv
+        have = kv.n_tokens(seq)
+        if have > n_cells:
+            kv.seq_rm(seq, n_cells, -1)
+        elif have < n_cells:
+            (s,) = kv.prepare_append([(seq, have, n_cells - have)])
+            kv.commit_append(s, have, n_cells - have)
+        kv.prepare_append([(seq, n_cells, n_new)])          # reserve only: nothing is appended
+        self.model.shadow_current(kv, seq)
+
+    def measure(self, calls: Sequence[MixCall]) -> float | None:
+        """Measured seconds of one execution of the step shape; None when it does not fit these cells."""
+        first: dict[int, list[int]] = {}                     # seq -> [pos0 of its first chunk, tokens it appends]
+        for call in calls:
+            for seq, pos0, n, _samples, _prompt in call:
+                first.setdefault(seq, [pos0, 0])[1] += n
+        if (max(first) >= self.backend.n_seq
+                or any(pos0 + n > self.backend.n_ctx_seq for pos0, n in first.values())):
+            return None
+        for seq, (pos0, n_new) in first.items():
+            self._hold(seq, pos0, n_new)
+        return self.backend.execute(mix_plan(calls, self.tokens, self.tasks)).elapsed_s
 
 
 class _Bench:
@@ -536,8 +609,23 @@ def probe_predictions(latency: Any, kv_bytes_per_token: int) -> dict[str, float]
     counter = SimBackend(latency, kv_bytes_per_token)     # its cost() adds the layout when the model prices it
     points = probe_points()
     tasks = [Task(id=seq, tokens=[0]) for seq in range(max(p.n_sequences for p in points))]
-    return {p.label: float(latency.step_time_s(counter.cost(build_plan(p, lambda n: [0] * n, tasks))))
-            for p in points}
+    return {p.label: float(latency.step_time_s(counter.cost(build_plan(p, _zeros, tasks)))) for p in points}
+
+
+def _zeros(n: int) -> list[int]:
+    return [0] * n
+
+
+def mix_predictions(latency: Any, kv_bytes_per_token: int, track: SpeedTrack | None) -> list[list[float]]:
+    """What `latency` charges for each step a probe pass replayed (`TrackPass.mix`), per pass: the replayed plan
+    (`mix_plan`) counted as the simulator counts it. The reference of the mix's knots (speed_probe.mix_knots)."""
+    if track is None:
+        return []
+    counter = SimBackend(latency, kv_bytes_per_token)
+    n_seq = 1 + max((c[0] for p in track.passes for m in p.mix for call in m.calls for c in call), default=0)
+    tasks = [Task(id=seq, tokens=[0]) for seq in range(n_seq)]
+    return [[float(latency.step_time_s(counter.cost(mix_plan(m.calls, _zeros, tasks)))) for m in p.mix]
+            for p in track.passes]
 
 
 def measure_probe(model: Any, sampling: Any, *, repeats: int = PROBE_REPEATS, seed: int = 0,
@@ -558,55 +646,120 @@ def measure_probe(model: Any, sampling: Any, *, repeats: int = PROBE_REPEATS, se
 
 
 class InRunProbe:
-    """The speed probe during a real run: one pass over `probe_points()` every `every_s` wall seconds, taken
-    between two of the run's steps as a `NumpyBackend.on_step` observer. A pass executes every shape `repeats`
-    times (interleaved rounds in shuffled order) and keeps the median per shape: one execution of a 40 ms
-    shape samples 40 ms of a host whose speed moves within a second.
+    """The speed probe during a real run: one pass every `every_s` wall seconds, taken between two of the run's
+    steps as a `NumpyBackend.on_step` observer. A pass has two parts:
 
-    The passes run on a bench of their own (`_Bench`: its own KV cells and sequences; the same model, weights
-    and threads), so the run's cells, slots and prompt cache are untouched, and the run's clock does not see
-    them: replay's clock advances by the measured times of the run's own steps and its idle gaps, and a pass is
-    neither (it costs wall time only: 0.7-1.0 s per pass of 3 rounds for SmolLM2 at 2 threads).
-    `start(run_clock)` before the first step; `track()` afterwards (experiments.speed_probe.SpeedTrack)."""
+    - the probe's fixed shapes (`probe_points()`), each executed `repeats` times (interleaved rounds in shuffled
+      order), the median kept per shape: one execution of a 40 ms shape samples 40 ms of a host whose speed
+      moves within a second;
+    - the mix (`mix`, with the run's backend given to `start`): up to `mix_decode` of the run's own steps without
+      prompt tokens and `mix_prompt` with, drawn from the steps since the pass before, weighted by their
+      measured time, within `budget` x every_s / 2 of their step time per path (at least one of each path the
+      window has),
+      each re-executed once in shuffled order (`MixSample`). Their times over the latency model's of the same
+      steps are the knots of `--speed-correct track-mix` (speed_probe.mix_knots): the machine's speed on the
+      shapes the run spends its time in, which the fixed shapes, priced by a model that is off by several percent
+      on them, do not give (measured in docs/validation_sim.md §11: on a host whose speed moves within seconds,
+      neither follows it better than the other).
+
+    Both run on benches of their own (`_Bench` for the fixed shapes, `_MixBench` of the run's slot count and
+    context for the mix: their own KV cells and sequences; the same model, weights and threads), so the run's
+    cells, slots and prompt cache are untouched, and the run's clock does not see them: replay's clock advances
+    by the measured times of the run's own steps and its idle gaps, and a pass is neither (it costs wall time
+    only: 0.7-1.0 s per pass of 3 rounds for SmolLM2 at 2 threads, plus the mix's replays). `start(run_clock,
+    backend)` before the first step, `finish()` after the last (a pass over the steps since the last pass);
+    `track()` afterwards (experiments.speed_probe.SpeedTrack)."""
 
     def __init__(self, model: Any, sampling: Any, every_s: float, *, repeats: int = TRACK_REPEATS, seed: int = 0,
-                 clock: Callable[[], float] = time.perf_counter, load_reader: LoadReader = os.getloadavg) -> None:
+                 clock: Callable[[], float] = time.perf_counter, load_reader: LoadReader = os.getloadavg,
+                 mix: bool = True, mix_decode: int = MIX_DECODE, mix_prompt: int = MIX_PROMPT,
+                 budget: float = MIX_BUDGET) -> None:
         if not every_s > 0:
             raise ValueError(f"InRunProbe: every_s must be > 0, got {every_s!r}")
         if repeats < 1:
             raise ValueError(f"InRunProbe: repeats must be >= 1, got {repeats!r}")
+        if mix_decode < 0 or mix_prompt < 0 or not budget >= 0:
+            raise ValueError(f"InRunProbe: mix_decode, mix_prompt and budget must be >= 0, got {mix_decode!r}, "
+                             f"{mix_prompt!r}, {budget!r}")
         self.every_s = float(every_s)
         self.repeats = int(repeats)
         self.points = probe_points()
         self._rng = np.random.default_rng(seed)
+        self.model, self.sampling = model, sampling
         self.bench = _Bench(model, self.points, sampling, self._rng)
         for p in self.points:                      # warm-up (as measure_grid's), not recorded
             self.bench.measure(p)
+        self.mix, self.mix_decode, self.mix_prompt, self.budget = mix, int(mix_decode), int(mix_prompt), budget
+        self.mix_bench: _MixBench | None = None
+        self._window: list[tuple[tuple[MixCall, ...], bool, float]] = []   # (shape, prompt, seconds) since a pass
         self._clock, self._load = clock, load_reader
         self._run_clock: Callable[[], float] = lambda: 0.0
         self._t0 = self._next = 0.0
         self.passes: list[TrackPass] = []
 
-    def start(self, run_clock: Callable[[], float]) -> None:
-        """The run starts now; `run_clock()` reads its clock (seconds) between steps."""
+    def start(self, run_clock: Callable[[], float], backend: Any = None) -> None:
+        """The run starts now; `run_clock()` reads its clock (seconds) between steps; `backend`: the run's
+        (`NumpyBackend`: its slot count and per-slot context size the mix's bench; None = no mix)."""
         self._run_clock = run_clock
+        if self.mix and backend is not None and self.mix_bench is None:
+            self.mix_bench = _MixBench(self.model, backend.n_seq, backend.n_ctx_seq, self.sampling, self._rng)
+        self._window = []
         self._t0 = self._clock()
         self._next = self._t0 + self.every_s
 
     def __call__(self, plan: Any, elapsed_s: float) -> None:
+        if self.mix_bench is not None and plan is not None and plan.forwards:
+            self._window.append((plan_shape(plan), plan.n_prompt_tokens > 0, float(elapsed_s)))
         now = self._clock()
         if now < self._next:
             return
+        # the run's clock at this step's end (run_clock reads its start while the step is being committed)
+        self._pass(float(self._run_clock()) + elapsed_s, now)
+
+    def finish(self) -> None:
+        """After the run's last step: a pass over the steps since the last pass, if there were some."""
+        if self._window:
+            self._pass(float(self._run_clock()), self._clock())
+
+    def _pass(self, clock_s: float, now: float) -> None:
         samples: dict[str, list[float]] = {p.label: [] for p in self.points}
         for _ in range(self.repeats):              # interleaved rounds, each in its own shuffled order
             for i in self._rng.permutation(len(self.points)).tolist():
                 p = self.points[i]
                 samples[p.label].append(self.bench.measure(p)[1])
         shapes = {label: statistics.median(v) for label, v in samples.items()}
-        # the run's clock at this step's end (run_clock reads its start while the step is being committed)
-        self.passes.append(TrackPass(float(self._run_clock()) + elapsed_s, now - self._t0, shapes,
-                                     float(self._load()[0])))
+        mix = self._replay(self._draw())
+        self._window = []
+        self.passes.append(TrackPass(clock_s, now - self._t0, shapes, float(self._load()[0]), mix))
         self._next = self._clock() + self.every_s
+
+    def _draw(self) -> list[tuple[tuple[MixCall, ...], bool, float]]:
+        """The window's steps to replay: per path, drawn without replacement with weights their times."""
+        budget, out = self.budget * self.every_s, []
+        for prompt, k in ((False, self.mix_decode), (True, self.mix_prompt)):
+            items = [w for w in self._window if w[1] == prompt]
+            if not items or k == 0:
+                continue
+            weights = np.array([max(w[2], 1e-9) for w in items])
+            order = self._rng.choice(len(items), size=len(items), replace=False, p=weights / weights.sum())
+            spent, taken = 0.0, 0
+            for i in order.tolist():
+                if taken == k or (taken and spent + items[i][2] > budget / 2):
+                    break
+                out.append(items[i])
+                spent, taken = spent + items[i][2], taken + 1
+        return out
+
+    def _replay(self, drawn: Sequence[tuple[tuple[MixCall, ...], bool, float]]) -> tuple[MixSample, ...]:
+        if self.mix_bench is None:
+            return ()
+        out = []
+        for i in self._rng.permutation(len(drawn)).tolist():
+            calls, prompt, step_s = drawn[i]
+            t = self.mix_bench.measure(calls)
+            if t is not None and t > 0 and step_s > 0:
+                out.append(MixSample(calls, prompt, float(t), step_s))
+        return tuple(out)
 
     def track(self) -> SpeedTrack:
         return SpeedTrack(self.every_s, tuple(self.passes), self.repeats)

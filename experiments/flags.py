@@ -363,18 +363,21 @@ FLAGS: tuple[Flag, ...] = (
          "(the machine's step times around the real run / the probe's at calibration); grid = by the probe "
          "around the real run / the calibration grid's own medians of the same shapes (what the model was "
          "fitted on: also corrects a grid that ran slower than its probe, docs/validation_sim.md §7.2); track = "
-         "by a factor that follows the run's clock, through the probe before the run, its passes during it "
-         "(--probe-every) and the probe after, each over the latency model's own times of the same shapes, "
-         "one factor for decode steps and one for steps with prompt tokens (a machine whose speed moves during "
-         "the run, §8); steps = by the real run's own measured / predicted ratio per window of --probe-every "
-         "seconds of its clock (default 10 s when 0), per path: an oracle that says what the machine's drift "
-         "costs, not a prediction (§10); probe and grid need a calibration with a probe, probe, grid and track "
-         "a real run with its probes (default: off = report the ratios only)", (VALIDATE,), str, "off",
-         "off|probe|grid|track|steps", choices=("off", "probe", "grid", "track", "steps")),
-    Flag(None, ("--probe-every",), "during the real run, one pass of the speed probe's shapes every this many "
-         "wall seconds, between two steps and on its own KV cells: outside the run's clock (replay's clock "
-         "advances by the run's own step times), stored as real/speed_track.json, the knots of --speed-correct "
-         "track (default: 10; 0 = off)", (VALIDATE,), float, 10.0, "SECONDS"),
+         "by a factor that follows the run's clock, through the probe's three fixed shapes before, during "
+         "(--probe-every) and after the run, over the latency model's times of the same shapes (a machine whose "
+         "speed moves during the run, §8); track-mix = the same from the run's own steps that each probe pass "
+         "replays (a few of those since the pass before), over the latency model's times of the same steps, one "
+         "factor for decode steps and one for steps with prompt tokens (§11); steps = by the real "
+         "run's own measured / predicted ratio per window of --probe-every seconds of its clock (default 10 s "
+         "when 0), per path: an oracle that says what the machine's drift costs, not a prediction (§10); probe "
+         "and grid need a calibration with a probe, probe, grid and the tracks a real run with its probes "
+         "(default: off = report the ratios only)", (VALIDATE,), str, "off",
+         "off|probe|grid|track|track-mix|steps", choices=("off", "probe", "grid", "track", "track-mix", "steps")),
+    Flag(None, ("--probe-every",), "during the real run, one pass of the speed probe every this many wall "
+         "seconds, between two steps and on KV cells of its own: the probe's fixed shapes and a replay of a few "
+         "of the run's own steps since the pass before, outside the run's clock (replay's clock advances by the "
+         "run's own step times), stored as real/speed_track.json, the knots of --speed-correct track and "
+         "track-mix (default: 10; 0 = off)", (VALIDATE,), float, 10.0, "SECONDS"),
     # generate and calibrate
     Flag(None, ("-m", "--model"), f"GGUF model (default: {SMOLLM2_WHEEL})", (GENERATE, CALIBRATE), str,
          metavar="GGUF"),

@@ -90,7 +90,8 @@ def run_replay(values: dict[str, Any], workload, model_path: str, threads: int, 
                loaded: Any = None, probe: Any = None, numerics: str = "f32") -> dict[str, Any]:
     """Load the model (or take `loaded`, the model `model_path` loaded with `threads`), replay `workload` on it,
     write the results directory; returns the summary row. `probe`: an observer of every step besides the step
-    log (`experiments.calibrate.InRunProbe`), started with the run's clock before the first step."""
+    log (`experiments.calibrate.InRunProbe`), started with the run's clock and backend before the first step and
+    finished after the last."""
     model = loaded if loaded is not None else load(model_path, n_threads=threads, numerics=numerics)
     sim, cfg = engine_simulation(model, server_config({**values, "kv_bytes_per_token": None}), values["seed"], temp,
                                  keep_n_ctx_train=values["ctx_size"] != 0, progress=progress)
@@ -98,7 +99,7 @@ def run_replay(values: dict[str, Any], workload, model_path: str, threads: int, 
     if probe is None:
         sim.backend.on_step = steps
     else:
-        probe.start(lambda: sim.now_s)
+        probe.start(lambda: sim.now_s, sim.backend)
 
         def on_step(plan: Any, elapsed_s: float) -> None:
             steps(plan, elapsed_s)
@@ -106,6 +107,8 @@ def run_replay(values: dict[str, Any], workload, model_path: str, threads: int, 
         sim.backend.on_step = on_step
     result = sim.run(workload)
     sim.backend.on_step = None
+    if probe is not None:
+        probe.finish()                         # a last pass over the steps since the last one
     threads = {"threads": sim.backend.n_threads, "threads_desc": model.threads_desc, "numerics": model.numerics}
     result.run.update(threads, model=model_path)
     config = {"slotlab_results": 1, **context, "backend": "numpy", "model": model_path, **threads,

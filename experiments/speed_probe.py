@@ -281,10 +281,15 @@ def speed_warnings(report: Mapping[str, Any], latency: str, correct: str, factor
         if correct == "steps":
             text += ("the simulator's step times were multiplied by the real run's own measured speed "
                      "(--speed-correct steps)")
+        elif correct == "track-mix":
+            text += ("the simulator's step times were multiplied by a factor following the run's clock, measured "
+                     "by replaying a few of the run's own steps during it (--speed-correct track-mix); its knots "
+                     "scatter by several percent, so recalibrate (`slotlab calibrate`) right before validating "
+                     "for figures")
         elif correct == "track":
             text += ("the simulator's step times were multiplied by a factor following the run's clock "
-                     "(--speed-correct track); it does not follow contention that slows some step terms more "
-                     "than others, so recalibrate (`slotlab calibrate`) right before validating for figures")
+                     "(--speed-correct track); it does not follow contention that slows some step terms more than "
+                     "others, so recalibrate (`slotlab calibrate`) right before validating for figures")
         elif correct in ("probe", "grid"):
             text += (f"the simulator's step times were multiplied by x{factor:.3f} (--speed-correct {correct}); one "
                      "factor does not follow contention that slows some step terms more than others, so "
@@ -297,7 +302,8 @@ def speed_warnings(report: Mapping[str, Any], latency: str, correct: str, factor
         out.append(text)
     during = r["during"]
     if during is not None and abs(during - 1) > threshold:
-        fix = ("--speed-correct track follows it through the probe passes taken during the run" if correct == "track"
+        fix = ("--speed-correct track follows it through the probe passes taken during the run"
+               if correct in ("track", "track-mix")
                else "no single factor corrects them: `--speed-correct track --real-run "
                     f"{real_dir}` follows the speed through the probe passes taken during the run")
         out.append(f"the machine's speed moved during the real run (speed probe after / before x{during:.3f}, "
@@ -307,7 +313,7 @@ def speed_warnings(report: Mapping[str, Any], latency: str, correct: str, factor
     if track and track["n_in_run"] and (during is None or abs(during - 1) <= threshold):
         lo, hi = track["range"]
         if hi / lo - 1 > threshold:              # moved and came back: the probes around the run cannot see it
-            fix = ("--speed-correct track follows it" if correct == "track" else
+            fix = ("--speed-correct track follows it" if correct in ("track", "track-mix") else
                    f"`--speed-correct track --real-run {real_dir}` follows it")
             out.append(f"the machine's speed moved during the real run while the probes before and after it "
                        f"agree: the probe passes taken during it read x{lo:.3f}-x{hi:.3f} of the latency model's "
@@ -343,12 +349,17 @@ def format_speed(report: Mapping[str, Any], factor: float, where: str = "") -> s
             head += f"; now / the calibration grid's medians x{r['grid']:.3f}"
     if before is not None:
         head += f"; run's probes at load {_load1(before['load']['before'])} and {_load1(after['load']['after'])}"
-    track = report.get("track")
+    track, mix = report.get("track"), report.get("track_mix")
     if track:
-        span = track_span(track)
-        head += f"; over the run (probe before, {track['n_in_run']} passes during, after; / the model's times) {span}"
+        head += (f"; over the run (probe before, {track['n_in_run']} passes during, after; / the model's times) "
+                 f"{track_span(track)}")
+    if mix:
+        head += (f"; the run's own steps replayed by {mix['n_in_run']} passes ({mix['n_replays']} replays, "
+                 f"replay / step x{mix['replay_over_step']:.3f}; / the model's times) {track_span(mix)}")
     if report.get("correct") == "track" and track:
-        return f"{head}{where}; simulator step times {span}, following the run's clock"
+        return f"{head}{where}; simulator step times {track_span(track)}, following the run's clock"
+    if report.get("correct") == "track-mix" and mix:
+        return f"{head}{where}; simulator step times {track_span(mix)}, following the run's clock (replays)"
     steps = report.get("steps_track")
     if report.get("correct") == "steps" and steps:
         return (f"{head}{where}; simulator step times {track_span(steps)}, the real run's own speed per "
@@ -364,16 +375,66 @@ TRACK_SMOOTH = 5                   # knots in the centred rolling median of the 
 TRACK_REPEATS = 3                  # executions of each shape per pass (interleaved rounds; the median is kept)
 
 
+# A step shape as the mix replays it: its forward calls in order, each a tuple of chunks (sequence index in order of
+# first appearance, pos0, n_tokens, samples: the chunk asks for logits, is_prompt)
+MixCall = tuple[tuple[int, int, int, bool, bool], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class MixSample:
+    """One of the run's own steps replayed during a probe pass (`experiments.calibrate.InRunProbe`): its forward
+    calls (`calls`, KV operations left out), whether it processes prompt tokens (`prompt`: the path of
+    `TrackedLatency`), the replay's measured seconds and the seconds the run's step itself took (`step_s`: the
+    two agree on a machine whose speed held between them)."""
+
+    calls: tuple[MixCall, ...]
+    prompt: bool
+    measured_s: float
+    step_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"calls": [[list(c) for c in call] for call in self.calls], "prompt": self.prompt,
+                "measured_s": self.measured_s, "step_s": self.step_s}
+
+    @classmethod
+    def from_dict(cls, data: object, bad: Any) -> MixSample:
+        """`bad(name, what)` makes the ValueError naming the field."""
+        if not isinstance(data, dict):
+            raise bad("", "must be a JSON object")
+        calls = data.get("calls")
+        if not isinstance(calls, list) or not calls:
+            raise bad("calls", "must be a non-empty list of forward calls")
+        out = []
+        for i, call in enumerate(calls):
+            if not isinstance(call, list) or not call:
+                raise bad(f"calls[{i}]", "must be a non-empty list of chunks")
+            chunks = []
+            for j, c in enumerate(call):
+                ok = (isinstance(c, list) and len(c) == 5 and all(type(x) is int for x in c[:3])
+                      and all(isinstance(x, bool) for x in c[3:]) and c[0] >= 0 and c[1] >= 0 and c[2] >= 1)
+                if not ok:
+                    raise bad(f"calls[{i}][{j}]", f"must be [seq >= 0, pos0 >= 0, n_tokens >= 1, samples, "
+                                                  f"is_prompt], got {c!r}")
+                chunks.append((c[0], c[1], c[2], c[3], c[4]))
+            out.append(tuple(chunks))
+        if not isinstance(data.get("prompt"), bool):
+            raise bad("prompt", f"must be true or false, got {data.get('prompt')!r}")
+        return cls(tuple(out), data["prompt"], _positive(data.get("measured_s"), lambda w: bad("measured_s", w)),
+                   _positive(data.get("step_s"), lambda w: bad("step_s", w)))
+
+
 @dataclass(frozen=True, slots=True)
 class TrackPass:
     """One pass of the probe's shapes during a real run (one execution each, seconds by label): when on the run's
     own clock (`clock_s`, replay's simulated seconds: the axis the simulator's times are on), when in wall
-    seconds since the run started, and the 1-minute load average then."""
+    seconds since the run started, and the 1-minute load average then; `mix`: the run's own steps of the
+    window before the pass, replayed (`MixSample`; empty for a track of the fixed shapes only)."""
 
     clock_s: float
     wall_s: float
     shapes_s: dict[str, float]
     load1: float
+    mix: tuple[MixSample, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,7 +449,7 @@ class SpeedTrack:
     def to_dict(self) -> dict[str, Any]:
         return {"every_s": self.every_s, "repeats": self.repeats,
                 "passes": [{"clock_s": p.clock_s, "wall_s": p.wall_s, "shapes_s": dict(p.shapes_s),
-                            "load1": p.load1} for p in self.passes]}
+                            "load1": p.load1, "mix": [m.to_dict() for m in p.mix]} for p in self.passes]}
 
     @classmethod
     def from_dict(cls, data: object, where: str) -> SpeedTrack:
@@ -413,9 +474,15 @@ class SpeedTrack:
             shapes = row.get("shapes_s")
             if not isinstance(shapes, dict) or not shapes:
                 raise bad("shapes_s", "must be a non-empty object of label: seconds")
+            mix = row.get("mix", [])
+            if not isinstance(mix, list):
+                raise bad("mix", "must be a list of replayed steps")
             passes.append(TrackPass(float(row["clock_s"]), float(row["wall_s"]),
                                     {str(k): _positive(v, lambda what, k=k: bad(f"shapes_s.{k}", what))
-                                     for k, v in shapes.items()}, float(row["load1"])))
+                                     for k, v in shapes.items()}, float(row["load1"]),
+                                    tuple(MixSample.from_dict(m, lambda name, what, j=j: bad(
+                                        f"mix[{j}]" + (f".{name}" if name else ""), what))
+                                          for j, m in enumerate(mix))))
         if any(b.clock_s < a.clock_s for a, b in zip(passes, passes[1:])):
             raise ValueError(f"{where}: field 'passes' must be in clock order")
         repeats = data.get("repeats", 1)
@@ -483,10 +550,63 @@ def track_knots(reference: Mapping[str, float], before: SpeedProbe, after: Speed
             "factor_prompt": smoothed_prompt, "n_in_run": len(passes),
             "every_s": None if track is None else track.every_s, "smooth": smooth,
             "range": [min(smoothed), max(smoothed)], "range_prompt": [min(smoothed_prompt), max(smoothed_prompt)],
-            "reference_s": dict(reference), "prompt_labels": prompt,
+            "reference_s": dict(reference), "prompt_labels": prompt, "source": "fixed",
             "definition": "knots: the probe before the run (clock 0), every pass during it, the probe after (the "
                           "run's end); raw = step time / the latency model's time of the same shape, geometric "
                           "mean over the decode shapes (raw_prompt: over the prompt shapes); factor, factor_prompt "
                           "= centred rolling medians of `smooth` raws; the simulator multiplies a step's time by "
                           "the factor of its path (factor_prompt when it processes prompt tokens) interpolated "
                           "at its clock"}
+
+
+MIX_SMOOTH = 3                     # passes in the centred rolling median of the mix's factors
+
+
+def fill_nearest(values: Sequence[float | None], fallback: Sequence[float]) -> list[float]:
+    """`values` with each None replaced by the nearest (earlier on a tie) value that is not None; `fallback`
+    when every value is None."""
+    have = [i for i, v in enumerate(values) if v is not None]
+    if not have:
+        return [float(x) for x in fallback]
+    return [float(v) if v is not None else float(values[min(have, key=lambda h: (abs(h - i), h))])
+            for i, v in enumerate(values)]
+
+
+def mix_knots(track: SpeedTrack | None, predicted: Sequence[Sequence[float]],
+              smooth: int = MIX_SMOOTH) -> dict[str, Any] | None:
+    """The knots of `--speed-correct track-mix` from the passes' replays of the run's own steps (`TrackPass.mix`):
+    one knot per pass that replayed some, at its clock. `predicted[i][j]`: what the latency model charges for
+    pass i's j-th replayed step (`experiments.calibrate.mix_predictions`). A knot's `raw` factor is the median
+    measured / predicted ratio of its replays without prompt tokens, `raw_prompt` of those with; a pass without
+    replays of a path takes the nearest pass's that has some (the other path's where the run has none);
+    `factor`, `factor_prompt` are centred rolling medians of `smooth` passes. The machine's speed measured on the
+    shapes the run spent its time in, priced by the model: unlike the fixed shapes' knots (`track_knots`), the
+    model's error on the probe's shapes does not enter, and unlike `--speed-correct steps` it is a measurement
+    of its own (the run's step times are not read). None when no pass replayed a step."""
+    passes = [] if track is None else [(p, pred) for p, pred in zip(track.passes, predicted) if p.mix]
+    if not passes:
+        return None
+
+    def median_ratio(p: TrackPass, pred: Sequence[float], prompt: bool) -> float | None:
+        ratios = [m.measured_s / t for m, t in zip(p.mix, pred) if m.prompt == prompt and t > 0]
+        return statistics.median(ratios) if ratios else None
+
+    raw = [median_ratio(p, pred, False) for p, pred in passes]
+    raw_prompt = [median_ratio(p, pred, True) for p, pred in passes]
+    overall = [statistics.median([m.measured_s / t for p, pred in passes for m, t in zip(p.mix, pred) if t > 0]
+                                 or [1.0])] * len(passes)
+    factor = _rolling_median(fill_nearest(raw, fill_nearest(raw_prompt, overall)), max(1, smooth))
+    factor_prompt = _rolling_median(fill_nearest(raw_prompt, factor), max(1, smooth))
+    replays = [m for p, _ in passes for m in p.mix]
+    return {"clock_s": [p.clock_s for p, _ in passes], "raw": raw, "factor": factor, "raw_prompt": raw_prompt,
+            "factor_prompt": factor_prompt, "n_in_run": len(passes), "every_s": track.every_s, "smooth": smooth,
+            "range": [min(factor), max(factor)], "range_prompt": [min(factor_prompt), max(factor_prompt)],
+            "n_replays": len(replays), "source": "mix",
+            "replay_over_step": statistics.median(m.measured_s / m.step_s for m in replays),
+            "reference_s": {}, "prompt_labels": [],
+            "definition": "knots at the probe passes that replayed the run's own steps (drawn from the steps since "
+                          "the pass before, weighted by their time); raw = the median replayed time / the latency "
+                          "model's time of the same step over the replays without prompt tokens (raw_prompt: "
+                          "with), None where a pass has none (then the nearest pass's); factor, factor_prompt = "
+                          "centred rolling medians of `smooth` passes; replay_over_step = the median replayed "
+                          "time / the run's own time of the same step"}

@@ -41,6 +41,7 @@ import pandas as pd
 
 from engine.core.types import BatchPlan, ForwardCall
 from experiments.calibrate import STEAL_CORES_WARN, proc_cpu_seconds, proc_steal_seconds
+from experiments.speed_probe import fill_nearest
 from sim.backend import SimBackend
 from sim.latency import ConstantLatency, StepCost, unscaled
 
@@ -225,17 +226,10 @@ def step_knots(steps: pd.DataFrame, latency: Any, every_s: float = STEP_KNOTS_EV
         values = [ratio[mask & (window == w)] for w in range(n)]
         return [float(np.median(v)) if len(v) else None for v in values]
 
-    def filled(values: list[float | None], fallback: list[float]) -> list[float]:
-        have = [w for w, v in enumerate(values) if v is not None]
-        if not have:
-            return list(fallback)
-        return [v if v is not None else values[min(have, key=lambda h: (abs(h - w), h))]
-                for w, v in enumerate(values)]
-
     raw, raw_prompt = per_window(~prompt), per_window(prompt)
     overall = [float(np.median(ratio))] * n
-    factor = filled(raw, filled(raw_prompt, overall))
-    factor_prompt = filled(raw_prompt, factor)
+    factor = fill_nearest(raw, fill_nearest(raw_prompt, overall))
+    factor_prompt = fill_nearest(raw_prompt, factor)
     return {"clock_s": [(w + 0.5) * every_s for w in range(n)], "raw": raw, "factor": factor,
             "raw_prompt": raw_prompt, "factor_prompt": factor_prompt, "n_in_run": n, "every_s": every_s,
             "smooth": 1, "n_steps": int(ok.sum()), "range": [min(factor), max(factor)],

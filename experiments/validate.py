@@ -43,7 +43,14 @@ from experiments.flags import (
     option_values,
     simulate_argv,
 )
-from experiments.calibrate import InRunProbe, measure_probe, probe_points, probe_predictions, replay_sampling
+from experiments.calibrate import (
+    InRunProbe,
+    measure_probe,
+    mix_predictions,
+    probe_points,
+    probe_predictions,
+    replay_sampling,
+)
 from experiments.replay import run_replay
 from experiments.results import load_results, write_json, write_run
 from experiments.runs import follow, out_dir, resolve_model, run_context, server_config
@@ -56,6 +63,7 @@ from experiments.speed_probe import (
     format_speed,
     geomean,
     grid_offset,
+    mix_knots,
     probe_mismatch,
     read_run_probes,
     read_run_track,
@@ -85,7 +93,7 @@ from traces import Trace, read_trace
 from traces.synthetic.chat import ChatWorkload
 
 METRICS = ("ttft", "tpot", "e2e", "queue")
-CORRECTIONS = ("probe", "grid", "track", "steps")   # --speed-correct values that change the simulator's step times
+CORRECTIONS = ("probe", "grid", "track", "track-mix", "steps")   # --speed-correct values that change the step times
 STATS = ("p50", "p90", "p99", "mean")
 MEASURED_CALIBRATION = Path(__file__).resolve().parents[1] / "sim" / "data" / "smollm2_numpy_2threads.json"
 # the same grid measured in the ggml numerics (`slotlab calibrate --threads 2 --numerics ggml`): the default latency
@@ -701,7 +709,7 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
             print(f"slotlab validate: warning: {warning}", file=sys.stderr)
         if not args.no_plots:
             # the probe's knots beside the ratio to the model as it is: not to a model that already follows them
-            knots = speed.get("track") if speed.get("correct") not in ("track", "steps") else None
+            knots = speed.get("track") if speed.get("correct") not in ("track", "track-mix", "steps") else None
             plot_step_ratio(steps, predicted, out / FILES["steps"], title, probe=knots)
     _write_comparison(out, per, errors, summary, real.requests, sim.requests, None if args.no_plots else title)
     if args.quiet:
@@ -784,10 +792,12 @@ def probe_unusable(cal_probe: SpeedProbe, run_probes: tuple[SpeedProbe, SpeedPro
 def check_speed_correction(spec: str, cal_probe: SpeedProbe | None, model: str, threads: int, reused: Any,
                            run_probes: tuple[SpeedProbe, SpeedProbe] | None, correct: str = "probe",
                            probe_every: float = TRACK_EVERY_S) -> None:
-    """UsageError unless `--speed-correct probe|grid|track` has what it needs, checked before the engine runs:
-    (probe, grid) a calibration with a probe comparable with this run's and (grid) the grid's own medians of the
-    probe's shapes; (all) with --real-run, probes stored with the run. track compares the run's probes with the
-    latency model's own times of the probe's shapes: it needs no calibration probe."""
+    """UsageError unless `--speed-correct probe|grid|track|track-mix|steps` has what it needs, checked before
+    the engine runs: (probe, grid) a calibration with a probe comparable with this run's and (grid) the grid's
+    own medians of the probe's shapes; (all but steps) with --real-run, probes stored with the run. track and
+    track-mix compare the run's probe passes with the latency model's own times of the same shapes: they need
+    no calibration probe, and (without --real-run) passes during the run (--probe-every > 0); track-mix with
+    --real-run, passes that replayed some of the run's steps."""
     flag = f"--speed-correct {correct}"
     if correct == "steps":
         if reused is not None:
@@ -797,10 +807,11 @@ def check_speed_correction(spec: str, cal_probe: SpeedProbe | None, model: str, 
                                  f"{reused.path} has none (a run written before the step log's clock_s): rerun "
                                  "validate without --real-run")
         return
-    if reused is None and correct == "track" and probe_every == 0:
+    tracked = correct in ("track", "track-mix")
+    if reused is None and tracked and probe_every == 0:
         raise UsageError(f"{flag} follows the probe passes taken during the real run, and --probe-every 0 turns "
                          "them off: leave --probe-every at its default (10 s) or give a number of seconds")
-    if correct != "track" and cal_probe is None:
+    if not tracked and cal_probe is None:
         raise UsageError(f"{flag} needs a calibration with a speed probe, and {spec} has none (not a "
                          "calibration file, or one written before the probe): calibrate this setup with "
                          f"`slotlab calibrate -m {model} --threads {threads} --out cal.json` and pass "
@@ -813,7 +824,13 @@ def check_speed_correction(spec: str, cal_probe: SpeedProbe | None, model: str, 
         raise UsageError(f"{flag}: {reused.path} has no {PROBE_FILE} (a `slotlab replay` run, or "
                          "a validate run made before the speed probe): rerun validate without --real-run, or use "
                          "--speed-correct off")
-    if correct == "track":
+    if correct == "track-mix" and reused is not None:
+        track = read_run_track(reused.path)
+        if track is None or not any(p.mix for p in track.passes):
+            raise UsageError(f"{flag}: {reused.path} has no probe pass that replayed the run's own steps (a run "
+                             "recorded before the replays, or with --probe-every 0): rerun validate without "
+                             "--real-run, or use --speed-correct track")
+    if tracked:
         return
     why = probe_unusable(cal_probe, run_probes, model, threads)
     if why:
@@ -830,20 +847,25 @@ def speed_correction(cal_probe: SpeedProbe | None, run_probes: tuple[SpeedProbe,
     probes before and after the run and `track`'s passes during it (`end_clock_s`: the run's end on its clock)
     over what `latency` charges for the probe's shapes (`probe_predictions`; `kv_bytes_per_token` of the run's
     server), whose `factor` is then the geometric mean of the knots' factors; the track needs no calibration
-    probe. A calibration probe that is not comparable gives no ratio (`calibration_unusable` says why). With the
-    run's probes, `track` holds the knots whatever `correct` is. With "steps", TrackedLatency through
-    `knots_of_steps` (`steplog.step_knots`: the real run's own speed, an oracle), kept as `steps_track`."""
+    probe. With "track-mix", TrackedLatency through `mix_knots`: the passes' replays of the run's own steps over
+    what `latency` charges for them (`mix_predictions`). A calibration probe that is not comparable gives no
+    ratio (`calibration_unusable` says why). With the run's probes, `track` and `track_mix` hold the knots
+    whatever `correct` is. With "steps", TrackedLatency through `knots_of_steps` (`steplog.step_knots`: the real
+    run's own speed, an oracle), kept as `steps_track`."""
     before, after = run_probes if run_probes else (None, None)
     why = probe_unusable(cal_probe, run_probes, model, threads) if cal_probe is not None else None
     report = speed_report(None if why else cal_probe, before, after)
     report["calibration_unusable"] = why
     if cal_probe is not None:
         report["calibration"] = cal_probe.to_dict()
-    knots = None
+    fixed = None
     if before is not None and after is not None:
-        knots = track_knots(probe_predictions(latency, kv_bytes_per_token), before, after, track, end_clock_s,
+        fixed = track_knots(probe_predictions(latency, kv_bytes_per_token), before, after, track, end_clock_s,
                             prompt_labels=[p.label for p in probe_points() if p.prompt])
-    report["track"] = knots
+    mixed = mix_knots(track, mix_predictions(latency, kv_bytes_per_token, track))
+    knots = mixed if correct == "track-mix" else fixed
+    report["track"] = fixed
+    report["track_mix"] = mixed
     report["steps_track"] = knots_of_steps
     if correct == "steps":
         if knots_of_steps is None:
@@ -851,9 +873,9 @@ def speed_correction(cal_probe: SpeedProbe | None, run_probes: tuple[SpeedProbe,
         k = knots_of_steps
         report.update(correct=correct, factor=geomean(k["factor"]))
         return report, TrackedLatency(latency, k["clock_s"], k["factor"], k["factor_prompt"])
-    if correct == "track":
+    if correct in ("track", "track-mix"):
         if knots is None:             # check_speed_correction rules this out before the run
-            raise RuntimeError(f"--speed-correct track without knots ({why or 'a probe is missing'})")
+            raise RuntimeError(f"--speed-correct {correct} without knots ({why or 'a probe is missing'})")
         factor = geomean(knots["factor"])
         report.update(correct=correct, factor=factor)
         return report, TrackedLatency(latency, knots["clock_s"], knots["factor"], knots["factor_prompt"])
@@ -869,6 +891,9 @@ def factor_text(speed: Mapping[str, Any]) -> str:
     if speed.get("correct") == "track" and speed.get("track"):
         k = speed["track"]
         return f"{track_span(k)} (tracked: {len(k['clock_s'])} knots, {k['n_in_run']} during the run)"
+    if speed.get("correct") == "track-mix" and speed.get("track_mix"):
+        k = speed["track_mix"]
+        return f"{track_span(k)} (tracked: the run's own steps, {k['n_replays']} replayed by {k['n_in_run']} passes)"
     if speed.get("correct") == "steps" and speed.get("steps_track"):
         k = speed["steps_track"]
         return f"{track_span(k)} (the real run's own steps: {len(k['clock_s'])} knots of {k['every_s']:g} s)"

@@ -494,3 +494,105 @@ def test_a_probe_pass_keeps_the_median_of_its_rounds(tiny):
     assert probe.track().repeats == 3
     with pytest.raises(ValueError, match="repeats must be >= 1"):
         InRunProbe(model, replay_sampling(model, 0.0, 0), 1.0, repeats=0)
+
+
+# --- the probe's mix: the run's own steps replayed --------------------------------------------------------
+
+
+def test_a_steps_shape_renumbers_its_sequences_and_drops_its_kv_operations():
+    from engine.core.types import BatchPlan, Chunk
+    from experiments.calibrate import plan_shape
+    plan = build_plan(GridPoint("copy", prompt=((64, 8),), save_tokens=32, load_tokens=64), ones, TASKS)
+    assert plan_shape(plan) == (((0, 64, 8, True, True),),)           # the save and the load are left out
+    calls = (ForwardCall((Chunk(5, 9, (1, 2, 3), 40, (), True), Chunk(2, 7, (4,), 100, (2,), False)), 4),
+             ForwardCall((Chunk(5, 9, (6,), 43, (5,), True),), 1))
+    plan = BatchPlan(0.0, calls, 4, 1, {})
+    assert plan_shape(plan) == (((0, 40, 3, False, True), (1, 100, 1, True, False)), ((0, 43, 1, True, True),))
+
+
+@pytest.mark.parametrize("point", [GridPoint("mixed", decode=(50, 70), prompt=((20, 8),)),
+                                   GridPoint("prefill", prompt=((0, 40),), split=16),
+                                   GridPoint("decode", decode=(100, 3, 100))])
+def test_a_replayed_shape_costs_what_the_step_it_came_from_costs(point):
+    from experiments.calibrate import mix_plan, plan_shape
+    plan = build_plan(point, ones, TASKS)
+    again = mix_plan(plan_shape(plan), ones, TASKS)
+    counter = SimBackend(ConstantLatency(0.0), 1000)
+    assert counter.cost(again) == counter.cost(plan) and plan_shape(again) == plan_shape(plan)
+    assert (again.n_prompt_tokens, again.n_decode_tokens) == (plan.n_prompt_tokens, plan.n_decode_tokens)
+    assert set(again.tasks) == set(plan.tasks)                      # the same sequences sample
+
+
+def test_the_mix_bench_brings_each_sequence_to_the_context_its_chunk_continues(tiny):
+    from experiments.calibrate import _MixBench
+    model = load(tiny, n_threads=1)
+    bench = _MixBench(model, 2, 128, replay_sampling(model, 0.0, 0), np.random.default_rng(0))
+    kv = bench.backend.kv
+    two_decodes = (((0, 90, 1, True, False), (1, 30, 1, True, False)),)
+    assert bench.measure(two_decodes) > 0
+    assert (kv.n_tokens(0), kv.n_tokens(1)) == (91, 31)                # grown to pos0, plus the step's token
+    prompt = (((1, 0, 16, False, True),), ((1, 16, 8, True, True),))   # a prompt in two calls (n_batch cut)
+    assert bench.measure(prompt) > 0 and kv.n_tokens(1) == 24           # trimmed to 0, then the two chunks
+    assert kv.n_tokens(0) == 91                                          # a sequence the shape leaves alone
+    # shapes these cells cannot hold: a third sequence, or a context beyond the per-slot size
+    assert bench.measure((((2, 0, 4, True, True),),)) is None
+    assert bench.measure((((0, 120, 9, True, True),),)) is None and kv.n_tokens(0) == 91
+
+
+def window_item(n_prompt, seconds):
+    shape = (((0, 0, n_prompt, True, True),),) if n_prompt else (((0, 10, 1, True, False),),)
+    return (shape, n_prompt > 0, seconds)
+
+
+def test_a_pass_draws_at_most_k_steps_of_each_path_within_its_budget(tiny):
+    from experiments.calibrate import InRunProbe
+    model = load(tiny, n_threads=1)
+    probe = InRunProbe(model, replay_sampling(model, 0.0, 0), 10.0, mix_decode=3, mix_prompt=2, budget=0.1)
+    # budget: 0.1 x 10 s = 1 s of step time, 0.5 s per path
+    probe._window = [window_item(0, 0.01)] * 20 + [window_item(8, 0.2)] * 5
+    drawn = probe._draw()
+    assert sum(not p for _, p, _ in drawn) == 3 and sum(p for _, p, _ in drawn) == 2
+    probe._window = [window_item(0, 0.3)] * 4 + [window_item(8, 2.0)] * 2
+    drawn = probe._draw()            # over the budget: one of each path still (0.3 + 0.3 > 0.5; 2.0 > 0.5)
+    assert sorted(p for _, p, _ in drawn) == [False, True]
+    probe._window = [window_item(0, 0.01)] * 5        # a window without prompt steps: decode steps only
+    assert [p for _, p, _ in probe._draw()] == [False] * 3
+    # the draw is weighted by time: the one long decode step is nearly always among the three
+    probe._window = [window_item(0, 0.001)] * 40 + [((((0, 500, 1, True, False),),), False, 0.2)]
+    assert sum(any(s[0][0][1] == 500 for s, _, _ in probe._draw()) for _ in range(50)) >= 45
+    with pytest.raises(ValueError, match="mix_decode, mix_prompt and budget must be >= 0"):
+        InRunProbe(model, replay_sampling(model, 0.0, 0), 10.0, mix_prompt=-1)
+
+
+def test_a_pass_replays_steps_of_its_window_and_the_next_pass_starts_a_new_window(tiny):
+    from engine.backend import NumpyBackend
+    from experiments.calibrate import InRunProbe, build_plan as plan_of, plan_shape
+    model = load(tiny, n_threads=1)
+    wall = [0.0]
+    probe = InRunProbe(model, replay_sampling(model, 0.0, 0), 5.0, clock=lambda: wall[0])
+    run = NumpyBackend(model, 4, 128)
+    probe.start(lambda: 0.0, run)
+    assert (probe.mix_bench.backend.n_seq, probe.mix_bench.backend.n_ctx_seq) == (4, 128)
+    first = [plan_of(GridPoint("decode", decode=(40, 60)), ones, TASKS),
+             plan_of(GridPoint("prefill", prompt=((0, 32),)), ones, TASKS)]
+    for plan in first:
+        probe(plan, 0.02)
+    probe(None, 0.01)                  # a step without a plan (nothing to replay) is not in the window
+    assert [w[0] for w in probe._window] == [plan_shape(p) for p in first]
+    wall[0] = 5.0
+    probe(plan_of(GridPoint("decode", decode=(70,)), ones, TASKS), 0.02)
+    (p1,) = probe.passes
+    assert {m.calls for m in p1.mix} == {plan_shape(p) for p in first} | {(((0, 70, 1, True, False),),)}
+    assert {m.prompt for m in p1.mix} == {False, True} and all(m.measured_s > 0 for m in p1.mix)
+    assert probe._window == []
+    probe.finish()                     # nothing since the pass: no pass
+    assert len(probe.passes) == 1
+    probe(plan_of(GridPoint("decode", decode=(80,)), ones, TASKS), 0.02)
+    probe.finish()
+    assert [m.calls for m in probe.passes[1].mix] == [(((0, 80, 1, True, False),),)]
+    # without a backend (or mix=False) a pass replays nothing
+    plain = InRunProbe(model, replay_sampling(model, 0.0, 0), 5.0, clock=lambda: wall[0], mix=False)
+    plain.start(lambda: 0.0, run)
+    plain(first[0], 0.02)
+    plain.finish()
+    assert plain.passes == [] and plain.mix_bench is None

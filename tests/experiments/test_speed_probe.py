@@ -4,6 +4,7 @@ now / calibration from given timings, and when validate warns."""
 import json
 import math
 import re
+import statistics
 
 import pytest
 
@@ -25,6 +26,7 @@ from experiments.speed_probe import (
     speed_report,
     speed_warnings,
     time_ratio,
+    track_span,
     track_knots,
     write_run_probes,
     write_run_track,
@@ -326,3 +328,94 @@ def test_calibrate_warns_when_its_probe_and_its_grid_disagree():
     edge = 1 / (1 - GRID_OFFSET_WARN)                                            # offset 1 - threshold: not beyond it
     assert grid_offset_warning(with_grid(probe, [edge * 0.999] * 3)) is None
     assert grid_offset_warning(with_grid(probe, [edge * 1.01] * 3)) is not None
+
+
+# --- the mix: the run's own steps replayed during the passes -----------------------------------------------
+
+
+DECODE_CALL = (((0, 300, 1, True, False), (1, 120, 1, True, False)),)      # two sequences' decodes in one call
+PROMPT_CALL = (((0, 0, 64, True, True),),)                                  # a prompt chunk
+
+
+def mix_track(passes, every=10.0):
+    """A track whose pass i at clock 10(i+1) replays the (prompt, measured_s) of passes[i] (step_s 0.02 each)."""
+    from experiments.speed_probe import MixSample
+    return SpeedTrack(every, tuple(
+        TrackPass(10.0 * (i + 1), 10.0 * (i + 1), dict(REFERENCE), 0.5,
+                  tuple(MixSample(PROMPT_CALL if prompt else DECODE_CALL, prompt, t, 0.02) for prompt, t in row))
+        for i, row in enumerate(passes)))
+
+
+def test_mix_knots_are_the_medians_of_each_paths_replays_over_the_models_times():
+    from experiments.speed_probe import mix_knots
+    # the model charges 0.01 s for every decode replay and 0.05 s for every prompt replay
+    rows = [[(False, 0.011), (False, 0.012), (False, 0.030), (True, 0.06)],     # decode median 0.012: x1.2
+            [(False, 0.010), (True, 0.05), (True, 0.07)],                         # x1.0; prompt median 0.06: x1.2
+            [(True, 0.045)]]                                                       # no decode replay: nearest's
+    predicted = [[0.05 if p else 0.01 for p, _ in row] for row in rows]
+    k = mix_knots(mix_track(rows), predicted, smooth=1)
+    assert k["source"] == "mix" and k["clock_s"] == [10.0, 20.0, 30.0] and k["n_in_run"] == 3
+    assert k["raw"][:2] == pytest.approx([1.2, 1.0]) and k["raw"][2] is None and k["factor"] == pytest.approx([1.2, 1.0, 1.0])
+    assert k["raw_prompt"] == pytest.approx([1.2, 1.2, 0.9]) and k["factor_prompt"] == k["raw_prompt"]
+    assert k["n_replays"] == 8 and k["range"] == [1.0, 1.2]
+    # replay / the run's own step time: the median over every replay (step_s 0.02)
+    assert k["replay_over_step"] == pytest.approx(statistics.median(t / 0.02 for row in rows for _, t in row))
+    # centred rolling medians of 3 passes (of 2 at the ends)
+    k3 = mix_knots(mix_track(rows), predicted, smooth=3)
+    assert k3["factor"] == pytest.approx([1.1, 1.0, 1.0]) and k3["factor_prompt"] == pytest.approx([1.2, 1.2, 1.05])
+
+
+def test_mix_knots_of_a_run_without_prompt_replays_use_the_decode_factor_on_both_paths():
+    from experiments.speed_probe import mix_knots
+    rows = [[(False, 0.013)], [], [(False, 0.011)]]          # the middle pass replayed nothing: no knot
+    k = mix_knots(mix_track(rows), [[0.01], [], [0.01]], smooth=1)
+    assert k["clock_s"] == [10.0, 30.0] and k["factor"] == pytest.approx([1.3, 1.1])
+    assert k["raw_prompt"] == [None, None] and k["factor_prompt"] == pytest.approx(k["factor"])
+    assert mix_knots(mix_track([[], []]), [[], []]) is None and mix_knots(None, []) is None
+
+
+def test_fill_nearest_takes_the_nearest_value_and_the_earlier_on_a_tie():
+    from experiments.speed_probe import fill_nearest
+    assert fill_nearest([None, 2.0, None, None, 5.0, None], [0.0] * 6) == [2.0, 2.0, 2.0, 5.0, 5.0, 5.0]
+    assert fill_nearest([None, None], [7.0, 8.0]) == [7.0, 8.0]
+
+
+def test_a_track_with_replays_round_trips_and_a_track_without_them_still_loads(tmp_path):
+    track = mix_track([[(False, 0.011), (True, 0.06)], [(False, 0.012)]])
+    write_run_track(tmp_path, track)
+    assert read_run_track(tmp_path) == track
+    data = json.loads((tmp_path / TRACK_FILE).read_text())
+    for row in data["passes"]:                              # a file written before the mix
+        del row["mix"]
+    (tmp_path / TRACK_FILE).write_text(json.dumps(data))
+    assert all(p.mix == () for p in read_run_track(tmp_path).passes)
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda m: m.update(calls=[]), "'passes[0].mix[1].calls'"),
+    (lambda m: m["calls"][0].append([0, 1, 0, True, False]), "'passes[0].mix[1].calls[0][1]'"),
+    (lambda m: m["calls"][0][0].__setitem__(3, 1), "'passes[0].mix[1].calls[0][0]'"),
+    (lambda m: m.update(prompt="yes"), "'passes[0].mix[1].prompt'"),
+    (lambda m: m.update(measured_s=0.0), "'passes[0].mix[1].measured_s'"),
+    (lambda m: m.pop("step_s"), "'passes[0].mix[1].step_s'"),
+])
+def test_a_malformed_replay_names_file_and_field(tmp_path, edit, field):
+    data = mix_track([[(False, 0.011), (True, 0.06)]]).to_dict()
+    edit(data["passes"][0]["mix"][1])
+    (tmp_path / TRACK_FILE).write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / TRACK_FILE))) as err:
+        read_run_track(tmp_path)
+    assert field in str(err.value)
+
+
+def test_format_speed_and_the_warnings_name_the_replays():
+    from experiments.speed_probe import mix_knots
+    report = speed_report(make_probe(CAL_S), make_probe(scaled(CAL_S, 1.2)), make_probe(scaled(CAL_S, 1.2)))
+    rows = [[(False, 0.010)], [(False, 0.013)], [(False, 0.013)], [(False, 0.013)], [(False, 0.010)]]
+    report["track_mix"] = mix_knots(mix_track(rows), [[0.01]] * 5)
+    span = track_span(report["track_mix"])
+    assert f"the run's own steps replayed by 5 passes (5 replays, replay / step x" in format_speed(report, 1.0)
+    report["correct"] = "track-mix"
+    assert format_speed(report, 1.0).endswith(f"simulator step times {span}, following the run's clock (replays)")
+    (text,) = [w for w in speed_warnings(report, "parametric:cal.json", "track-mix", 1.0) if "were multiplied by" in w]
+    assert "measured by replaying a few of the run's own steps during it (--speed-correct track-mix)" in text

@@ -236,10 +236,17 @@ def model_times(setup):
 
 def test_the_real_run_stores_its_speed_track(setup):
     track = read_run_track(setup["out"] / "real")
-    assert track is not None and track.every_s == TRACK_EVERY_S     # a run of a second: no pass was due
+    # a run of a second: no pass was due during it, and the one after its last step replays some of its steps
+    assert track is not None and track.every_s == TRACK_EVERY_S and len(track.passes) == 1
+    (last,) = track.passes
+    assert last.mix and all(m.measured_s > 0 and m.step_s > 0 for m in last.mix)
+    assert {m.prompt for m in last.mix} == {False, True}      # the run has steps of both paths: one of each at least
     _, _, summary = read_validation(setup["out"])
-    k = summary["speed_probe"]["track"]                               # knots from the probes before and after
-    assert k["n_in_run"] == 0 and len(k["clock_s"]) == 2 and k["reference_s"] == pytest.approx(model_times(setup))
+    fixed = summary["speed_probe"]["track"]                   # the fixed shapes' knots: before, the pass, after
+    assert fixed["source"] == "fixed" and fixed["n_in_run"] == 1 and len(fixed["clock_s"]) == 3
+    assert fixed["reference_s"] == pytest.approx(model_times(setup))
+    k = summary["speed_probe"]["track_mix"]                   # the replays' knots: one pass
+    assert k["source"] == "mix" and k["n_in_run"] == 1 and k["n_replays"] == len(last.mix)
 
 
 def test_probe_predictions_are_the_models_times_of_the_probes_plans():
@@ -283,6 +290,52 @@ def test_speed_correct_track_with_a_flat_track_multiplies_by_its_factor(setup, t
     # the real run's steps priced at the factor of their clock: ratio x the unscaled model
     off_err = read_validation(tmp_path / "off")[2]["real_step_errors"]["all"]["busy_err"]
     assert summary["real_step_errors"]["all"]["busy_err"] == pytest.approx(ratio * (1 + off_err) - 1, rel=1e-9)
+
+
+def with_replays(setup, tmp_path, ratio, fixed_ratio):
+    """A copy of the setup's real run whose pass replays ran at `ratio` x the model's times of the same steps and
+    whose fixed shapes (probes and the pass) at `fixed_ratio` x theirs."""
+    import dataclasses
+    from experiments.calibrate import mix_predictions
+    from sim.latency_spec import get_latency_model
+    real = with_track(setup, tmp_path, lambda n: [], fixed_ratio, fixed_ratio)
+    track = read_run_track(setup["out"] / "real")
+    kv = json.loads((real / "config.json").read_text())["server_config"]["kv_bytes_per_token"]
+    predicted = mix_predictions(get_latency_model(f"parametric:{setup['cal']}"), kv, track)
+    passes = tuple(dataclasses.replace(p, shapes_s=scaled(model_times(setup), fixed_ratio),
+                                       mix=tuple(dataclasses.replace(m, measured_s=ratio * t)
+                                                 for m, t in zip(p.mix, pred)))
+                   for p, pred in zip(track.passes, predicted))
+    write_run_track(real, SpeedTrack(track.every_s, passes, track.repeats))
+    return real
+
+
+def test_speed_correct_track_mix_multiplies_by_the_replays_ratio_to_the_model(setup, tmp_path):
+    ratio, fixed_ratio = 1.25, 1.6
+    real = with_replays(setup, tmp_path, ratio, fixed_ratio)
+    assert validate(setup, tmp_path / "off", "--real-run", str(real)) == 0
+    assert validate(setup, tmp_path / "track", "--real-run", str(real), "--speed-correct", "track-mix") == 0
+    speed = read_validation(tmp_path / "track")[2]["speed_probe"]
+    assert speed["correct"] == "track-mix" and speed["factor"] == pytest.approx(ratio, rel=1e-12)
+    assert speed["track_mix"]["factor_prompt"] == pytest.approx([ratio], rel=1e-12)
+    assert speed["track"]["factor"] == pytest.approx([fixed_ratio] * 3, rel=1e-12)
+    off, track = (pd.read_parquet(tmp_path / d / "sim" / "requests.parquet").sort_values("request")
+                  .reset_index(drop=True) for d in ("off", "track"))
+    for col in ("ttft_s", "e2e_s", "tpot_s"):
+        assert list(track[col]) == pytest.approx(list(ratio * off[col]), rel=1e-6), col
+    # track: the fixed shapes' knots, whatever the replays read
+    assert validate(setup, tmp_path / "fixed", "--real-run", str(real), "--speed-correct", "track") == 0
+    speed = read_validation(tmp_path / "fixed")[2]["speed_probe"]
+    assert speed["correct"] == "track" and speed["factor"] == pytest.approx(fixed_ratio, rel=1e-12)
+    fixed = pd.read_parquet(tmp_path / "fixed" / "sim" / "requests.parquet").sort_values("request")
+    assert list(fixed["e2e_s"]) == pytest.approx(list(fixed_ratio * off["e2e_s"]), rel=1e-6)
+
+
+def test_speed_correct_track_mix_needs_a_run_whose_passes_replayed_its_steps(setup, tmp_path, capsys):
+    real = with_track(setup, tmp_path, lambda n: [(0.2 * i, 1.0) for i in range(1, n + 1)])   # passes, no replays
+    assert validate(setup, tmp_path / "v", "--real-run", str(real), "--speed-correct", "track-mix") == 2
+    assert "has no probe pass that replayed the run's own steps" in capsys.readouterr().err
+    assert not (tmp_path / "v").exists()
 
 
 def test_speed_correct_track_follows_a_slower_second_half(setup, tmp_path):
