@@ -74,8 +74,8 @@ NUMERICS_DESC = {"f32": "f32 weights, f32 KV", "ggml": "quantized weights, llama
 DEFAULT_PASSES = 5                 # interleaved passes over the grid (the median of them is fitted)
 MIN_PASSES = 3                     # --max-seconds never cuts below this many
 PROBE_REPEATS = 5                  # interleaved passes over the speed probe's shapes (the median is kept)
-MIX_DECODE, MIX_PROMPT = 4, 2      # the run's own steps a probe pass replays at most: without / with prompt tokens
-MIX_BUDGET = 0.15                  # ... of step time at most this fraction of the pass interval, half per path (>= 1)
+MIX_BUDGET = 0.15                  # the in-run probe replays this fraction of the run's decode step time
+MIX_BUDGET_PROMPT = 0.5            # ... and of its prompt step time (fewer, longer steps: TTFT rests on them)
 GROUPS_DOC = ("decode and mixed shapes by batch size, prompt chunks by length, each copy, shift and split "
               "shape alone")
 
@@ -646,41 +646,40 @@ def measure_probe(model: Any, sampling: Any, *, repeats: int = PROBE_REPEATS, se
 
 
 class InRunProbe:
-    """The speed probe during a real run: one pass every `every_s` wall seconds, taken between two of the run's
-    steps as a `NumpyBackend.on_step` observer. A pass has two parts:
+    """The speed probe during a real run, a `NumpyBackend.on_step` observer with two parts:
 
-    - the probe's fixed shapes (`probe_points()`), each executed `repeats` times (interleaved rounds in shuffled
-      order), the median kept per shape: one execution of a 40 ms shape samples 40 ms of a host whose speed
-      moves within a second;
-    - the mix (`mix`, with the run's backend given to `start`): up to `mix_decode` of the run's own steps without
-      prompt tokens and `mix_prompt` with, drawn from the steps since the pass before, weighted by their
-      measured time, within `budget` x every_s / 2 of their step time per path (at least one of each path the
-      window has),
-      each re-executed once in shuffled order (`MixSample`). Their times over the latency model's of the same
-      steps are the knots of `--speed-correct track-mix` (speed_probe.mix_knots): the machine's speed on the
-      shapes the run spends its time in, which the fixed shapes, priced by a model that is off by several percent
-      on them, do not give (measured in docs/validation_sim.md §11: on a host whose speed moves within seconds,
-      neither follows it better than the other).
+    - a pass over the probe's fixed shapes (`probe_points()`) every `every_s` wall seconds, between two of the
+      run's steps: each shape executed `repeats` times (interleaved rounds in shuffled order), the median kept per
+      shape (one execution of a 40 ms shape samples 40 ms of a host whose speed moves within a second); the
+      knots of `--speed-correct track`;
+    - the mix (`mix`, with the run's backend given to `start`): right after one of the run's steps, that step
+      re-executed once (`MixSample`), so that the replays take `budget` of the run's step time without prompt
+      tokens and `budget_prompt` of its time with, spread evenly over it (a path's step is replayed when the
+      path's credit, its budget x its step time so far less its replays' time, covers the step). The prompt
+      path's budget is larger: its steps are few (a few dozen in a run of minutes) and TTFT rests on them. Their times over the latency
+      model's times of the same steps are the knots of `--speed-correct track-mix` (speed_probe.mix_knots): the
+      machine's speed on the shapes the run spends its time in, at the moments it spends it, which the fixed
+      shapes, priced by a model that is off by several percent on them, do not give.
 
     Both run on benches of their own (`_Bench` for the fixed shapes, `_MixBench` of the run's slot count and
     context for the mix: their own KV cells and sequences; the same model, weights and threads), so the run's
     cells, slots and prompt cache are untouched, and the run's clock does not see them: replay's clock advances
-    by the measured times of the run's own steps and its idle gaps, and a pass is neither (it costs wall time
-    only: 0.7-1.0 s per pass of 3 rounds for SmolLM2 at 2 threads, plus the mix's replays). `start(run_clock,
-    backend)` before the first step, `finish()` after the last (a pass over the steps since the last pass);
-    `track()` afterwards (experiments.speed_probe.SpeedTrack)."""
+    by the measured times of the run's own steps and its idle gaps, and the probe's work is neither (it costs wall
+    time only: 0.7-1.0 s per pass of 3 rounds for SmolLM2 at 2 threads, plus the mix's budgets of the step
+    time). The replays are stored with the next pass (`TrackPass.mix`). `start(run_clock, backend)` before the
+    first step, `finish()` after the last (a pass, when replays are waiting for one); `track()` afterwards
+    (experiments.speed_probe.SpeedTrack)."""
 
     def __init__(self, model: Any, sampling: Any, every_s: float, *, repeats: int = TRACK_REPEATS, seed: int = 0,
                  clock: Callable[[], float] = time.perf_counter, load_reader: LoadReader = os.getloadavg,
-                 mix: bool = True, mix_decode: int = MIX_DECODE, mix_prompt: int = MIX_PROMPT,
-                 budget: float = MIX_BUDGET) -> None:
+                 mix: bool = True, budget: float = MIX_BUDGET, budget_prompt: float = MIX_BUDGET_PROMPT) -> None:
         if not every_s > 0:
             raise ValueError(f"InRunProbe: every_s must be > 0, got {every_s!r}")
         if repeats < 1:
             raise ValueError(f"InRunProbe: repeats must be >= 1, got {repeats!r}")
-        if mix_decode < 0 or mix_prompt < 0 or not budget >= 0:
-            raise ValueError(f"InRunProbe: mix_decode, mix_prompt and budget must be >= 0, got {mix_decode!r}, "
-                             f"{mix_prompt!r}, {budget!r}")
+        if not (0 <= budget <= 1 and 0 <= budget_prompt <= 1):
+            raise ValueError(f"InRunProbe: budget and budget_prompt must be fractions of the step time in [0, 1], "
+                             f"got {budget!r}, {budget_prompt!r}")
         self.every_s = float(every_s)
         self.repeats = int(repeats)
         self.points = probe_points()
@@ -689,9 +688,10 @@ class InRunProbe:
         self.bench = _Bench(model, self.points, sampling, self._rng)
         for p in self.points:                      # warm-up (as measure_grid's), not recorded
             self.bench.measure(p)
-        self.mix, self.mix_decode, self.mix_prompt, self.budget = mix, int(mix_decode), int(mix_prompt), budget
+        self.mix, self.budget = mix, {False: float(budget), True: float(budget_prompt)}
         self.mix_bench: _MixBench | None = None
-        self._window: list[tuple[tuple[MixCall, ...], bool, float]] = []   # (shape, prompt, seconds) since a pass
+        self._credit = {False: 0.0, True: 0.0}     # per path: budget x step time so far - the replays' time
+        self._pending: list[MixSample] = []        # replays since the last pass
         self._clock, self._load = clock, load_reader
         self._run_clock: Callable[[], float] = lambda: 0.0
         self._t0 = self._next = 0.0
@@ -703,23 +703,35 @@ class InRunProbe:
         self._run_clock = run_clock
         if self.mix and backend is not None and self.mix_bench is None:
             self.mix_bench = _MixBench(self.model, backend.n_seq, backend.n_ctx_seq, self.sampling, self._rng)
-        self._window = []
+        self._credit = {False: 0.0, True: 0.0}
+        self._pending = []
         self._t0 = self._clock()
         self._next = self._t0 + self.every_s
 
     def __call__(self, plan: Any, elapsed_s: float) -> None:
-        if self.mix_bench is not None and plan is not None and plan.forwards:
-            self._window.append((plan_shape(plan), plan.n_prompt_tokens > 0, float(elapsed_s)))
-        now = self._clock()
-        if now < self._next:
-            return
         # the run's clock at this step's end (run_clock reads its start while the step is being committed)
-        self._pass(float(self._run_clock()) + elapsed_s, now)
+        end_s = float(self._run_clock()) + elapsed_s
+        if self.mix_bench is not None and plan is not None and plan.forwards and elapsed_s > 0:
+            self._replay(plan, float(elapsed_s), end_s)
+        now = self._clock()
+        if now >= self._next:
+            self._pass(end_s, now)
 
     def finish(self) -> None:
-        """After the run's last step: a pass over the steps since the last pass, if there were some."""
-        if self._window:
+        """After the run's last step: a pass, if replays since the last one are waiting for it."""
+        if self._pending:
             self._pass(float(self._run_clock()), self._clock())
+
+    def _replay(self, plan: Any, step_s: float, clock_s: float) -> None:
+        prompt = plan.n_prompt_tokens > 0
+        self._credit[prompt] += self.budget[prompt] * step_s
+        if self._credit[prompt] < step_s:
+            return
+        calls = plan_shape(plan)
+        t = self.mix_bench.measure(calls)
+        if t is not None and t > 0:
+            self._credit[prompt] -= t
+            self._pending.append(MixSample(calls, prompt, float(t), step_s, clock_s))
 
     def _pass(self, clock_s: float, now: float) -> None:
         samples: dict[str, list[float]] = {p.label: [] for p in self.points}
@@ -728,38 +740,9 @@ class InRunProbe:
                 p = self.points[i]
                 samples[p.label].append(self.bench.measure(p)[1])
         shapes = {label: statistics.median(v) for label, v in samples.items()}
-        mix = self._replay(self._draw())
-        self._window = []
-        self.passes.append(TrackPass(clock_s, now - self._t0, shapes, float(self._load()[0]), mix))
+        self.passes.append(TrackPass(clock_s, now - self._t0, shapes, float(self._load()[0]), tuple(self._pending)))
+        self._pending = []
         self._next = self._clock() + self.every_s
-
-    def _draw(self) -> list[tuple[tuple[MixCall, ...], bool, float]]:
-        """The window's steps to replay: per path, drawn without replacement with weights their times."""
-        budget, out = self.budget * self.every_s, []
-        for prompt, k in ((False, self.mix_decode), (True, self.mix_prompt)):
-            items = [w for w in self._window if w[1] == prompt]
-            if not items or k == 0:
-                continue
-            weights = np.array([max(w[2], 1e-9) for w in items])
-            order = self._rng.choice(len(items), size=len(items), replace=False, p=weights / weights.sum())
-            spent, taken = 0.0, 0
-            for i in order.tolist():
-                if taken == k or (taken and spent + items[i][2] > budget / 2):
-                    break
-                out.append(items[i])
-                spent, taken = spent + items[i][2], taken + 1
-        return out
-
-    def _replay(self, drawn: Sequence[tuple[tuple[MixCall, ...], bool, float]]) -> tuple[MixSample, ...]:
-        if self.mix_bench is None:
-            return ()
-        out = []
-        for i in self._rng.permutation(len(drawn)).tolist():
-            calls, prompt, step_s = drawn[i]
-            t = self.mix_bench.measure(calls)
-            if t is not None and t > 0 and step_s > 0:
-                out.append(MixSample(calls, prompt, float(t), step_s))
-        return tuple(out)
 
     def track(self) -> SpeedTrack:
         return SpeedTrack(self.every_s, tuple(self.passes), self.repeats)

@@ -354,8 +354,9 @@ def format_speed(report: Mapping[str, Any], factor: float, where: str = "") -> s
         head += (f"; over the run (probe before, {track['n_in_run']} passes during, after; / the model's times) "
                  f"{track_span(track)}")
     if mix:
-        head += (f"; the run's own steps replayed by {mix['n_in_run']} passes ({mix['n_replays']} replays, "
-                 f"replay / step x{mix['replay_over_step']:.3f}; / the model's times) {track_span(mix)}")
+        head += (f"; the run's own steps replayed ({mix['n_replays']} replays in {mix['n_in_run']} windows of "
+                 f"{mix['every_s']:g} s, replay / step x{mix['replay_over_step']:.3f}; / the model's times) "
+                 f"{track_span(mix)}")
     if report.get("correct") == "track" and track:
         return f"{head}{where}; simulator step times {track_span(track)}, following the run's clock"
     if report.get("correct") == "track-mix" and mix:
@@ -382,19 +383,20 @@ MixCall = tuple[tuple[int, int, int, bool, bool], ...]
 
 @dataclass(frozen=True, slots=True)
 class MixSample:
-    """One of the run's own steps replayed during a probe pass (`experiments.calibrate.InRunProbe`): its forward
-    calls (`calls`, KV operations left out), whether it processes prompt tokens (`prompt`: the path of
-    `TrackedLatency`), the replay's measured seconds and the seconds the run's step itself took (`step_s`: the
-    two agree on a machine whose speed held between them)."""
+    """One of the run's own steps replayed right after it (`experiments.calibrate.InRunProbe`): its forward calls
+    (`calls`, KV operations left out), whether it processes prompt tokens (`prompt`: the path of
+    `TrackedLatency`), the replay's measured seconds, the seconds the run's step itself took (`step_s`: the two
+    agree on a machine whose speed held between them) and the run's clock at the step's end (`clock_s`)."""
 
     calls: tuple[MixCall, ...]
     prompt: bool
     measured_s: float
     step_s: float
+    clock_s: float
 
     def to_dict(self) -> dict[str, Any]:
         return {"calls": [[list(c) for c in call] for call in self.calls], "prompt": self.prompt,
-                "measured_s": self.measured_s, "step_s": self.step_s}
+                "measured_s": self.measured_s, "step_s": self.step_s, "clock_s": self.clock_s}
 
     @classmethod
     def from_dict(cls, data: object, bad: Any) -> MixSample:
@@ -419,16 +421,19 @@ class MixSample:
             out.append(tuple(chunks))
         if not isinstance(data.get("prompt"), bool):
             raise bad("prompt", f"must be true or false, got {data.get('prompt')!r}")
+        clock = data.get("clock_s")
+        if isinstance(clock, bool) or not isinstance(clock, (int, float)) or not math.isfinite(clock) or clock < 0:
+            raise bad("clock_s", f"must be a number of seconds >= 0, got {clock!r}")
         return cls(tuple(out), data["prompt"], _positive(data.get("measured_s"), lambda w: bad("measured_s", w)),
-                   _positive(data.get("step_s"), lambda w: bad("step_s", w)))
+                   _positive(data.get("step_s"), lambda w: bad("step_s", w)), float(clock))
 
 
 @dataclass(frozen=True, slots=True)
 class TrackPass:
     """One pass of the probe's shapes during a real run (one execution each, seconds by label): when on the run's
     own clock (`clock_s`, replay's simulated seconds: the axis the simulator's times are on), when in wall
-    seconds since the run started, and the 1-minute load average then; `mix`: the run's own steps of the
-    window before the pass, replayed (`MixSample`; empty for a track of the fixed shapes only)."""
+    seconds since the run started, and the 1-minute load average then; `mix`: the run's own steps replayed since
+    the pass before (`MixSample`; empty for a track of the fixed shapes only)."""
 
     clock_s: float
     wall_s: float
@@ -559,9 +564,6 @@ def track_knots(reference: Mapping[str, float], before: SpeedProbe, after: Speed
                           "at its clock"}
 
 
-MIX_SMOOTH = 3                     # passes in the centred rolling median of the mix's factors
-
-
 def fill_nearest(values: Sequence[float | None], fallback: Sequence[float]) -> list[float]:
     """`values` with each None replaced by the nearest (earlier on a tie) value that is not None; `fallback`
     when every value is None."""
@@ -573,40 +575,49 @@ def fill_nearest(values: Sequence[float | None], fallback: Sequence[float]) -> l
 
 
 def mix_knots(track: SpeedTrack | None, predicted: Sequence[Sequence[float]],
-              smooth: int = MIX_SMOOTH) -> dict[str, Any] | None:
-    """The knots of `--speed-correct track-mix` from the passes' replays of the run's own steps (`TrackPass.mix`):
-    one knot per pass that replayed some, at its clock. `predicted[i][j]`: what the latency model charges for
-    pass i's j-th replayed step (`experiments.calibrate.mix_predictions`). A knot's `raw` factor is the median
-    measured / predicted ratio of its replays without prompt tokens, `raw_prompt` of those with; a pass without
-    replays of a path takes the nearest pass's that has some (the other path's where the run has none);
-    `factor`, `factor_prompt` are centred rolling medians of `smooth` passes. The machine's speed measured on the
-    shapes the run spent its time in, priced by the model: unlike the fixed shapes' knots (`track_knots`), the
-    model's error on the probe's shapes does not enter, and unlike `--speed-correct steps` it is a measurement
-    of its own (the run's step times are not read). None when no pass replayed a step."""
-    passes = [] if track is None else [(p, pred) for p, pred in zip(track.passes, predicted) if p.mix]
-    if not passes:
+              every_s: float | None = None) -> dict[str, Any] | None:
+    """The knots of `--speed-correct track-mix` from the run's own steps replayed during it (`TrackPass.mix`).
+
+    `predicted[i][j]`: what the latency model charges for pass i's j-th replay (`experiments.calibrate.
+    mix_predictions`). The run's clock is cut into windows of `every_s` seconds (default: the track's
+    `every_s`, as `--speed-correct steps` cuts it); a window's knot, at its centre, is the mean measured /
+    predicted ratio of its replays without prompt tokens (`raw`) and with (`raw_prompt`); a window without
+    replays of a path takes the nearest window's that has some (the other path's where the run has none).
+    The mean, not the median: latency is a sum of step times, and the steps' slow tail (a step the host
+    interrupted) is part of it; the latency model, fitted to medians, leaves it out (with the median, the
+    simulated busy time came out 1-5% short, docs/validation_sim.md §11). The
+    machine's speed measured on the shapes the run spent its time in, at the moments it spent it, priced by the
+    model: unlike the fixed shapes' knots (`track_knots`), the model's error on the probe's shapes does not
+    enter, and unlike `--speed-correct steps` it is a measurement of its own (the run's step times are not
+    read). None when nothing was replayed."""
+    rows = [] if track is None else [(m, t) for p, pred in zip(track.passes, predicted) for m, t in zip(p.mix, pred)
+                                     if t > 0]
+    if not rows:
         return None
+    every = float(every_s if every_s is not None else track.every_s)
+    n = int(math.ceil(max(max(m.clock_s for m, _ in rows), every) / every))
 
-    def median_ratio(p: TrackPass, pred: Sequence[float], prompt: bool) -> float | None:
-        ratios = [m.measured_s / t for m, t in zip(p.mix, pred) if m.prompt == prompt and t > 0]
-        return statistics.median(ratios) if ratios else None
+    def per_window(prompt: bool) -> list[float | None]:
+        ratios: list[list[float]] = [[] for _ in range(n)]
+        for m, t in rows:
+            if m.prompt == prompt:
+                ratios[min(int(m.clock_s // every), n - 1)].append(m.measured_s / t)
+        return [statistics.fmean(r) if r else None for r in ratios]
 
-    raw = [median_ratio(p, pred, False) for p, pred in passes]
-    raw_prompt = [median_ratio(p, pred, True) for p, pred in passes]
-    overall = [statistics.median([m.measured_s / t for p, pred in passes for m, t in zip(p.mix, pred) if t > 0]
-                                 or [1.0])] * len(passes)
-    factor = _rolling_median(fill_nearest(raw, fill_nearest(raw_prompt, overall)), max(1, smooth))
-    factor_prompt = _rolling_median(fill_nearest(raw_prompt, factor), max(1, smooth))
-    replays = [m for p, _ in passes for m in p.mix]
-    return {"clock_s": [p.clock_s for p, _ in passes], "raw": raw, "factor": factor, "raw_prompt": raw_prompt,
-            "factor_prompt": factor_prompt, "n_in_run": len(passes), "every_s": track.every_s, "smooth": smooth,
+    raw, raw_prompt = per_window(False), per_window(True)
+    overall = [statistics.fmean(m.measured_s / t for m, t in rows)] * n
+    factor = fill_nearest(raw, fill_nearest(raw_prompt, overall))
+    factor_prompt = fill_nearest(raw_prompt, factor)
+    return {"clock_s": [(w + 0.5) * every for w in range(n)], "raw": raw, "factor": factor, "raw_prompt": raw_prompt,
+            "factor_prompt": factor_prompt, "n_in_run": n, "every_s": every, "smooth": 1,
             "range": [min(factor), max(factor)], "range_prompt": [min(factor_prompt), max(factor_prompt)],
-            "n_replays": len(replays), "source": "mix",
-            "replay_over_step": statistics.median(m.measured_s / m.step_s for m in replays),
+            "n_replays": len(rows), "source": "mix",
+            "replay_over_step": statistics.median(m.measured_s / m.step_s for m, _ in rows),
             "reference_s": {}, "prompt_labels": [],
-            "definition": "knots at the probe passes that replayed the run's own steps (drawn from the steps since "
-                          "the pass before, weighted by their time); raw = the median replayed time / the latency "
-                          "model's time of the same step over the replays without prompt tokens (raw_prompt: "
-                          "with), None where a pass has none (then the nearest pass's); factor, factor_prompt = "
-                          "centred rolling medians of `smooth` passes; replay_over_step = the median replayed "
-                          "time / the run's own time of the same step"}
+            "definition": "knots at the centres of windows of every_s seconds of the real run's clock; raw = the "
+                          "mean, over the window's replays of the run's own steps (each right after its step), of "
+                          "the replayed time / the latency model's time of the same step, over the replays without "
+                          "prompt tokens "
+                          "(raw_prompt: with), None where a window has none (then the nearest window's); factor, "
+                          "factor_prompt = raw, raw_prompt filled; replay_over_step = the median replayed time / "
+                          "the run's own time of the same step"}

@@ -893,7 +893,8 @@ def factor_text(speed: Mapping[str, Any]) -> str:
         return f"{track_span(k)} (tracked: {len(k['clock_s'])} knots, {k['n_in_run']} during the run)"
     if speed.get("correct") == "track-mix" and speed.get("track_mix"):
         k = speed["track_mix"]
-        return f"{track_span(k)} (tracked: the run's own steps, {k['n_replays']} replayed by {k['n_in_run']} passes)"
+        return (f"{track_span(k)} (tracked: {k['n_replays']} of the run's own steps replayed, {k['n_in_run']} "
+                f"windows of {k['every_s']:g} s)")
     if speed.get("correct") == "steps" and speed.get("steps_track"):
         k = speed["steps_track"]
         return f"{track_span(k)} (the real run's own steps: {len(k['clock_s'])} knots of {k['every_s']:g} s)"

@@ -539,60 +539,92 @@ def test_the_mix_bench_brings_each_sequence_to_the_context_its_chunk_continues(t
     assert bench.measure((((0, 120, 9, True, True),),)) is None and kv.n_tokens(0) == 91
 
 
-def window_item(n_prompt, seconds):
-    shape = (((0, 0, n_prompt, True, True),),) if n_prompt else (((0, 10, 1, True, False),),)
-    return (shape, n_prompt > 0, seconds)
+class FixedReplay:
+    """A mix bench stand-in: every replay takes `seconds`, or does not fit (None) for the shapes in `misfit`."""
+
+    def __init__(self, seconds, misfit=()):
+        self.seconds, self.misfit, self.calls = seconds, set(misfit), []
+
+    def measure(self, calls):
+        self.calls.append(calls)
+        return None if calls in self.misfit else self.seconds
 
 
-def test_a_pass_draws_at_most_k_steps_of_each_path_within_its_budget(tiny):
-    from experiments.calibrate import InRunProbe
+def test_replays_take_the_budget_of_each_paths_step_time(tiny):
+    from experiments.calibrate import InRunProbe, build_plan as plan_of, plan_shape
     model = load(tiny, n_threads=1)
-    probe = InRunProbe(model, replay_sampling(model, 0.0, 0), 10.0, mix_decode=3, mix_prompt=2, budget=0.1)
-    # budget: 0.1 x 10 s = 1 s of step time, 0.5 s per path
-    probe._window = [window_item(0, 0.01)] * 20 + [window_item(8, 0.2)] * 5
-    drawn = probe._draw()
-    assert sum(not p for _, p, _ in drawn) == 3 and sum(p for _, p, _ in drawn) == 2
-    probe._window = [window_item(0, 0.3)] * 4 + [window_item(8, 2.0)] * 2
-    drawn = probe._draw()            # over the budget: one of each path still (0.3 + 0.3 > 0.5; 2.0 > 0.5)
-    assert sorted(p for _, p, _ in drawn) == [False, True]
-    probe._window = [window_item(0, 0.01)] * 5        # a window without prompt steps: decode steps only
-    assert [p for _, p, _ in probe._draw()] == [False] * 3
-    # the draw is weighted by time: the one long decode step is nearly always among the three
-    probe._window = [window_item(0, 0.001)] * 40 + [((((0, 500, 1, True, False),),), False, 0.2)]
-    assert sum(any(s[0][0][1] == 500 for s, _, _ in probe._draw()) for _ in range(50)) >= 45
-    with pytest.raises(ValueError, match="mix_decode, mix_prompt and budget must be >= 0"):
-        InRunProbe(model, replay_sampling(model, 0.0, 0), 10.0, mix_prompt=-1)
+    wall, run_clock = [0.0], [0.0]
+    probe = InRunProbe(model, replay_sampling(model, 0.0, 0), 100.0, clock=lambda: wall[0], budget=0.5,
+                       budget_prompt=0.5)
+    probe.start(lambda: run_clock[0])
+    probe.mix_bench = bench = FixedReplay(0.02)
+    decode = plan_of(GridPoint("decode", decode=(40, 60)), ones, TASKS)
+    prompt = plan_of(GridPoint("prefill", prompt=((0, 32),)), ones, TASKS)
+    steps = [(decode, 0.02)] * 4 + [(prompt, 0.1), (decode, 0.02), (prompt, 0.1)]
+    for i, (plan, seconds) in enumerate(steps):
+        run_clock[0] = float(i)
+        probe(plan, seconds)
+    # credit: budget x the path's step time so far, less its replays' time; a step is replayed when it covers it
+    assert bench.calls == [plan_shape(decode)] * 2 + [plan_shape(prompt)]
+    assert [(m.prompt, m.clock_s, m.step_s) for m in probe._pending] == [(False, 1.02, 0.02), (False, 3.02, 0.02),
+                                                                          (True, 6.1, 0.1)]
+    assert probe._credit == pytest.approx({False: 0.01, True: 0.1 - 0.02})
+    probe(None, 0.02)                    # a step without a plan (nothing to replay) changes nothing
+    assert len(bench.calls) == 3 and probe.passes == []
+    probe.finish()                       # the replays go with a pass
+    (last,) = probe.passes
+    assert len(last.mix) == 3 and probe._pending == []
+    probe.finish()                       # nothing waiting: no pass
+    assert len(probe.passes) == 1
+    # a shape the bench cannot hold is not replayed, and its path keeps its credit
+    probe.mix_bench = FixedReplay(0.02, misfit=[plan_shape(decode)])
+    probe._credit = {False: 0.0, True: 0.0}
+    for _ in range(3):
+        probe(decode, 0.02)
+    assert probe._pending == [] and probe._credit[False] == pytest.approx(0.03)
+    with pytest.raises(ValueError, match="budget and budget_prompt must be fractions of the step time"):
+        InRunProbe(model, replay_sampling(model, 0.0, 0), 10.0, budget_prompt=1.5)
 
 
-def test_a_pass_replays_steps_of_its_window_and_the_next_pass_starts_a_new_window(tiny):
+def test_replays_run_on_a_bench_of_the_runs_size_and_go_with_the_next_pass(tiny):
     from engine.backend import NumpyBackend
     from experiments.calibrate import InRunProbe, build_plan as plan_of, plan_shape
     model = load(tiny, n_threads=1)
     wall = [0.0]
-    probe = InRunProbe(model, replay_sampling(model, 0.0, 0), 5.0, clock=lambda: wall[0])
+    probe = InRunProbe(model, replay_sampling(model, 0.0, 0), 5.0, clock=lambda: wall[0], budget=1.0,
+                       budget_prompt=1.0)
     run = NumpyBackend(model, 4, 128)
     probe.start(lambda: 0.0, run)
     assert (probe.mix_bench.backend.n_seq, probe.mix_bench.backend.n_ctx_seq) == (4, 128)
-    first = [plan_of(GridPoint("decode", decode=(40, 60)), ones, TASKS),
+    plans = [plan_of(GridPoint("decode", decode=(40, 60)), ones, TASKS),
              plan_of(GridPoint("prefill", prompt=((0, 32),)), ones, TASKS)]
-    for plan in first:
-        probe(plan, 0.02)
-    probe(None, 0.01)                  # a step without a plan (nothing to replay) is not in the window
-    assert [w[0] for w in probe._window] == [plan_shape(p) for p in first]
+    for plan in plans:                   # budget 1: every step is replayed (its replay takes less than it)
+        probe(plan, 1.0)
     wall[0] = 5.0
-    probe(plan_of(GridPoint("decode", decode=(70,)), ones, TASKS), 0.02)
+    probe(plan_of(GridPoint("decode", decode=(70,)), ones, TASKS), 1.0)
     (p1,) = probe.passes
-    assert {m.calls for m in p1.mix} == {plan_shape(p) for p in first} | {(((0, 70, 1, True, False),),)}
-    assert {m.prompt for m in p1.mix} == {False, True} and all(m.measured_s > 0 for m in p1.mix)
-    assert probe._window == []
-    probe.finish()                     # nothing since the pass: no pass
-    assert len(probe.passes) == 1
-    probe(plan_of(GridPoint("decode", decode=(80,)), ones, TASKS), 0.02)
-    probe.finish()
-    assert [m.calls for m in probe.passes[1].mix] == [(((0, 80, 1, True, False),),)]
-    # without a backend (or mix=False) a pass replays nothing
+    assert [m.calls for m in p1.mix] == [plan_shape(p) for p in plans] + [(((0, 70, 1, True, False),),)]
+    assert [m.prompt for m in p1.mix] == [False, True, False] and all(0 < m.measured_s < 1 for m in p1.mix)
+    # without a backend (or mix=False) nothing is replayed
     plain = InRunProbe(model, replay_sampling(model, 0.0, 0), 5.0, clock=lambda: wall[0], mix=False)
     plain.start(lambda: 0.0, run)
-    plain(first[0], 0.02)
+    plain(plans[0], 1.0)
     plain.finish()
     assert plain.passes == [] and plain.mix_bench is None
+
+
+def test_the_prompt_path_replays_a_larger_share_of_its_steps_by_default(tiny):
+    from experiments.calibrate import MIX_BUDGET, MIX_BUDGET_PROMPT, InRunProbe, build_plan as plan_of
+    model = load(tiny, n_threads=1)
+    probe = InRunProbe(model, replay_sampling(model, 0.0, 0), 100.0, clock=lambda: 0.0)
+    probe.start(lambda: 0.0)
+    probe.mix_bench = FixedReplay(0.1)
+    decode = plan_of(GridPoint("decode", decode=(40,)), ones, TASKS)
+    prompt = plan_of(GridPoint("prefill", prompt=((0, 32),)), ones, TASKS)
+    for _ in range(100):
+        probe(decode, 0.1)
+        probe(prompt, 0.1)
+    replayed = [m.prompt for m in probe._pending]
+    assert MIX_BUDGET_PROMPT > MIX_BUDGET
+    assert replayed.count(False) == pytest.approx(100 * MIX_BUDGET, abs=1)
+    assert replayed.count(True) == pytest.approx(100 * MIX_BUDGET_PROMPT, abs=1)

@@ -338,39 +338,46 @@ PROMPT_CALL = (((0, 0, 64, True, True),),)                                  # a 
 
 
 def mix_track(passes, every=10.0):
-    """A track whose pass i at clock 10(i+1) replays the (prompt, measured_s) of passes[i] (step_s 0.02 each)."""
+    """A track whose pass i replayed the (clock_s, prompt, measured_s) of passes[i] (step_s 0.02 each)."""
     from experiments.speed_probe import MixSample
     return SpeedTrack(every, tuple(
-        TrackPass(10.0 * (i + 1), 10.0 * (i + 1), dict(REFERENCE), 0.5,
-                  tuple(MixSample(PROMPT_CALL if prompt else DECODE_CALL, prompt, t, 0.02) for prompt, t in row))
+        TrackPass(max([c for c, _, _ in row], default=0.0), 10.0 * (i + 1), dict(REFERENCE), 0.5,
+                  tuple(MixSample(PROMPT_CALL if prompt else DECODE_CALL, prompt, t, 0.02, c) for c, prompt, t in row))
         for i, row in enumerate(passes)))
 
 
-def test_mix_knots_are_the_medians_of_each_paths_replays_over_the_models_times():
+def model_times_of(passes):
+    """The model charges 0.01 s for every decode replay and 0.05 s for every prompt replay."""
+    return [[0.05 if prompt else 0.01 for _, prompt, _ in row] for row in passes]
+
+
+def test_mix_knots_are_the_means_of_each_windows_replays_over_the_models_times():
     from experiments.speed_probe import mix_knots
-    # the model charges 0.01 s for every decode replay and 0.05 s for every prompt replay
-    rows = [[(False, 0.011), (False, 0.012), (False, 0.030), (True, 0.06)],     # decode median 0.012: x1.2
-            [(False, 0.010), (True, 0.05), (True, 0.07)],                         # x1.0; prompt median 0.06: x1.2
-            [(True, 0.045)]]                                                       # no decode replay: nearest's
-    predicted = [[0.05 if p else 0.01 for p, _ in row] for row in rows]
-    k = mix_knots(mix_track(rows), predicted, smooth=1)
-    assert k["source"] == "mix" and k["clock_s"] == [10.0, 20.0, 30.0] and k["n_in_run"] == 3
-    assert k["raw"][:2] == pytest.approx([1.2, 1.0]) and k["raw"][2] is None and k["factor"] == pytest.approx([1.2, 1.0, 1.0])
+    passes = [[(1.0, False, 0.011), (4.0, False, 0.012), (8.0, False, 0.013), (9.0, True, 0.06)],
+              [(12.0, False, 0.010), (15.0, True, 0.05), (25.0, True, 0.045)],
+              [(18.0, True, 0.07)]]            # the window [10, 20) spans two passes
+    k = mix_knots(mix_track(passes), model_times_of(passes))
+    assert k["source"] == "mix" and k["clock_s"] == [5.0, 15.0, 25.0] and k["n_in_run"] == 3 and k["every_s"] == 10
+    assert k["raw"][:2] == pytest.approx([1.2, 1.0]) and k["raw"][2] is None     # window 2: no decode replay
+    assert k["factor"] == pytest.approx([1.2, 1.0, 1.0])                          # ... the nearest window's
     assert k["raw_prompt"] == pytest.approx([1.2, 1.2, 0.9]) and k["factor_prompt"] == k["raw_prompt"]
     assert k["n_replays"] == 8 and k["range"] == [1.0, 1.2]
     # replay / the run's own step time: the median over every replay (step_s 0.02)
-    assert k["replay_over_step"] == pytest.approx(statistics.median(t / 0.02 for row in rows for _, t in row))
-    # centred rolling medians of 3 passes (of 2 at the ends)
-    k3 = mix_knots(mix_track(rows), predicted, smooth=3)
-    assert k3["factor"] == pytest.approx([1.1, 1.0, 1.0]) and k3["factor_prompt"] == pytest.approx([1.2, 1.2, 1.05])
+    assert k["replay_over_step"] == pytest.approx(statistics.median(t / 0.02 for row in passes for _, _, t in row))
+    k5 = mix_knots(mix_track(passes), model_times_of(passes), every_s=30.0)       # one window
+    assert k5["clock_s"] == [15.0] and k5["raw"] == pytest.approx([1.15]) and k5["raw_prompt"] == pytest.approx([1.125])
+    # the mean, not the median: one slow replay moves its window's factor
+    slow = [[(1.0, False, 0.010), (2.0, False, 0.010), (3.0, False, 0.040)]]
+    assert mix_knots(mix_track(slow), model_times_of(slow))["raw"] == pytest.approx([2.0])
 
 
 def test_mix_knots_of_a_run_without_prompt_replays_use_the_decode_factor_on_both_paths():
     from experiments.speed_probe import mix_knots
-    rows = [[(False, 0.013)], [], [(False, 0.011)]]          # the middle pass replayed nothing: no knot
-    k = mix_knots(mix_track(rows), [[0.01], [], [0.01]], smooth=1)
-    assert k["clock_s"] == [10.0, 30.0] and k["factor"] == pytest.approx([1.3, 1.1])
-    assert k["raw_prompt"] == [None, None] and k["factor_prompt"] == pytest.approx(k["factor"])
+    passes = [[(2.0, False, 0.013)], [], [(21.0, False, 0.011)]]
+    k = mix_knots(mix_track(passes), model_times_of(passes))
+    assert k["clock_s"] == [5.0, 15.0, 25.0] and k["raw"][1] is None
+    assert k["factor"] == pytest.approx([1.3, 1.3, 1.1])       # the empty window: the nearest, the earlier on a tie
+    assert k["raw_prompt"] == [None] * 3 and k["factor_prompt"] == pytest.approx(k["factor"])
     assert mix_knots(mix_track([[], []]), [[], []]) is None and mix_knots(None, []) is None
 
 
@@ -381,7 +388,7 @@ def test_fill_nearest_takes_the_nearest_value_and_the_earlier_on_a_tie():
 
 
 def test_a_track_with_replays_round_trips_and_a_track_without_them_still_loads(tmp_path):
-    track = mix_track([[(False, 0.011), (True, 0.06)], [(False, 0.012)]])
+    track = mix_track([[(1.0, False, 0.011), (2.0, True, 0.06)], [(12.0, False, 0.012)]])
     write_run_track(tmp_path, track)
     assert read_run_track(tmp_path) == track
     data = json.loads((tmp_path / TRACK_FILE).read_text())
@@ -398,9 +405,10 @@ def test_a_track_with_replays_round_trips_and_a_track_without_them_still_loads(t
     (lambda m: m.update(prompt="yes"), "'passes[0].mix[1].prompt'"),
     (lambda m: m.update(measured_s=0.0), "'passes[0].mix[1].measured_s'"),
     (lambda m: m.pop("step_s"), "'passes[0].mix[1].step_s'"),
+    (lambda m: m.update(clock_s=-1.0), "'passes[0].mix[1].clock_s'"),
 ])
 def test_a_malformed_replay_names_file_and_field(tmp_path, edit, field):
-    data = mix_track([[(False, 0.011), (True, 0.06)]]).to_dict()
+    data = mix_track([[(1.0, False, 0.011), (2.0, True, 0.06)]]).to_dict()
     edit(data["passes"][0]["mix"][1])
     (tmp_path / TRACK_FILE).write_text(json.dumps(data))
     with pytest.raises(ValueError, match=re.escape(str(tmp_path / TRACK_FILE))) as err:
@@ -411,10 +419,10 @@ def test_a_malformed_replay_names_file_and_field(tmp_path, edit, field):
 def test_format_speed_and_the_warnings_name_the_replays():
     from experiments.speed_probe import mix_knots
     report = speed_report(make_probe(CAL_S), make_probe(scaled(CAL_S, 1.2)), make_probe(scaled(CAL_S, 1.2)))
-    rows = [[(False, 0.010)], [(False, 0.013)], [(False, 0.013)], [(False, 0.013)], [(False, 0.010)]]
-    report["track_mix"] = mix_knots(mix_track(rows), [[0.01]] * 5)
+    passes = [[(5.0 + 10 * i, False, t)] for i, t in enumerate((0.010, 0.013, 0.013, 0.013, 0.010))]
+    report["track_mix"] = mix_knots(mix_track(passes), model_times_of(passes))
     span = track_span(report["track_mix"])
-    assert f"the run's own steps replayed by 5 passes (5 replays, replay / step x" in format_speed(report, 1.0)
+    assert "the run's own steps replayed (5 replays in 5 windows of 10 s, replay / step x" in format_speed(report, 1.0)
     report["correct"] = "track-mix"
     assert format_speed(report, 1.0).endswith(f"simulator step times {span}, following the run's clock (replays)")
     (text,) = [w for w in speed_warnings(report, "parametric:cal.json", "track-mix", 1.0) if "were multiplied by" in w]

@@ -236,11 +236,13 @@ def model_times(setup):
 
 def test_the_real_run_stores_its_speed_track(setup):
     track = read_run_track(setup["out"] / "real")
-    # a run of a second: no pass was due during it, and the one after its last step replays some of its steps
+    # a run of a second: no pass was due during it; the one after its last step holds the run's replays
     assert track is not None and track.every_s == TRACK_EVERY_S and len(track.passes) == 1
     (last,) = track.passes
     assert last.mix and all(m.measured_s > 0 and m.step_s > 0 for m in last.mix)
-    assert {m.prompt for m in last.mix} == {False, True}      # the run has steps of both paths: one of each at least
+    steps = pd.read_parquet(setup["out"] / "real" / "steps.parquet")
+    ends = set((steps["clock_s"] + steps["elapsed_s"]).round(9))
+    assert all(round(m.clock_s, 9) in ends for m in last.mix)       # each replay right after a step of the run
     _, _, summary = read_validation(setup["out"])
     fixed = summary["speed_probe"]["track"]                   # the fixed shapes' knots: before, the pass, after
     assert fixed["source"] == "fixed" and fixed["n_in_run"] == 1 and len(fixed["clock_s"]) == 3
