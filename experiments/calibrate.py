@@ -656,10 +656,10 @@ class InRunProbe:
       re-executed once (`MixSample`), so that the replays take `budget` of the run's step time without prompt
       tokens and `budget_prompt` of its time with, spread evenly over it (a path's step is replayed when the
       path's credit, its budget x its step time so far less its replays' time, covers the step). The prompt
-      path's budget is larger: its steps are few (a few dozen in a run of minutes) and TTFT rests on them. Their times over the latency
-      model's times of the same steps are the knots of `--speed-correct track-mix` (speed_probe.mix_knots): the
-      machine's speed on the shapes the run spends its time in, at the moments it spends it, which the fixed
-      shapes, priced by a model that is off by several percent on them, do not give.
+      path's budget is larger: its steps are few (a few dozen in a run of minutes) and TTFT rests on them. Their
+      times over the latency model's times of the same steps are the knots of `--speed-correct track-mix`
+      (speed_probe.mix_knots): the machine's speed on the shapes the run spends its time in, at the moments it
+      spends it, which the fixed shapes, priced by a model that is off by several percent on them, do not give.
 
     Both run on benches of their own (`_Bench` for the fixed shapes, `_MixBench` of the run's slot count and
     context for the mix: their own KV cells and sequences; the same model, weights and threads), so the run's

@@ -365,17 +365,18 @@ FLAGS: tuple[Flag, ...] = (
          "fitted on: also corrects a grid that ran slower than its probe, docs/validation_sim.md §7.2); track = "
          "by a factor that follows the run's clock, through the probe's three fixed shapes before, during "
          "(--probe-every) and after the run, over the latency model's times of the same shapes (a machine whose "
-         "speed moves during the run, §8); track-mix = the same from the run's own steps that each probe pass "
-         "replays (a few of those since the pass before), over the latency model's times of the same steps, one "
-         "factor for decode steps and one for steps with prompt tokens (§11); steps = by the real "
+         "speed moves during the run, §8); track-mix = the same from the run's own steps, a sample of them "
+         "re-executed right after themselves (15%% of the decode and 50%% of the prompt step time), over the "
+         "latency model's times of the same steps, the mean per window of --probe-every seconds of the run's "
+         "clock, one factor for decode steps and one for steps with prompt tokens (§11); steps = by the real "
          "run's own measured / predicted ratio per window of --probe-every seconds of its clock (default 10 s "
          "when 0), per path: an oracle that says what the machine's drift costs, not a prediction (§10); probe "
          "and grid need a calibration with a probe, probe, grid and the tracks a real run with its probes "
          "(default: off = report the ratios only)", (VALIDATE,), str, "off",
          "off|probe|grid|track|track-mix|steps", choices=("off", "probe", "grid", "track", "track-mix", "steps")),
     Flag(None, ("--probe-every",), "during the real run, one pass of the speed probe every this many wall "
-         "seconds, between two steps and on KV cells of its own: the probe's fixed shapes and a replay of a few "
-         "of the run's own steps since the pass before, outside the run's clock (replay's clock advances by the "
+         "seconds, between two steps and on KV cells of its own, and between passes the replays of "
+         "--speed-correct track-mix, all outside the run's clock (replay's clock advances by the "
          "run's own step times), stored as real/speed_track.json, the knots of --speed-correct track and "
          "track-mix (default: 10; 0 = off)", (VALIDATE,), float, 10.0, "SECONDS"),
     # generate and calibrate

@@ -108,7 +108,7 @@ def run_replay(values: dict[str, Any], workload, model_path: str, threads: int, 
     result = sim.run(workload)
     sim.backend.on_step = None
     if probe is not None:
-        probe.finish()                         # a last pass over the steps since the last one
+        probe.finish()                         # a last pass, holding the replays since the last one
     threads = {"threads": sim.backend.n_threads, "threads_desc": model.threads_desc, "numerics": model.numerics}
     result.run.update(threads, model=model_path)
     config = {"slotlab_results": 1, **context, "backend": "numpy", "model": model_path, **threads,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -283,7 +283,7 @@ def speed_warnings(report: Mapping[str, Any], latency: str, correct: str, factor
                      "(--speed-correct steps)")
         elif correct == "track-mix":
             text += ("the simulator's step times were multiplied by a factor following the run's clock, measured "
-                     "by replaying a few of the run's own steps during it (--speed-correct track-mix); its knots "
+                     "by replaying a sample of the run's own steps during it (--speed-correct track-mix); its knots "
                      "scatter by several percent, so recalibrate (`slotlab calibrate`) right before validating "
                      "for figures")
         elif correct == "track":
@@ -302,7 +302,7 @@ def speed_warnings(report: Mapping[str, Any], latency: str, correct: str, factor
         out.append(text)
     during = r["during"]
     if during is not None and abs(during - 1) > threshold:
-        fix = ("--speed-correct track follows it through the probe passes taken during the run"
+        fix = (f"--speed-correct {correct} follows it through the probe passes taken during the run"
                if correct in ("track", "track-mix")
                else "no single factor corrects them: `--speed-correct track --real-run "
                     f"{real_dir}` follows the speed through the probe passes taken during the run")
@@ -313,7 +313,7 @@ def speed_warnings(report: Mapping[str, Any], latency: str, correct: str, factor
     if track and track["n_in_run"] and (during is None or abs(during - 1) <= threshold):
         lo, hi = track["range"]
         if hi / lo - 1 > threshold:              # moved and came back: the probes around the run cannot see it
-            fix = ("--speed-correct track follows it" if correct in ("track", "track-mix") else
+            fix = (f"--speed-correct {correct} follows it" if correct in ("track", "track-mix") else
                    f"`--speed-correct track --real-run {real_dir}` follows it")
             out.append(f"the machine's speed moved during the real run while the probes before and after it "
                        f"agree: the probe passes taken during it read x{lo:.3f}-x{hi:.3f} of the latency model's "
@@ -574,6 +574,29 @@ def fill_nearest(values: Sequence[float | None], fallback: Sequence[float]) -> l
             for i, v in enumerate(values)]
 
 
+def window_knots(clock_s: Sequence[float], ratio: Sequence[float], prompt: Sequence[bool], every_s: float,
+                 end_s: float, statistic: Callable[[Sequence[float]], float]) -> dict[str, Any]:
+    """Knots at the centres of windows of `every_s` seconds of a run's clock, up to `end_s`, from timed samples
+    (at `clock_s`, measured / predicted `ratio`, on the prompt path or not): the `statistic` of each window's
+    ratios per path (`raw`, `raw_prompt`; None where a window has none of a path), filled from the nearest
+    window that has some (`factor`, `factor_prompt`; the other path's where the run has none of a path, the
+    statistic over all samples where it has neither). The windowing of `--speed-correct steps`
+    (`steplog.step_knots`) and `track-mix` (`mix_knots`), in the keys of `track_knots`."""
+    n = int(math.ceil(max(end_s, every_s) / every_s))
+    values: list[tuple[list[float], list[float]]] = [([], []) for _ in range(n)]
+    for c, r, is_prompt in zip(clock_s, ratio, prompt):
+        values[min(int(c // every_s), n - 1)][bool(is_prompt)].append(float(r))
+    raw = [float(statistic(v[0])) if v[0] else None for v in values]
+    raw_prompt = [float(statistic(v[1])) if v[1] else None for v in values]
+    overall = [float(statistic([float(r) for r in ratio]))] * n
+    factor = fill_nearest(raw, fill_nearest(raw_prompt, overall))
+    factor_prompt = fill_nearest(raw_prompt, factor)
+    return {"clock_s": [(w + 0.5) * every_s for w in range(n)], "raw": raw, "factor": factor,
+            "raw_prompt": raw_prompt, "factor_prompt": factor_prompt, "n_in_run": n, "every_s": every_s,
+            "smooth": 1, "range": [min(factor), max(factor)], "range_prompt": [min(factor_prompt), max(factor_prompt)],
+            "reference_s": {}, "prompt_labels": []}
+
+
 def mix_knots(track: SpeedTrack | None, predicted: Sequence[Sequence[float]],
               every_s: float | None = None) -> dict[str, Any] | None:
     """The knots of `--speed-correct track-mix` from the run's own steps replayed during it (`TrackPass.mix`).
@@ -585,9 +608,8 @@ def mix_knots(track: SpeedTrack | None, predicted: Sequence[Sequence[float]],
     replays of a path takes the nearest window's that has some (the other path's where the run has none).
     The mean, not the median: latency is a sum of step times, and the steps' slow tail (a step the host
     interrupted) is part of it; the latency model, fitted to medians, leaves it out (with the median, the
-    simulated busy time came out 1-5% short, docs/validation_sim.md §11). The
-    machine's speed measured on the shapes the run spent its time in, at the moments it spent it, priced by the
-    model: unlike the fixed shapes' knots (`track_knots`), the model's error on the probe's shapes does not
+    simulated busy time came out 1-5% short, docs/validation_sim.md §11). The machine's speed measured on the
+    shapes the run spent its time in, at the moments it spent it, priced by the model: unlike the fixed shapes' knots (`track_knots`), the model's error on the probe's shapes does not
     enter, and unlike `--speed-correct steps` it is a measurement of its own (the run's step times are not
     read). None when nothing was replayed."""
     rows = [] if track is None else [(m, t) for p, pred in zip(track.passes, predicted) for m, t in zip(p.mix, pred)
@@ -595,29 +617,13 @@ def mix_knots(track: SpeedTrack | None, predicted: Sequence[Sequence[float]],
     if not rows:
         return None
     every = float(every_s if every_s is not None else track.every_s)
-    n = int(math.ceil(max(max(m.clock_s for m, _ in rows), every) / every))
-
-    def per_window(prompt: bool) -> list[float | None]:
-        ratios: list[list[float]] = [[] for _ in range(n)]
-        for m, t in rows:
-            if m.prompt == prompt:
-                ratios[min(int(m.clock_s // every), n - 1)].append(m.measured_s / t)
-        return [statistics.fmean(r) if r else None for r in ratios]
-
-    raw, raw_prompt = per_window(False), per_window(True)
-    overall = [statistics.fmean(m.measured_s / t for m, t in rows)] * n
-    factor = fill_nearest(raw, fill_nearest(raw_prompt, overall))
-    factor_prompt = fill_nearest(raw_prompt, factor)
-    return {"clock_s": [(w + 0.5) * every for w in range(n)], "raw": raw, "factor": factor, "raw_prompt": raw_prompt,
-            "factor_prompt": factor_prompt, "n_in_run": n, "every_s": every, "smooth": 1,
-            "range": [min(factor), max(factor)], "range_prompt": [min(factor_prompt), max(factor_prompt)],
-            "n_replays": len(rows), "source": "mix",
+    knots = window_knots([m.clock_s for m, _ in rows], [m.measured_s / t for m, t in rows],
+                         [m.prompt for m, _ in rows], every, max(m.clock_s for m, _ in rows), statistics.fmean)
+    return {**knots, "n_replays": len(rows), "source": "mix",
             "replay_over_step": statistics.median(m.measured_s / m.step_s for m, _ in rows),
-            "reference_s": {}, "prompt_labels": [],
             "definition": "knots at the centres of windows of every_s seconds of the real run's clock; raw = the "
                           "mean, over the window's replays of the run's own steps (each right after its step), of "
                           "the replayed time / the latency model's time of the same step, over the replays without "
-                          "prompt tokens "
-                          "(raw_prompt: with), None where a window has none (then the nearest window's); factor, "
-                          "factor_prompt = raw, raw_prompt filled; replay_over_step = the median replayed time / "
-                          "the run's own time of the same step"}
+                          "prompt tokens (raw_prompt: with), None where a window has none (then the nearest "
+                          "window's); factor, factor_prompt = raw, raw_prompt filled; replay_over_step = the median "
+                          "replayed time / the run's own time of the same step"}

@@ -41,7 +41,7 @@ import pandas as pd
 
 from engine.core.types import BatchPlan, ForwardCall
 from experiments.calibrate import STEAL_CORES_WARN, proc_cpu_seconds, proc_steal_seconds
-from experiments.speed_probe import fill_nearest
+from experiments.speed_probe import window_knots
 from sim.backend import SimBackend
 from sim.latency import ConstantLatency, StepCost, unscaled
 
@@ -218,22 +218,9 @@ def step_knots(steps: pd.DataFrame, latency: Any, every_s: float = STEP_KNOTS_EV
     clock = steps["clock_s"].to_numpy(float)[ok]
     ratio = measured[ok] / predicted[ok]
     prompt = steps["n_prefill_tokens"].to_numpy()[ok] > 0
-    end = float(max(clock.max() + measured[ok][clock.argmax()], every_s))
-    n = int(math.ceil(end / every_s))
-    window = np.minimum((clock // every_s).astype(int), n - 1)
-
-    def per_window(mask: np.ndarray) -> list[float | None]:
-        values = [ratio[mask & (window == w)] for w in range(n)]
-        return [float(np.median(v)) if len(v) else None for v in values]
-
-    raw, raw_prompt = per_window(~prompt), per_window(prompt)
-    overall = [float(np.median(ratio))] * n
-    factor = fill_nearest(raw, fill_nearest(raw_prompt, overall))
-    factor_prompt = fill_nearest(raw_prompt, factor)
-    return {"clock_s": [(w + 0.5) * every_s for w in range(n)], "raw": raw, "factor": factor,
-            "raw_prompt": raw_prompt, "factor_prompt": factor_prompt, "n_in_run": n, "every_s": every_s,
-            "smooth": 1, "n_steps": int(ok.sum()), "range": [min(factor), max(factor)],
-            "range_prompt": [min(factor_prompt), max(factor_prompt)], "reference_s": {}, "prompt_labels": [],
+    end = float(clock.max() + measured[ok][clock.argmax()])
+    knots = window_knots(clock.tolist(), ratio.tolist(), prompt.tolist(), every_s, end, np.median)
+    return {**knots, "n_steps": int(ok.sum()),
             "definition": "knots at the centres of windows of every_s seconds of the real run's clock; factor = the "
                           "median measured / predicted ratio of the window's steps without prompt tokens, "
                           "factor_prompt of those with (raw, raw_prompt: None where the window has none, then the "

@@ -613,7 +613,7 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
                 raise ValueError(f"--noise-floor {args.noise_floor}: {exc}") from exc
         if correct:
             check_speed_correction(values["latency"], cal_probe, model, args.threads, reused, run_probes,
-                                   args.speed_correct, args.probe_every)
+                                   args.speed_correct, args.probe_every, track)
         out = out_dir(args, VALIDATE)
     except (UsageError, ValueError, OSError) as exc:
         print(f"slotlab validate: error: {exc}", file=sys.stderr)
@@ -791,13 +791,13 @@ def probe_unusable(cal_probe: SpeedProbe, run_probes: tuple[SpeedProbe, SpeedPro
 
 def check_speed_correction(spec: str, cal_probe: SpeedProbe | None, model: str, threads: int, reused: Any,
                            run_probes: tuple[SpeedProbe, SpeedProbe] | None, correct: str = "probe",
-                           probe_every: float = TRACK_EVERY_S) -> None:
+                           probe_every: float = TRACK_EVERY_S, track: SpeedTrack | None = None) -> None:
     """UsageError unless `--speed-correct probe|grid|track|track-mix|steps` has what it needs, checked before
     the engine runs: (probe, grid) a calibration with a probe comparable with this run's and (grid) the grid's
     own medians of the probe's shapes; (all but steps) with --real-run, probes stored with the run. track and
     track-mix compare the run's probe passes with the latency model's own times of the same shapes: they need
     no calibration probe, and (without --real-run) passes during the run (--probe-every > 0); track-mix with
-    --real-run, passes that replayed some of the run's steps."""
+    --real-run, passes that replayed some of the run's steps (`track`: the reused run's speed track)."""
     flag = f"--speed-correct {correct}"
     if correct == "steps":
         if reused is not None:
@@ -825,7 +825,6 @@ def check_speed_correction(spec: str, cal_probe: SpeedProbe | None, model: str, 
                          "a validate run made before the speed probe): rerun validate without --real-run, or use "
                          "--speed-correct off")
     if correct == "track-mix" and reused is not None:
-        track = read_run_track(reused.path)
         if track is None or not any(p.mix for p in track.passes):
             raise UsageError(f"{flag}: {reused.path} has no probe pass that replayed the run's own steps (a run "
                              "recorded before the replays, or with --probe-every 0): rerun validate without "

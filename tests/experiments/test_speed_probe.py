@@ -284,9 +284,14 @@ def test_speed_track_round_trips_through_its_file(tmp_path):
 def test_a_malformed_speed_track_names_file_and_field(tmp_path, edit, field):
     data = track_of([(1.5, 1.0), (12.0, 1.1)]).to_dict()
     edit(data)
-    (tmp_path / TRACK_FILE).write_text(json.dumps(data))
-    with pytest.raises(ValueError, match=re.escape(str(tmp_path / TRACK_FILE))) as err:
-        read_run_track(tmp_path)
+    assert_refused_naming(tmp_path, data, field)
+
+
+def assert_refused_naming(run_dir, data, field):
+    """Reading `data` as run_dir's speed track is refused with an error naming the file and `field`."""
+    (run_dir / TRACK_FILE).write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=re.escape(str(run_dir / TRACK_FILE))) as err:
+        read_run_track(run_dir)
     assert field in str(err.value)
 
 
@@ -410,10 +415,7 @@ def test_a_track_with_replays_round_trips_and_a_track_without_them_still_loads(t
 def test_a_malformed_replay_names_file_and_field(tmp_path, edit, field):
     data = mix_track([[(1.0, False, 0.011), (2.0, True, 0.06)]]).to_dict()
     edit(data["passes"][0]["mix"][1])
-    (tmp_path / TRACK_FILE).write_text(json.dumps(data))
-    with pytest.raises(ValueError, match=re.escape(str(tmp_path / TRACK_FILE))) as err:
-        read_run_track(tmp_path)
-    assert field in str(err.value)
+    assert_refused_naming(tmp_path, data, field)
 
 
 def test_format_speed_and_the_warnings_name_the_replays():
@@ -426,4 +428,4 @@ def test_format_speed_and_the_warnings_name_the_replays():
     report["correct"] = "track-mix"
     assert format_speed(report, 1.0).endswith(f"simulator step times {span}, following the run's clock (replays)")
     (text,) = [w for w in speed_warnings(report, "parametric:cal.json", "track-mix", 1.0) if "were multiplied by" in w]
-    assert "measured by replaying a few of the run's own steps during it (--speed-correct track-mix)" in text
+    assert "measured by replaying a sample of the run's own steps during it (--speed-correct track-mix)" in text
