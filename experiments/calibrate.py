@@ -45,6 +45,7 @@ from experiments.runs import resolve_model
 from experiments.speed_probe import (
     TRACK_REPEATS,
     MixCall,
+    MixOp,
     MixSample,
     ProbeShape,
     SpeedProbe,
@@ -75,7 +76,7 @@ DEFAULT_PASSES = 5                 # interleaved passes over the grid (the media
 MIN_PASSES = 3                     # --max-seconds never cuts below this many
 PROBE_REPEATS = 5                  # interleaved passes over the speed probe's shapes (the median is kept)
 MIX_BUDGET = 0.15                  # the in-run probe replays this fraction of the run's decode step time
-MIX_BUDGET_PROMPT = 0.5            # ... and of its prompt step time (fewer, longer steps: TTFT rests on them)
+MIX_BUDGET_PROMPT = 1.0            # ... and of its prompt step time: every prompt step (few: TTFT rests on them)
 GROUPS_DOC = ("decode and mixed shapes by batch size, prompt chunks by length, each copy, shift and split "
               "shape alone")
 
@@ -252,19 +253,34 @@ def build_plan(point: GridPoint, tokens: Callable[[int], list[int]], tasks: Sequ
     return BatchPlan(0.0, tuple(ops), n_prompt, len(decode), plan_tasks)
 
 
-def plan_shape(plan: BatchPlan) -> tuple[MixCall, ...]:
+def replay_shape(plan: BatchPlan) -> tuple[tuple[MixCall, ...], tuple[MixOp, ...]]:
     """A run's step as the probe's mix replays it: its forward calls, each chunk as (sequence index in order of
-    first appearance, pos0, n_tokens, asks for logits, is_prompt). Its KV operations (cache copies, context
-    shifts) are left out: the replay times the forward computation, which the machine's speed moves."""
+    first appearance, pos0, n_tokens, asks for logits, is_prompt), and its prompt-cache copies in program order
+    (`MixOp`: "save" or "load", sequence index, cells; a sequence only copied is numbered after the forwards').
+    Its other KV operations are left out: removing cells costs nothing measurable, and a context shift's K
+    re-rotation is rare (the latency model prices it)."""
     index: dict[int, int] = {}
-    return tuple(tuple((index.setdefault(c.seq, len(index)), int(c.pos0), len(c.tokens), bool(c.sample_for),
-                        bool(c.is_prompt)) for c in call.chunks) for call in plan.forwards)
+    calls = tuple(tuple((index.setdefault(c.seq, len(index)), int(c.pos0), len(c.tokens), bool(c.sample_for),
+                         bool(c.is_prompt)) for c in call.chunks) for call in plan.forwards)
+    ops = tuple(("save" if op.kind == "cache_save" else "load", index.setdefault(op.seq, len(index)),
+                 int(op.n_tokens)) for op in plan.program
+                if isinstance(op, KVOp) and op.kind in ("cache_save", "cache_load") and op.n_tokens > 0)
+    return calls, ops
 
 
-def mix_plan(calls: Sequence[MixCall], tokens: Callable[[int], list[int]], tasks: Sequence[Any]) -> BatchPlan:
-    """The BatchPlan of a replayed step shape (`plan_shape`) on sequences 0..n-1; `tokens(n)` draws n token ids,
-    `tasks[seq]` is the Task that samples for sequence `seq`."""
-    program, n_prompt, n_decode, plan_tasks = [], 0, 0, {}
+def plan_shape(plan: BatchPlan) -> tuple[MixCall, ...]:
+    """The forward calls of `replay_shape` (its copies left out)."""
+    return replay_shape(plan)[0]
+
+
+def mix_plan(calls: Sequence[MixCall], tokens: Callable[[int], list[int]], tasks: Sequence[Any],
+             ops: Sequence[MixOp] = ()) -> BatchPlan:
+    """The BatchPlan of a replayed step shape (`replay_shape`) on sequences 0..n-1: its copies (`ops`, as
+    cache_save / cache_load of entry 0), then its forward calls; `tokens(n)` draws n token ids, `tasks[seq]` is
+    the Task that samples for sequence `seq`."""
+    program: list[Any] = [KVOp("cache_save" if kind == "save" else "cache_load", seq=seq, entry=0, n_tokens=n)
+                          for kind, seq, n in ops]
+    n_prompt, n_decode, plan_tasks = 0, 0, {}
     for call in calls:
         chunks = []
         for seq, pos0, n, samples, is_prompt in call:
@@ -296,7 +312,9 @@ class _MixBench:
     def tokens(self, n: int) -> list[int]:
         return self.rng.integers(0, self.n_vocab, n).tolist()
 
-    def _hold(self, seq: int, n_cells: int, n_new: int) -> None:
+    def _cells(self, seq: int, n_cells: int) -> None:
+        """Sequence `seq` holds `n_cells` cells (its last dropped, or cells appended that keep whatever the
+        arrays hold)."""
         kv = self.backend.kv
         have = kv.n_tokens(seq)
         if have > n_cells:
@@ -304,21 +322,45 @@ class _MixBench:
         elif have < n_cells:
             (s,) = kv.prepare_append([(seq, have, n_cells - have)])
             kv.commit_append(s, have, n_cells - have)
-        kv.prepare_append([(seq, n_cells, n_new)])          # reserve only: nothing is appended
-        self.model.shadow_current(kv, seq)
 
-    def measure(self, calls: Sequence[MixCall]) -> float | None:
-        """Measured seconds of one execution of the step shape; None when it does not fit these cells."""
+    def _hold(self, seq: int, n_cells: int, n_new: int, shadow: bool = True) -> None:
+        self._cells(seq, n_cells)
+        self.backend.kv.prepare_append([(seq, n_cells, n_new)])          # reserve only: nothing is appended
+        if shadow:
+            self.model.shadow_current(self.backend.kv, seq)
+
+    def _copy(self, kind: str, seq: int, n: int) -> float:
+        """One prompt-cache copy of `n` cells, timed as the run's backend times it inside a step (engine.backend.
+        NumpyBackend.apply): a save copies the sequence's cells into a new blob, a load copies a blob of `n`
+        cells (made untimed, from the sequence's own cells) over the sequence's."""
+        kv = self.backend.kv
+        self._cells(seq, n)
+        blob = None if kind == "save" else kv.state_save(seq)
+        t0 = time.perf_counter()
+        if blob is None:
+            kv.state_save(seq)
+        else:
+            kv.state_load(seq, blob)
+        return time.perf_counter() - t0
+
+    def measure(self, calls: Sequence[MixCall], ops: Sequence[MixOp] = ()) -> float | None:
+        """Measured seconds of one execution of the step shape: its copies (`ops`), then its forward calls; None
+        when it does not fit these cells. A sequence loaded by a copy keeps its float32 shadow stale for the
+        forward calls, which convert it inside the timing as the run's step after a load does."""
         first: dict[int, list[int]] = {}                     # seq -> [pos0 of its first chunk, tokens it appends]
         for call in calls:
             for seq, pos0, n, _samples, _prompt in call:
                 first.setdefault(seq, [pos0, 0])[1] += n
-        if (max(first) >= self.backend.n_seq
-                or any(pos0 + n > self.backend.n_ctx_seq for pos0, n in first.values())):
+        seqs = list(first) + [seq for _kind, seq, _n in ops]
+        if (max(seqs) >= self.backend.n_seq
+                or any(pos0 + n > self.backend.n_ctx_seq for pos0, n in first.values())
+                or any(n > self.backend.n_ctx_seq for _kind, _seq, n in ops)):
             return None
+        copied = sum(self._copy(kind, seq, n) for kind, seq, n in ops)
+        loaded = {seq for kind, seq, _n in ops if kind == "load"}
         for seq, (pos0, n_new) in first.items():
-            self._hold(seq, pos0, n_new)
-        return self.backend.execute(mix_plan(calls, self.tokens, self.tasks)).elapsed_s
+            self._hold(seq, pos0, n_new, shadow=seq not in loaded)
+        return copied + self.backend.execute(mix_plan(calls, self.tokens, self.tasks)).elapsed_s
 
 
 class _Bench:
@@ -624,7 +666,7 @@ def mix_predictions(latency: Any, kv_bytes_per_token: int, track: SpeedTrack | N
     counter = SimBackend(latency, kv_bytes_per_token)
     n_seq = 1 + max((c[0] for p in track.passes for m in p.mix for call in m.calls for c in call), default=0)
     tasks = [Task(id=seq, tokens=[0]) for seq in range(n_seq)]
-    return [[float(latency.step_time_s(counter.cost(mix_plan(m.calls, _zeros, tasks)))) for m in p.mix]
+    return [[float(latency.step_time_s(counter.cost(mix_plan(m.calls, _zeros, tasks, m.ops)))) for m in p.mix]
             for p in track.passes]
 
 
@@ -653,10 +695,12 @@ class InRunProbe:
       shape (one execution of a 40 ms shape samples 40 ms of a host whose speed moves within a second); the
       knots of `--speed-correct track`;
     - the mix (`mix`, with the run's backend given to `start`): right after one of the run's steps, that step
-      re-executed once (`MixSample`), so that the replays take `budget` of the run's step time without prompt
-      tokens and `budget_prompt` of its time with, spread evenly over it (a path's step is replayed when the
-      path's credit, its budget x its step time so far less its replays' time, covers the step). The prompt
-      path's budget is larger: its steps are few (a few dozen in a run of minutes) and TTFT rests on them. Their
+      re-executed once with its prompt-cache copies (`MixSample`, `replay_shape`), so that the replays take
+      `budget` of the run's step time without prompt tokens and `budget_prompt` of its time with, spread evenly
+      over it (a path's step is replayed when the path's credit, its budget x its step time so far less its
+      replays' time, covers the step; a budget of 1 replays every step). The prompt path's budget is 1 by
+      default: its steps are few (a few dozen in a run of minutes), TTFT rests on them, and a window's knot from
+      one or two of them scattered by the host's moment (docs/validation_sim.md §12). Their
       times over the latency model's times of the same steps are the knots of `--speed-correct track-mix`
       (speed_probe.mix_knots): the machine's speed on the shapes the run spends its time in, at the moments it
       spends it, which the fixed shapes, priced by a model that is off by several percent on them, do not give.
@@ -724,14 +768,15 @@ class InRunProbe:
 
     def _replay(self, plan: Any, step_s: float, clock_s: float) -> None:
         prompt = plan.n_prompt_tokens > 0
-        self._credit[prompt] += self.budget[prompt] * step_s
-        if self._credit[prompt] < step_s:
+        budget = self.budget[prompt]
+        self._credit[prompt] += budget * step_s
+        if budget < 1 and self._credit[prompt] < step_s:     # a budget of 1: every step (a replay may run longer)
             return
-        calls = plan_shape(plan)
-        t = self.mix_bench.measure(calls)
+        calls, ops = replay_shape(plan)
+        t = self.mix_bench.measure(calls, ops)
         if t is not None and t > 0:
             self._credit[prompt] -= t
-            self._pending.append(MixSample(calls, prompt, float(t), step_s, clock_s))
+            self._pending.append(MixSample(calls, prompt, float(t), step_s, clock_s, ops))
 
     def _pass(self, clock_s: float, now: float) -> None:
         samples: dict[str, list[float]] = {p.label: [] for p in self.points}

@@ -379,6 +379,10 @@ TRACK_REPEATS = 3                  # executions of each shape per pass (interlea
 # A step shape as the mix replays it: its forward calls in order, each a tuple of chunks (sequence index in order of
 # first appearance, pos0, n_tokens, samples: the chunk asks for logits, is_prompt)
 MixCall = tuple[tuple[int, int, int, bool, bool], ...]
+# A step's prompt-cache copy as the mix replays it, before its forward calls: ("save" | "load", sequence index,
+# cells copied). Context shifts' K re-rotation is not replayed (the latency model prices it).
+MixOp = tuple[str, int, int]
+MIX_OP_KINDS = ("save", "load")
 
 
 @dataclass(frozen=True, slots=True)
@@ -386,17 +390,23 @@ class MixSample:
     """One of the run's own steps replayed right after it (`experiments.calibrate.InRunProbe`): its forward calls
     (`calls`, KV operations left out), whether it processes prompt tokens (`prompt`: the path of
     `TrackedLatency`), the replay's measured seconds, the seconds the run's step itself took (`step_s`: the two
-    agree on a machine whose speed held between them) and the run's clock at the step's end (`clock_s`)."""
+    agree on a machine whose speed held between them) and the run's clock at the step's end (`clock_s`); `ops`:
+    the step's prompt-cache copies, replayed (and timed) before its forward calls (`MixOp`; empty in files
+    written before they were replayed, whose `measured_s` is the forward calls' alone)."""
 
     calls: tuple[MixCall, ...]
     prompt: bool
     measured_s: float
     step_s: float
     clock_s: float
+    ops: tuple[MixOp, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"calls": [[list(c) for c in call] for call in self.calls], "prompt": self.prompt,
-                "measured_s": self.measured_s, "step_s": self.step_s, "clock_s": self.clock_s}
+        out = {"calls": [[list(c) for c in call] for call in self.calls], "prompt": self.prompt,
+               "measured_s": self.measured_s, "step_s": self.step_s, "clock_s": self.clock_s}
+        if self.ops:
+            out["ops"] = [list(op) for op in self.ops]
+        return out
 
     @classmethod
     def from_dict(cls, data: object, bad: Any) -> MixSample:
@@ -424,8 +434,17 @@ class MixSample:
         clock = data.get("clock_s")
         if isinstance(clock, bool) or not isinstance(clock, (int, float)) or not math.isfinite(clock) or clock < 0:
             raise bad("clock_s", f"must be a number of seconds >= 0, got {clock!r}")
+        raw_ops = data.get("ops", [])
+        if not isinstance(raw_ops, list):
+            raise bad("ops", f"must be a list of prompt-cache copies, got {raw_ops!r}")
+        ops = []
+        for k, op in enumerate(raw_ops):
+            if not (isinstance(op, list) and len(op) == 3 and op[0] in MIX_OP_KINDS
+                    and all(type(x) is int for x in op[1:]) and op[1] >= 0 and op[2] >= 1):
+                raise bad(f"ops[{k}]", f"must be [\"save\" or \"load\", seq >= 0, n_tokens >= 1], got {op!r}")
+            ops.append((op[0], op[1], op[2]))
         return cls(tuple(out), data["prompt"], _positive(data.get("measured_s"), lambda w: bad("measured_s", w)),
-                   _positive(data.get("step_s"), lambda w: bad("step_s", w)), float(clock))
+                   _positive(data.get("step_s"), lambda w: bad("step_s", w)), float(clock), tuple(ops))
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from engine.core.types import ForwardCall, Task
+from engine.core.types import ForwardCall, KVOp, Task
 from engine.model import load
 from experiments.calibrate import (PROBE_REPEATS, TEMPLATE_CHUNK, GridPoint, KINDS, _Bench, Measured, Measurement, PassInfo, add_calibrate_parser, build_plan,
                                    calibration_grid, engine_layout, load_figures, measure_grid, measure_probe,
@@ -510,15 +510,30 @@ def test_a_steps_shape_renumbers_its_sequences_and_drops_its_kv_operations():
     assert plan_shape(plan) == (((0, 40, 3, False, True), (1, 100, 1, True, False)), ((0, 43, 1, True, True),))
 
 
+def test_a_steps_replay_keeps_its_prompt_cache_copies_in_order_on_the_same_numbering():
+    from engine.core.types import BatchPlan, Chunk
+    from experiments.calibrate import replay_shape
+    plan = build_plan(GridPoint("copy", prompt=((64, 8),), save_tokens=32, load_tokens=64), ones, TASKS)
+    assert replay_shape(plan) == ((((0, 64, 8, True, True),),), (("save", 0, 32), ("load", 0, 64)))
+    # a sequence only saved is numbered after the forwards' sequences; removals and shifts are left out
+    program = (KVOp("cache_save", seq=7, entry=3, n_tokens=50), KVOp("seq_rm", seq=5, p0=10, p1=-1),
+               KVOp("seq_add", seq=5, p0=10, p1=20, delta=-4), KVOp("cache_load", seq=5, entry=1, n_tokens=30),
+               ForwardCall((Chunk(5, 9, (1, 2), 30, (5,), True),), 2))
+    assert replay_shape(BatchPlan(0.0, program, 2, 0, {})) == ((((0, 30, 2, True, True),),),
+                                                               (("save", 1, 50), ("load", 0, 30)))
+
+
 @pytest.mark.parametrize("point", [GridPoint("mixed", decode=(50, 70), prompt=((20, 8),)),
                                    GridPoint("prefill", prompt=((0, 40),), split=16),
-                                   GridPoint("decode", decode=(100, 3, 100))])
+                                   GridPoint("decode", decode=(100, 3, 100)),
+                                   GridPoint("copy", prompt=((64, 8),), save_tokens=32, load_tokens=64)])
 def test_a_replayed_shape_costs_what_the_step_it_came_from_costs(point):
-    from experiments.calibrate import mix_plan, plan_shape
+    from experiments.calibrate import mix_plan, replay_shape
     plan = build_plan(point, ones, TASKS)
-    again = mix_plan(plan_shape(plan), ones, TASKS)
+    calls, ops = replay_shape(plan)
+    again = mix_plan(calls, ones, TASKS, ops)
     counter = SimBackend(ConstantLatency(0.0), 1000)
-    assert counter.cost(again) == counter.cost(plan) and plan_shape(again) == plan_shape(plan)
+    assert counter.cost(again) == counter.cost(plan) and replay_shape(again) == (calls, ops)
     assert (again.n_prompt_tokens, again.n_decode_tokens) == (plan.n_prompt_tokens, plan.n_decode_tokens)
     assert set(again.tasks) == set(plan.tasks)                      # the same sequences sample
 
@@ -537,6 +552,30 @@ def test_the_mix_bench_brings_each_sequence_to_the_context_its_chunk_continues(t
     # shapes these cells cannot hold: a third sequence, or a context beyond the per-slot size
     assert bench.measure((((2, 0, 4, True, True),),)) is None
     assert bench.measure((((0, 120, 9, True, True),),)) is None and kv.n_tokens(0) == 91
+    assert bench.measure(two_decodes, (("load", 0, 200),)) is None and kv.n_tokens(0) == 91
+
+
+def test_the_mix_bench_times_a_steps_copies_before_its_forward_calls(tiny, monkeypatch):
+    from experiments.calibrate import _MixBench
+    model = load(tiny, n_threads=1)
+    bench = _MixBench(model, 2, 128, replay_sampling(model, 0.0, 0), np.random.default_rng(0))
+    kv = bench.backend.kv
+    done, real_copy = [], bench._copy
+
+    def copy(kind, seq, n):
+        real_copy(kind, seq, n)
+        done.append((kind, seq, n, kv.n_tokens(seq)))
+        return 5.0                                                        # seconds it is said to take
+    monkeypatch.setattr(bench, "_copy", copy)
+    bench.measure((((0, 70, 1, True, False),),))                          # sequence 0 ran to 71 cells
+    t = bench.measure((((0, 40, 8, True, True),),), (("save", 0, 60), ("load", 0, 40)))
+    assert done == [("save", 0, 60, 60), ("load", 0, 40, 40)]            # each copy moves the cells it names
+    assert t > 10.0 and kv.n_tokens(0) == 48                             # both copies timed, then the chunk
+    # a loaded sequence's float32 shadow is left for the timed step to convert (as the run's step after a load)
+    current = []
+    monkeypatch.setattr(model, "shadow_current", lambda kv, seq: current.append(seq))
+    bench.measure((((0, 30, 4, True, True), (1, 10, 1, True, False)),), (("load", 0, 30),))
+    assert current == [1]
 
 
 class FixedReplay:
@@ -545,7 +584,7 @@ class FixedReplay:
     def __init__(self, seconds, misfit=()):
         self.seconds, self.misfit, self.calls = seconds, set(misfit), []
 
-    def measure(self, calls):
+    def measure(self, calls, ops=()):
         self.calls.append(calls)
         return None if calls in self.misfit else self.seconds
 
@@ -628,3 +667,20 @@ def test_the_prompt_path_replays_a_larger_share_of_its_steps_by_default(tiny):
     assert MIX_BUDGET_PROMPT > MIX_BUDGET
     assert replayed.count(False) == pytest.approx(100 * MIX_BUDGET, abs=1)
     assert replayed.count(True) == pytest.approx(100 * MIX_BUDGET_PROMPT, abs=1)
+
+
+def test_a_budget_of_one_replays_every_step_even_when_replays_run_longer(tiny):
+    from experiments.calibrate import InRunProbe, build_plan as plan_of
+    model = load(tiny, n_threads=1)
+    probe = InRunProbe(model, replay_sampling(model, 0.0, 0), 100.0, clock=lambda: 0.0, budget=0.9,
+                       budget_prompt=1.0)
+    probe.start(lambda: 0.0)
+    probe.mix_bench = FixedReplay(0.12)                                    # 20% slower than the steps
+    decode = plan_of(GridPoint("decode", decode=(40,)), ones, TASKS)
+    prompt = plan_of(GridPoint("copy", prompt=((64, 8),), save_tokens=32, load_tokens=64), ones, TASKS)
+    for _ in range(20):
+        probe(decode, 0.1)
+        probe(prompt, 0.1)
+    replayed = [m.prompt for m in probe._pending]
+    assert replayed.count(True) == 20 and replayed.count(False) < 16        # a budget below 1 keeps its credit
+    assert {m.ops for m in probe._pending if m.prompt} == {(("save", 0, 32), ("load", 0, 64))}

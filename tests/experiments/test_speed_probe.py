@@ -393,10 +393,17 @@ def test_fill_nearest_takes_the_nearest_value_and_the_earlier_on_a_tie():
 
 
 def test_a_track_with_replays_round_trips_and_a_track_without_them_still_loads(tmp_path):
+    import dataclasses
     track = mix_track([[(1.0, False, 0.011), (2.0, True, 0.06)], [(12.0, False, 0.012)]])
+    first = track.passes[0]
+    with_copies = dataclasses.replace(first.mix[1], ops=(("save", 0, 40), ("load", 0, 64)))
+    track = dataclasses.replace(track, passes=(dataclasses.replace(first, mix=(first.mix[0], with_copies)),
+                                               *track.passes[1:]))
     write_run_track(tmp_path, track)
     assert read_run_track(tmp_path) == track
     data = json.loads((tmp_path / TRACK_FILE).read_text())
+    assert "ops" not in data["passes"][0]["mix"][0] and data["passes"][0]["mix"][1]["ops"] == [["save", 0, 40],
+                                                                                                ["load", 0, 64]]
     for row in data["passes"]:                              # a file written before the mix
         del row["mix"]
     (tmp_path / TRACK_FILE).write_text(json.dumps(data))
@@ -411,6 +418,9 @@ def test_a_track_with_replays_round_trips_and_a_track_without_them_still_loads(t
     (lambda m: m.update(measured_s=0.0), "'passes[0].mix[1].measured_s'"),
     (lambda m: m.pop("step_s"), "'passes[0].mix[1].step_s'"),
     (lambda m: m.update(clock_s=-1.0), "'passes[0].mix[1].clock_s'"),
+    (lambda m: m.update(ops={"save": 3}), "'passes[0].mix[1].ops'"),
+    (lambda m: m.update(ops=[["save", 0, 3], ["copy", 0, 3]]), "'passes[0].mix[1].ops[1]'"),
+    (lambda m: m.update(ops=[["load", 0, 0]]), "'passes[0].mix[1].ops[0]'"),
 ])
 def test_a_malformed_replay_names_file_and_field(tmp_path, edit, field):
     data = mix_track([[(1.0, False, 0.011), (2.0, True, 0.06)]]).to_dict()
