@@ -76,7 +76,8 @@ DEFAULT_PASSES = 5                 # interleaved passes over the grid (the media
 MIN_PASSES = 3                     # --max-seconds never cuts below this many
 PROBE_REPEATS = 5                  # interleaved passes over the speed probe's shapes (the median is kept)
 MIX_BUDGET = 0.15                  # the in-run probe replays this fraction of the run's decode step time
-MIX_BUDGET_PROMPT = 1.0            # ... and of its prompt step time: every prompt step (few: TTFT rests on them)
+MIX_BUDGET_PROMPT = 0.5            # ... and of its prompt step time (few, long steps: TTFT rests on them; 1 = every
+                                   # prompt step measured no better for 1.5x the replays' time, docs/validation_sim.md §12)
 GROUPS_DOC = ("decode and mixed shapes by batch size, prompt chunks by length, each copy, shift and split "
               "shape alone")
 
@@ -698,9 +699,9 @@ class InRunProbe:
       re-executed once with its prompt-cache copies (`MixSample`, `replay_shape`), so that the replays take
       `budget` of the run's step time without prompt tokens and `budget_prompt` of its time with, spread evenly
       over it (a path's step is replayed when the path's credit, its budget x its step time so far less its
-      replays' time, covers the step; a budget of 1 replays every step). The prompt path's budget is 1 by
-      default: its steps are few (a few dozen in a run of minutes), TTFT rests on them, and a window's knot from
-      one or two of them scattered by the host's moment (docs/validation_sim.md §12). Their
+      replays' time, covers the step; a budget of 1 replays every step). The prompt path's budget is larger:
+      its steps are few (a few dozen in a run of minutes) and TTFT rests on them (every one of them, budget 1,
+      measured no better for 1.5x the replays' wall time: docs/validation_sim.md §12). Their
       times over the latency model's times of the same steps are the knots of `--speed-correct track-mix`
       (speed_probe.mix_knots): the machine's speed on the shapes the run spends its time in, at the moments it
       spends it, which the fixed shapes, priced by a model that is off by several percent on them, do not give.
