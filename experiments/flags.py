@@ -367,18 +367,22 @@ FLAGS: tuple[Flag, ...] = (
          "(--probe-every) and after the run, over the latency model's times of the same shapes (a machine whose "
          "speed moves during the run, §8); track-mix = the same from the run's own steps, a sample of them "
          "re-executed right after themselves (15%% of the decode and 50%% of the prompt step time), over the "
-         "latency model's times of the same steps, the mean per window of --probe-every seconds of the run's "
-         "clock, one factor for decode steps and one for steps with prompt tokens (§11); steps = by the real "
-         "run's own measured / predicted ratio per window of --probe-every seconds of its clock (default 10 s "
-         "when 0), per path: an oracle that says what the machine's drift costs, not a prediction (§10); probe "
+         "latency model's times of the same steps, the mean per window of --knot-window seconds of the run's "
+         "clock, one factor for decode steps and one for steps with prompt tokens (§11, §12); steps = by the real "
+         "run's own measured / predicted ratio per window of --knot-window seconds of its clock, per path: an "
+         "oracle that says what the machine's drift costs, not a prediction (§10); probe "
          "and grid need a calibration with a probe, probe, grid and the tracks a real run with its probes "
          "(default: off = report the ratios only)", (VALIDATE,), str, "off",
          "off|probe|grid|track|track-mix|steps", choices=("off", "probe", "grid", "track", "track-mix", "steps")),
+    Flag(None, ("--knot-window",), "the windows of --speed-correct track-mix and steps: one knot per path per "
+         "this many seconds of the real run's clock (default: 1; the host's speed moves within seconds, and 10-s "
+         "windows averaged the dips away: docs/validation_sim.md §12); the simulator only, the real run is the "
+         "same", (VALIDATE,), float, 1.0, "SECONDS"),
     Flag(None, ("--probe-every",), "during the real run, one pass of the speed probe every this many wall "
          "seconds, between two steps and on KV cells of its own, and between passes the replays of "
          "--speed-correct track-mix, all outside the run's clock (replay's clock advances by the "
          "run's own step times), stored as real/speed_track.json, the knots of --speed-correct track and "
-         "track-mix (default: 10; 0 = off)", (VALIDATE,), float, 10.0, "SECONDS"),
+         "track-mix's replays (default: 10; 0 = off)", (VALIDATE,), float, 10.0, "SECONDS"),
     # generate and calibrate
     Flag(None, ("-m", "--model"), f"GGUF model (default: {SMOLLM2_WHEEL})", (GENERATE, CALIBRATE), str,
          metavar="GGUF"),

@@ -190,10 +190,11 @@ def predict_steps(steps: pd.DataFrame, latency: Any) -> np.ndarray:
                      for c, ok, t in zip(step_costs(steps, layout), charged, steps["clock_s"])], dtype=float)
 
 
-STEP_KNOTS_EVERY_S = 10.0          # --speed-correct steps: one knot per this many seconds of the run's clock
+KNOT_WINDOW_S = 1.0                # --speed-correct steps and track-mix: one knot per path per this many seconds of
+                                   # the run's clock (--knot-window; the host's speed moves within seconds, §12)
 
 
-def step_knots(steps: pd.DataFrame, latency: Any, every_s: float = STEP_KNOTS_EVERY_S) -> dict[str, Any]:
+def step_knots(steps: pd.DataFrame, latency: Any, every_s: float = KNOT_WINDOW_S) -> dict[str, Any]:
     """The knots of `--speed-correct steps`: the machine's speed of each moment read from the real run's own steps.
 
     The run's clock is cut into windows of `every_s` seconds; a window's knot (at its centre) is the median

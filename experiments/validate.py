@@ -75,7 +75,7 @@ from experiments.speed_probe import (
     write_run_track,
 )
 from experiments.steplog import (
-    STEP_KNOTS_EVERY_S,
+    KNOT_WINDOW_S,
     format_step_errors,
     has_run_clock,
     plot_step_ratio,
@@ -392,8 +392,9 @@ def pin_arrivals(workload: Any, real_requests: pd.DataFrame) -> tuple[Any, int]:
 
 def _validate_argv(values: Mapping[str, Any], model: str, threads: int, temp: float,
                    speed_correct: str = "off", probe_every: float = TRACK_EVERY_S, numerics: str = "f32",
-                   arrivals: str = "loop") -> list[str]:
+                   arrivals: str = "loop", knot_window: float = KNOT_WINDOW_S) -> list[str]:
     correct = [] if speed_correct == "off" else ["--speed-correct", speed_correct]
+    correct += [] if knot_window == KNOT_WINDOW_S else ["--knot-window", f"{knot_window:g}"]
     correct += [] if arrivals == "loop" else ["--arrivals", arrivals]
     every = [] if probe_every == TRACK_EVERY_S else ["--probe-every", f"{probe_every:g}"]
     num = [] if numerics == "f32" else ["--numerics", numerics]
@@ -402,14 +403,15 @@ def _validate_argv(values: Mapping[str, Any], model: str, threads: int, temp: fl
 
 
 def _options_key(argv: list[str]) -> list[str]:
-    """A run's option tokens without the ones that do not change the real run (latency model, fast-forward)."""
+    """A run's option tokens without the ones that do not change the real run (latency model, knot window,
+    fast-forward)."""
     out, skip = [], False
     for tok in argv:
         if skip:
             skip = False
-        elif tok == "--latency":
+        elif tok in ("--latency", "--knot-window"):
             skip = True
-        elif not tok.startswith("--latency=") and tok != "--no-fast-forward":
+        elif not tok.startswith(("--latency=", "--knot-window=")) and tok != "--no-fast-forward":
             out.append(tok)
     return out
 
@@ -590,6 +592,8 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         if not (math.isfinite(args.probe_every) and args.probe_every >= 0):
             raise ValueError(f"--probe-every must be a number of seconds >= 0 (0 = off), got {args.probe_every}")
+        if not (math.isfinite(args.knot_window) and args.knot_window > 0):
+            raise ValueError(f"--knot-window must be a number of seconds > 0, got {args.knot_window}")
         model = resolve_model(args.model)
         workload, desc = build_workload(values)
         latency = get_latency_model(values["latency"])
@@ -625,7 +629,7 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
         print(f"slotlab validate: warning: the machine's load moved while {values['latency']} was calibrated "
               f"(load_moved in the file): its step times mix loads", file=sys.stderr)
     argv = _validate_argv(values, model, args.threads, args.temp, args.speed_correct, args.probe_every,
-                          args.numerics, args.arrivals)
+                          args.numerics, args.arrivals, args.knot_window)
     context = run_context(argv, desc)
     load_start = os.getloadavg()
 
@@ -660,8 +664,7 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
     knots_of_steps = None
     if args.speed_correct == "steps":
         try:
-            knots_of_steps = step_knots(steps, latency,
-                                        args.probe_every if args.probe_every > 0 else STEP_KNOTS_EVERY_S)
+            knots_of_steps = step_knots(steps, latency, args.knot_window)
         except ValueError as exc:
             print(f"slotlab validate: error: --speed-correct steps: {real.path}: {exc}", file=sys.stderr)
             return 2
@@ -669,7 +672,7 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
         cal_probe, run_probes, model, args.threads, args.speed_correct, latency, track=track,
         end_clock_s=real.summary.get("sim_s") or 0.0,
         kv_bytes_per_token=int((real.config.get("server_config") or {}).get("kv_bytes_per_token") or 0),
-        knots_of_steps=knots_of_steps)
+        knots_of_steps=knots_of_steps, knot_window_s=args.knot_window)
     speed["run_probes"] = ("measured with this real run" if reused is None else
                            f"stored with the real run ({PROBE_FILE})" if run_probes else None)
     for warning in speed_warnings(speed, values["latency"], args.speed_correct, speed["factor"], real.path):
@@ -839,7 +842,8 @@ def check_speed_correction(spec: str, cal_probe: SpeedProbe | None, model: str, 
 def speed_correction(cal_probe: SpeedProbe | None, run_probes: tuple[SpeedProbe, SpeedProbe] | None, model: str,
                      threads: int, correct: str, latency: Any, *, track: SpeedTrack | None = None,
                      end_clock_s: float = 0.0, kv_bytes_per_token: int = 0,
-                     knots_of_steps: dict[str, Any] | None = None) -> tuple[dict[str, Any], Any]:
+                     knots_of_steps: dict[str, Any] | None = None,
+                     knot_window_s: float = KNOT_WINDOW_S) -> tuple[dict[str, Any], Any]:
     """validation.json's `speed_probe` (ratios, `correct`, the `factor` used) and the latency model the
     simulator runs with: `latency`, or ScaledLatency(latency, ratio.mean) with `correct` = "probe",
     ScaledLatency(latency, ratio.grid) with "grid", TrackedLatency through `track_knots` with "track": the
@@ -847,7 +851,7 @@ def speed_correction(cal_probe: SpeedProbe | None, run_probes: tuple[SpeedProbe,
     over what `latency` charges for the probe's shapes (`probe_predictions`; `kv_bytes_per_token` of the run's
     server), whose `factor` is then the geometric mean of the knots' factors; the track needs no calibration
     probe. With "track-mix", TrackedLatency through `mix_knots`: the passes' replays of the run's own steps over
-    what `latency` charges for them (`mix_predictions`). A calibration probe that is not comparable gives no
+    what `latency` charges for them (`mix_predictions`), a knot per path per `knot_window_s` of the run's clock. A calibration probe that is not comparable gives no
     ratio (`calibration_unusable` says why). With the run's probes, `track` and `track_mix` hold the knots
     whatever `correct` is. With "steps", TrackedLatency through `knots_of_steps` (`steplog.step_knots`: the real
     run's own speed, an oracle), kept as `steps_track`."""
@@ -861,7 +865,7 @@ def speed_correction(cal_probe: SpeedProbe | None, run_probes: tuple[SpeedProbe,
     if before is not None and after is not None:
         fixed = track_knots(probe_predictions(latency, kv_bytes_per_token), before, after, track, end_clock_s,
                             prompt_labels=[p.label for p in probe_points() if p.prompt])
-    mixed = mix_knots(track, mix_predictions(latency, kv_bytes_per_token, track))
+    mixed = mix_knots(track, mix_predictions(latency, kv_bytes_per_token, track), knot_window_s)
     knots = mixed if correct == "track-mix" else fixed
     report["track"] = fixed
     report["track_mix"] = mixed

@@ -333,6 +333,25 @@ def test_speed_correct_track_mix_multiplies_by_the_replays_ratio_to_the_model(se
     assert list(fixed["e2e_s"]) == pytest.approx(list(fixed_ratio * off["e2e_s"]), rel=1e-6)
 
 
+def test_the_knot_window_cuts_the_runs_clock_for_track_mix_and_steps(setup, tmp_path, capsys):
+    """--knot-window sets the windows of both run-following corrections (not the real run: a run recorded with the
+    default is reused with any window); a window that is not a positive number of seconds is refused."""
+    import math
+    real = with_replays(setup, tmp_path, 1.25, 1.6)
+    steps = pd.read_parquet(real / "steps.parquet")
+    end = float((steps["clock_s"] + steps["elapsed_s"]).max())
+    every = end / 4
+    for correct, key in (("track-mix", "track_mix"), ("steps", "steps_track")):
+        assert validate(setup, tmp_path / correct, "--real-run", str(real), "--speed-correct", correct,
+                        "--knot-window", f"{every!r}") == 0
+        knots = read_validation(tmp_path / correct)[2]["speed_probe"][key]
+        assert knots["every_s"] == every and knots["clock_s"][:2] == pytest.approx([every / 2, 1.5 * every])
+        assert len(knots["clock_s"]) <= math.ceil(end / every) + 1
+    assert validate(setup, tmp_path / "bad", "--real-run", str(real), "--speed-correct", "track-mix",
+                    "--knot-window", "0") == 2
+    assert "--knot-window must be a number of seconds > 0, got 0.0" in capsys.readouterr().err
+
+
 def test_speed_correct_track_mix_needs_a_run_whose_passes_replayed_its_steps(setup, tmp_path, capsys):
     real = with_track(setup, tmp_path, lambda n: [(0.2 * i, 1.0) for i in range(1, n + 1)])   # passes, no replays
     assert validate(setup, tmp_path / "v", "--real-run", str(real), "--speed-correct", "track-mix") == 2
@@ -403,7 +422,7 @@ def test_speed_correct_steps_multiplies_by_the_real_runs_own_ratio(setup, tmp_pa
     for real, out in ((base, "one"), (slow, "three")):
         (real / PROBE_FILE).unlink()
         assert validate(setup, tmp_path / out, "--real-run", str(real), "--speed-correct", "steps",
-                        "--probe-every", "1000", cal=setup["plain"]) == 0
+                        "--knot-window", "1000", cal=setup["plain"]) == 0
     assert "--speed-correct steps gave the simulator the speed the real run itself measured" in capsys.readouterr().err
     (_, _, one), (_, _, three) = read_validation(tmp_path / "one"), read_validation(tmp_path / "three")
     k1, k3 = one["speed_probe"]["steps_track"], three["speed_probe"]["steps_track"]
@@ -431,7 +450,7 @@ def test_speed_correct_steps_follows_a_slower_second_half(setup, tmp_path):
     for name, scale in (("flat", lambda c: 1.0), ("slow", lambda c: 2.0 if c >= half else 1.0)):
         real, _ = with_steps(setup, tmp_path / name, scale)
         assert validate(setup, tmp_path / f"v_{name}", "--real-run", str(real), "--speed-correct", "steps",
-                        "--probe-every", f"{every!r}") == 0
+                        "--knot-window", f"{every!r}") == 0
         runs[name] = read_validation(tmp_path / f"v_{name}")[2]["speed_probe"]["steps_track"]
     flat, slow = runs["flat"], runs["slow"]
     assert len(flat["clock_s"]) in (8, 9)                          # 9 when end / every rounds above 8
