@@ -130,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--numerics", default="ggml", help="engine numerics (default ggml)")
     ap.add_argument("--threads", type=int, default=2, help="engine threads (default 2)")
     ap.add_argument("--out", default="results/validate_settings", help="campaign folder (default %(default)s)")
+    ap.add_argument("--knot-window", default=None, metavar="SECONDS",
+                    help="validate's --knot-window for every run and re-simulation (default: validate's own, 1 s)")
     ap.add_argument("--slotlab", default=None, metavar="CMD",
                     help="the slotlab command to run (default: the one beside this Python): another checkout's, for "
                          "an A/B of two trees on the same seeds")
@@ -145,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     base = [args.slotlab or slotlab(), "validate", "--threads", str(args.threads), "--numerics", args.numerics,
             "--latency", f"parametric:{Path(args.cal).resolve()}", "--quiet", "--no-plots"]
+    if args.knot_window is not None:
+        base += ["--knot-window", str(args.knot_window)]
     print(f"validate_settings: {len(seeds)} seeds x {len(args.settings.split(','))} settings, scale {args.scale}, "
           f"threads {args.threads}, numerics {args.numerics}, load average {os.getloadavg()[0]:.2f}", flush=True)
     rows = []
