@@ -388,7 +388,7 @@ MIX_OP_KINDS = ("save", "load")
 @dataclass(frozen=True, slots=True)
 class MixSample:
     """One of the run's own steps replayed right after it (`experiments.calibrate.InRunProbe`): its forward calls
-    (`calls`, KV operations left out), whether it processes prompt tokens (`prompt`: the path of
+    (`calls`; its prompt-cache copies are `ops`, its other KV operations left out), whether it processes prompt tokens (`prompt`: the path of
     `TrackedLatency`), the replay's measured seconds, the seconds the run's step itself took (`step_s`: the two
     agree on a machine whose speed held between them) and the run's clock at the step's end (`clock_s`); `ops`:
     the step's prompt-cache copies, replayed (and timed) before its forward calls (`MixOp`; empty in files
