@@ -269,11 +269,6 @@ def replay_shape(plan: BatchPlan) -> tuple[tuple[MixCall, ...], tuple[MixOp, ...
     return calls, ops
 
 
-def plan_shape(plan: BatchPlan) -> tuple[MixCall, ...]:
-    """The forward calls of `replay_shape` (its copies left out)."""
-    return replay_shape(plan)[0]
-
-
 def mix_plan(calls: Sequence[MixCall], tokens: Callable[[int], list[int]], tasks: Sequence[Any],
              ops: Sequence[MixOp] = ()) -> BatchPlan:
     """The BatchPlan of a replayed step shape (`replay_shape`) on sequences 0..n-1: its copies (`ops`, as

@@ -851,9 +851,9 @@ def speed_correction(cal_probe: SpeedProbe | None, run_probes: tuple[SpeedProbe,
     over what `latency` charges for the probe's shapes (`probe_predictions`; `kv_bytes_per_token` of the run's
     server), whose `factor` is then the geometric mean of the knots' factors; the track needs no calibration
     probe. With "track-mix", TrackedLatency through `mix_knots`: the passes' replays of the run's own steps over
-    what `latency` charges for them (`mix_predictions`), a knot per path per `knot_window_s` of the run's clock. A calibration probe that is not comparable gives no
-    ratio (`calibration_unusable` says why). With the run's probes, `track` and `track_mix` hold the knots
-    whatever `correct` is. With "steps", TrackedLatency through `knots_of_steps` (`steplog.step_knots`: the real
+    what `latency` charges for them (`mix_predictions`), a knot per path per `knot_window_s` of the run's clock.
+    A calibration probe that is not comparable gives no ratio (`calibration_unusable` says why). With the run's
+    probes, `track` and `track_mix` hold the knots whatever `correct` is. With "steps", TrackedLatency through `knots_of_steps` (`steplog.step_knots`: the real
     run's own speed, an oracle), kept as `steps_track`."""
     before, after = run_probes if run_probes else (None, None)
     why = probe_unusable(cal_probe, run_probes, model, threads) if cal_probe is not None else None

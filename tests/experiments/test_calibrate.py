@@ -499,15 +499,15 @@ def test_a_probe_pass_keeps_the_median_of_its_rounds(tiny):
 # --- the probe's mix: the run's own steps replayed --------------------------------------------------------
 
 
-def test_a_steps_shape_renumbers_its_sequences_and_drops_its_kv_operations():
+def test_a_steps_forward_calls_renumber_its_sequences_in_order_of_appearance():
     from engine.core.types import BatchPlan, Chunk
-    from experiments.calibrate import plan_shape
+    from experiments.calibrate import replay_shape
     plan = build_plan(GridPoint("copy", prompt=((64, 8),), save_tokens=32, load_tokens=64), ones, TASKS)
-    assert plan_shape(plan) == (((0, 64, 8, True, True),),)           # the save and the load are left out
+    assert replay_shape(plan)[0] == (((0, 64, 8, True, True),),)           # the calls alone: copies are [1]
     calls = (ForwardCall((Chunk(5, 9, (1, 2, 3), 40, (), True), Chunk(2, 7, (4,), 100, (2,), False)), 4),
              ForwardCall((Chunk(5, 9, (6,), 43, (5,), True),), 1))
     plan = BatchPlan(0.0, calls, 4, 1, {})
-    assert plan_shape(plan) == (((0, 40, 3, False, True), (1, 100, 1, True, False)), ((0, 43, 1, True, True),))
+    assert replay_shape(plan)[0] == (((0, 40, 3, False, True), (1, 100, 1, True, False)), ((0, 43, 1, True, True),))
 
 
 def test_a_steps_replay_keeps_its_prompt_cache_copies_in_order_on_the_same_numbering():
@@ -590,7 +590,7 @@ class FixedReplay:
 
 
 def test_replays_take_the_budget_of_each_paths_step_time(tiny):
-    from experiments.calibrate import InRunProbe, build_plan as plan_of, plan_shape
+    from experiments.calibrate import InRunProbe, build_plan as plan_of, replay_shape
     model = load(tiny, n_threads=1)
     wall, run_clock = [0.0], [0.0]
     probe = InRunProbe(model, replay_sampling(model, 0.0, 0), 100.0, clock=lambda: wall[0], budget=0.5,
@@ -604,7 +604,7 @@ def test_replays_take_the_budget_of_each_paths_step_time(tiny):
         run_clock[0] = float(i)
         probe(plan, seconds)
     # credit: budget x the path's step time so far, less its replays' time; a step is replayed when it covers it
-    assert bench.calls == [plan_shape(decode)] * 2 + [plan_shape(prompt)]
+    assert bench.calls == [replay_shape(decode)[0]] * 2 + [replay_shape(prompt)[0]]
     assert [(m.prompt, m.clock_s, m.step_s) for m in probe._pending] == [(False, 1.02, 0.02), (False, 3.02, 0.02),
                                                                           (True, 6.1, 0.1)]
     assert probe._credit == pytest.approx({False: 0.01, True: 0.1 - 0.02})
@@ -616,7 +616,7 @@ def test_replays_take_the_budget_of_each_paths_step_time(tiny):
     probe.finish()                       # nothing waiting: no pass
     assert len(probe.passes) == 1
     # a shape the bench cannot hold is not replayed, and its path keeps its credit
-    probe.mix_bench = FixedReplay(0.02, misfit=[plan_shape(decode)])
+    probe.mix_bench = FixedReplay(0.02, misfit=[replay_shape(decode)[0]])
     probe._credit = {False: 0.0, True: 0.0}
     for _ in range(3):
         probe(decode, 0.02)
@@ -627,7 +627,7 @@ def test_replays_take_the_budget_of_each_paths_step_time(tiny):
 
 def test_replays_run_on_a_bench_of_the_runs_size_and_go_with_the_next_pass(tiny):
     from engine.backend import NumpyBackend
-    from experiments.calibrate import InRunProbe, build_plan as plan_of, plan_shape
+    from experiments.calibrate import InRunProbe, build_plan as plan_of, replay_shape
     model = load(tiny, n_threads=1)
     wall = [0.0]
     probe = InRunProbe(model, replay_sampling(model, 0.0, 0), 5.0, clock=lambda: wall[0], budget=1.0,
@@ -642,7 +642,7 @@ def test_replays_run_on_a_bench_of_the_runs_size_and_go_with_the_next_pass(tiny)
     wall[0] = 5.0
     probe(plan_of(GridPoint("decode", decode=(70,)), ones, TASKS), 1.0)
     (p1,) = probe.passes
-    assert [m.calls for m in p1.mix] == [plan_shape(p) for p in plans] + [(((0, 70, 1, True, False),),)]
+    assert [m.calls for m in p1.mix] == [replay_shape(p)[0] for p in plans] + [(((0, 70, 1, True, False),),)]
     assert [m.prompt for m in p1.mix] == [False, True, False] and all(0 < m.measured_s < 1 for m in p1.mix)
     # without a backend (or mix=False) nothing is replayed
     plain = InRunProbe(model, replay_sampling(model, 0.0, 0), 5.0, clock=lambda: wall[0], mix=False)
