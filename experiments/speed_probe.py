@@ -383,6 +383,10 @@ MixCall = tuple[tuple[int, int, int, bool, bool], ...]
 # cells copied). Context shifts' K re-rotation is not replayed (the latency model prices it).
 MixOp = tuple[str, int, int]
 MIX_OP_KINDS = ("save", "load")
+# track-mix: a window without a prompt replay of its own takes the median of this many prompt replays nearest it.
+# A replay's ratio to the model carries the model's error on that one shape; the nearest window's single replay
+# priced the run's other prompt steps 6.5% off (median), the median of the 9 nearest 4.3% (docs/validation_sim.md §13)
+MIX_PROMPT_FILL = 9
 
 
 @dataclass(frozen=True, slots=True)
@@ -594,13 +598,16 @@ def fill_nearest(values: Sequence[float | None], fallback: Sequence[float]) -> l
 
 
 def window_knots(clock_s: Sequence[float], ratio: Sequence[float], prompt: Sequence[bool], every_s: float,
-                 end_s: float, statistic: Callable[[Sequence[float]], float]) -> dict[str, Any]:
+                 end_s: float, statistic: Callable[[Sequence[float]], float],
+                 prompt_fill: int | None = None) -> dict[str, Any]:
     """Knots at the centres of windows of `every_s` seconds of a run's clock, up to `end_s`, from timed samples
     (at `clock_s`, measured / predicted `ratio`, on the prompt path or not): the `statistic` of each window's
     ratios per path (`raw`, `raw_prompt`; None where a window has none of a path), filled from the nearest
     window that has some (`factor`, `factor_prompt`; the other path's where the run has none of a path, the
-    statistic over all samples where it has neither). The windowing of `--speed-correct steps`
-    (`steplog.step_knots`) and `track-mix` (`mix_knots`), in the keys of `track_knots`."""
+    statistic over all samples where it has neither). With `prompt_fill`, a window without prompt samples takes
+    the median of the `prompt_fill` prompt samples nearest its centre instead (the earlier on a tie). The
+    windowing of `--speed-correct steps` (`steplog.step_knots`) and `track-mix` (`mix_knots`), in the keys of
+    `track_knots`."""
     n = int(math.ceil(max(end_s, every_s) / every_s))
     values: list[tuple[list[float], list[float]]] = [([], []) for _ in range(n)]
     for c, r, is_prompt in zip(clock_s, ratio, prompt):
@@ -609,8 +616,16 @@ def window_knots(clock_s: Sequence[float], ratio: Sequence[float], prompt: Seque
     raw_prompt = [float(statistic(v[1])) if v[1] else None for v in values]
     overall = [float(statistic([float(r) for r in ratio]))] * n
     factor = fill_nearest(raw, fill_nearest(raw_prompt, overall))
-    factor_prompt = fill_nearest(raw_prompt, factor)
-    return {"clock_s": [(w + 0.5) * every_s for w in range(n)], "raw": raw, "factor": factor,
+    centres = [(w + 0.5) * every_s for w in range(n)]
+    prompt_at = sorted((float(c), float(r)) for c, r, p in zip(clock_s, ratio, prompt) if p)
+    if prompt_fill and prompt_at:
+        def nearest_median(centre: float) -> float:
+            near = sorted(range(len(prompt_at)), key=lambda i: abs(prompt_at[i][0] - centre))[:prompt_fill]
+            return float(statistics.median(prompt_at[i][1] for i in near))
+        factor_prompt = [v if v is not None else nearest_median(c) for v, c in zip(raw_prompt, centres)]
+    else:
+        factor_prompt = fill_nearest(raw_prompt, factor)
+    return {"clock_s": centres, "raw": raw, "factor": factor,
             "raw_prompt": raw_prompt, "factor_prompt": factor_prompt, "n_in_run": n, "every_s": every_s,
             "smooth": 1, "range": [min(factor), max(factor)], "range_prompt": [min(factor_prompt), max(factor_prompt)],
             "reference_s": {}, "prompt_labels": []}
@@ -624,8 +639,9 @@ def mix_knots(track: SpeedTrack | None, predicted: Sequence[Sequence[float]],
     mix_predictions`). The run's clock is cut into windows of `every_s` seconds (default: the track's
     `every_s`, as `--speed-correct steps` cuts it); a window's knot, at its centre, is the mean measured /
     predicted ratio of its replays without prompt tokens (`raw`) and with (`raw_prompt`); a window without
-    replays of a path takes the nearest window's that has some (the other path's where the run has none).
-    The mean, not the median: latency is a sum of step times, and the steps' slow tail (a step the host
+    decode replays takes the nearest window's that has some, a window without prompt replays the median of the
+    MIX_PROMPT_FILL prompt replays nearest it (few, and each carries the model's error on its own shape); a run
+    without replays of a path takes the other path's. The mean, not the median: latency is a sum of step times, and the steps' slow tail (a step the host
     interrupted) is part of it; the latency model, fitted to medians, leaves it out (with the median, the
     simulated busy time came out 1-5% short, docs/validation_sim.md §11). The machine's speed measured on the
     shapes the run spent its time in, at the moments it spent it, priced by the model: unlike the fixed shapes' knots (`track_knots`), the model's error on the probe's shapes does not
@@ -637,12 +653,14 @@ def mix_knots(track: SpeedTrack | None, predicted: Sequence[Sequence[float]],
         return None
     every = float(every_s if every_s is not None else track.every_s)
     knots = window_knots([m.clock_s for m, _ in rows], [m.measured_s / t for m, t in rows],
-                         [m.prompt for m, _ in rows], every, max(m.clock_s for m, _ in rows), statistics.fmean)
-    return {**knots, "n_replays": len(rows), "source": "mix",
+                         [m.prompt for m, _ in rows], every, max(m.clock_s for m, _ in rows), statistics.fmean,
+                         prompt_fill=MIX_PROMPT_FILL)
+    return {**knots, "n_replays": len(rows), "source": "mix", "prompt_fill": MIX_PROMPT_FILL,
             "replay_over_step": statistics.median(m.measured_s / m.step_s for m, _ in rows),
             "definition": "knots at the centres of windows of every_s seconds of the real run's clock; raw = the "
                           "mean, over the window's replays of the run's own steps (each right after its step), of "
                           "the replayed time / the latency model's time of the same step, over the replays without "
                           "prompt tokens (raw_prompt: with), None where a window has none (then the nearest "
-                          "window's); factor, factor_prompt = raw, raw_prompt filled; replay_over_step = the median "
+                          "window's; on the prompt path the median of the prompt_fill nearest prompt replays); "
+                          "factor, factor_prompt = raw, raw_prompt filled; replay_over_step = the median "
                           "replayed time / the run's own time of the same step"}

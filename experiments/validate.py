@@ -51,6 +51,7 @@ from experiments.calibrate import (
     probe_predictions,
     replay_sampling,
 )
+from experiments.repeat_floor import format_repeat_floor, repeat_floor
 from experiments.replay import run_replay
 from experiments.results import load_results, write_json, write_run
 from experiments.runs import follow, out_dir, resolve_model, run_context, server_config
@@ -704,6 +705,7 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
     summary["calibration_error"] = calibration_error(latency)
     if floor_run is not None:
         summary["noise_floor"] = noise_floor(real, floor_run)
+    summary["repeat_floor"] = repeat_floor(steps, real.requests, track)
     step_report = None
     if steps is not None:
         predicted = predict_steps(steps, sim_latency)
@@ -731,6 +733,8 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
         print(format_speed(speed, speed["factor"]))
         if floor_run is not None:
             print(format_noise_floor(summary["noise_floor"]))
+        if summary["repeat_floor"] is not None:
+            print(format_repeat_floor(summary["repeat_floor"]))
         print(f"threads {summary['threads']}, load average {load_start[0]:.2f} -> {summary['load_average_end'][0]:.2f}"
               f"; latency {values['latency']}")
         where = "real/" if reused is None else f"real: {real.path}"

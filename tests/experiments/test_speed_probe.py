@@ -386,6 +386,27 @@ def test_mix_knots_of_a_run_without_prompt_replays_use_the_decode_factor_on_both
     assert mix_knots(mix_track([[], []]), [[], []]) is None and mix_knots(None, []) is None
 
 
+def test_mix_knots_fill_a_window_without_prompt_replays_with_the_median_of_the_nearest_ones():
+    """A prompt replay prices its own shape, and the model's error on that shape rides along: a window without a
+    prompt replay takes the median of the MIX_PROMPT_FILL nearest prompt replays, not the nearest one's."""
+    from experiments.speed_probe import MIX_PROMPT_FILL, mix_knots
+    assert MIX_PROMPT_FILL == 9
+    # prompt replays at 1.0 .. 1.9 (ratio to the model's 0.05 s) in windows 0..9 of 1 s, none in windows 10, 11
+    ratios = [1.0 + 0.1 * i for i in range(10)]
+    passes = [[(i + 0.5, True, 0.05 * r), (i + 0.6, False, 0.01)] for i, r in enumerate(ratios)]
+    passes.append([(10.5, False, 0.01), (11.5, False, 0.01)])
+    k = mix_knots(mix_track(passes, every=1.0), model_times_of(passes), every_s=1.0)
+    assert k["raw_prompt"][:10] == pytest.approx(ratios) and k["raw_prompt"][10:] == [None, None]
+    assert k["factor_prompt"][:10] == pytest.approx(ratios)                # a window's own replays first
+    # windows 10 and 11: the 9 nearest are the replays at 1.1 .. 1.9, median 1.5 (the nearest alone: 1.9)
+    assert k["factor_prompt"][10:] == pytest.approx([1.5, 1.5])
+    assert k["prompt_fill"] == 9
+    # fewer prompt replays than that: the median of all of them
+    few = [[(0.5, True, 0.05), (0.6, False, 0.01)], [(1.5, True, 0.10)], [(2.5, True, 0.06), (3.5, False, 0.01)]]
+    k = mix_knots(mix_track(few, every=1.0), model_times_of(few), every_s=1.0)
+    assert k["factor_prompt"] == pytest.approx([1.0, 2.0, 1.2, 1.2])
+
+
 def test_fill_nearest_takes_the_nearest_value_and_the_earlier_on_a_tie():
     from experiments.speed_probe import fill_nearest
     assert fill_nearest([None, 2.0, None, None, 5.0, None], [0.0] * 6) == [2.0, 2.0, 2.0, 5.0, 5.0, 5.0]

@@ -474,3 +474,41 @@ def test_speed_correct_steps_needs_the_step_logs_clock(setup, tmp_path, capsys):
     assert validate(setup, tmp_path / "v", "--real-run", str(real), "--speed-correct", "steps") == 2
     assert "has none (a run written before the step log's clock_s)" in capsys.readouterr().err
     assert not (tmp_path / "v").exists()
+
+
+def test_validation_json_has_the_repeat_floor_of_the_runs_replays(setup, tmp_path, capsys):
+    """Every step of the run replayed: at exactly its own time, the floor is zero (an offset is not scatter); at
+    +-10% in turn, a TTFT or E2E that is one step's share moves, and the floor says so; without replays, none."""
+    from experiments.speed_probe import MixSample
+    steps = pd.read_parquet(setup["out"] / "real" / "steps.parquet")
+    steps = steps[steps["elapsed_s"] > 0]
+    call = (((0, 0, 1, True, False),),)
+
+    def run_with(ratios):
+        real = tmp_path / f"real{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(setup["out"] / "real", real)
+        mix = tuple(MixSample(call, bool(p > 0), r * e, e, c + e) for (c, e, p), r in
+                    zip(steps[["clock_s", "elapsed_s", "n_prefill_tokens"]].itertuples(index=False), ratios))
+        write_run_track(real, SpeedTrack(5.0, (TrackPass(1.0, 1.0, dict(CAL_S), 0.5, mix),)))
+        return real
+
+    n = len(steps)
+    assert validate(setup, tmp_path / "same", "--real-run", str(run_with([1.07] * n))) == 0
+    floor = read_validation(tmp_path / "same")[2]["repeat_floor"]
+    assert floor["n_replays"]["prompt"] + floor["n_replays"]["decode"] == n
+    assert floor["offset"]["decode"] == pytest.approx(1.07, rel=1e-12)
+    assert all(r["median_abs"] == pytest.approx(0.0, abs=1e-9) for r in floor["aggregate"])
+    moving = run_with([1.1, 1 / 1.1] * n)
+    assert validate(setup, tmp_path / "moves", "--real-run", str(moving)) == 0
+    floor = read_validation(tmp_path / "moves")[2]["repeat_floor"]
+    # centred on the path's median (one of the two ratios when a path holds an odd count of replays)
+    assert 0 < floor["scatter"]["decode"] <= 2 * math.log(1.1) / math.sqrt(2) + 1e-12
+    assert max(r["p90_abs"] for r in floor["aggregate"] if r["metric"] == "e2e") > 0.01
+    capsys.readouterr()
+    rc = run_validate(parse(*[o for o in setup["options"] if o != "--quiet"], "--latency",
+                            f"parametric:{setup['cal']}", "--out", str(tmp_path / "loud"), "--real-run",
+                            str(moving)))
+    assert rc == 0 and "repeat floor (" in capsys.readouterr().out
+    no_replays = with_track(setup, tmp_path / "x", lambda n: [(0.2, 1.0)])
+    assert validate(setup, tmp_path / "none", "--real-run", str(no_replays)) == 0
+    assert read_validation(tmp_path / "none")[2]["repeat_floor"] is None

@@ -1,0 +1,154 @@
+"""The repeat floor (experiments/repeat_floor.py): an ideal simulator's errors against a real run, from the scatter
+of the run's own replays. Built on hand-made step logs, requests and tracks, so every figure is known exactly."""
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from experiments.repeat_floor import (
+    FLOOR_MIN_REPLAYS,
+    floor_expected_hits,
+    format_repeat_floor,
+    interval_deltas,
+    repeat_floor,
+)
+from experiments.speed_probe import MixSample, SpeedTrack, TrackPass
+
+CALL = (((0, 0, 1, True, False),),)
+
+
+def track(prompt_ratios=(), decode_ratios=()):
+    """One pass holding replays at these replay / step ratios."""
+    mix = tuple(MixSample(CALL, prompt, 0.01 * r, 0.01, 1.0) for prompt, rs in ((True, prompt_ratios),
+                                                                               (False, decode_ratios)) for r in rs)
+    return SpeedTrack(10.0, (TrackPass(1.0, 1.0, {}, 0.5, mix),))
+
+
+def steps_of(rows):
+    """rows: (clock_s, elapsed_s, prompt tokens)."""
+    return pd.DataFrame([{"clock_s": c, "elapsed_s": e, "n_prefill_tokens": p} for c, e, p in rows])
+
+
+def request(arrival, first, end, n_output, finish="limit"):
+    tpot = (end - first) / (n_output - 1) if n_output > 1 else math.nan
+    return {"arrival_s": arrival, "first_token_s": first, "end_s": end, "ttft_s": first - arrival,
+            "e2e_s": end - arrival, "tpot_s": tpot, "n_output": n_output, "finish": finish}
+
+
+def agg(floor, metric, stat):
+    (row,) = [r for r in floor["aggregate"] if r["metric"] == metric and r["stat"] == stat]
+    return row
+
+
+# --- interval_deltas ---------------------------------------------------------------------------------------
+
+
+def test_an_interval_takes_each_step_by_the_part_of_it_inside():
+    start = np.array([0.0, 0.01, 0.03])            # steps of 10, 10 (then 5 idle), 20 ms
+    elapsed = np.array([0.01, 0.01, 0.02])
+    change = np.array([[0.1, 0.2, 0.4]])
+    lo = np.array([0.005, 0.0, 0.012, 0.021, 0.0, 0.06])
+    hi = np.array([0.02, 0.05, 0.018, 0.029, 0.0, 0.07])
+    got = interval_deltas(start, elapsed, lo, hi, change)[0]
+    assert got == pytest.approx([0.005 * 0.1 + 0.01 * 0.2,        # half the first step, all of the second
+                                 0.01 * 0.1 + 0.01 * 0.2 + 0.02 * 0.4,
+                                 0.006 * 0.2,                      # inside one step
+                                 0.0,                              # idle between steps
+                                 0.0,                              # empty
+                                 0.0], abs=1e-15)                  # after the last step
+
+
+def test_interval_deltas_take_every_draw():
+    start, elapsed = np.array([0.0, 1.0]), np.array([1.0, 1.0])
+    change = np.array([[0.0, 0.0], [1.0, -0.5]])
+    got = interval_deltas(start, elapsed, np.array([0.5]), np.array([2.0]), change)
+    assert got[:, 0] == pytest.approx([0.0, 0.5 * 1.0 - 0.5])
+
+
+# --- repeat_floor ------------------------------------------------------------------------------------------
+
+
+def one_prompt_run():
+    """Two requests, each TTFT one prompt step (100 ms, 300 ms), then decode steps of 10 ms."""
+    rows = [(0.0, 0.1, 50)] + [(0.1 + 0.01 * i, 0.01, 0) for i in range(10)]
+    rows += [(1.0, 0.3, 80)] + [(1.3 + 0.01 * i, 0.01, 0) for i in range(10)]
+    reqs = pd.DataFrame([request(0.0, 0.1, 0.2, 11), request(1.0, 1.3, 1.4, 11)])
+    return steps_of(rows), reqs
+
+
+def test_replays_that_repeat_their_steps_leave_no_floor_and_an_offset_is_not_scatter():
+    steps, reqs = one_prompt_run()
+    floor = repeat_floor(steps, reqs, track([1.05] * 6, [0.98] * 6), draws=50)
+    assert floor["offset"] == pytest.approx({"prompt": 1.05, "decode": 0.98}, rel=1e-12)
+    assert floor["scatter"] == {"prompt": 0.0, "decode": 0.0}
+    assert floor["n_replays"] == {"prompt": 6, "decode": 6}
+    for r in floor["aggregate"]:
+        assert r["median_abs"] == pytest.approx(0.0, abs=1e-12) and r["within_target"] == 1.0
+    assert floor["per_request"] == pytest.approx({"ttft_median_ape": 0, "tpot_median_ape": 0, "e2e_median_ape": 0},
+                                                 abs=1e-12)
+    assert floor_expected_hits(floor) == 6.0
+
+
+def test_a_ttft_of_one_step_moves_by_one_executions_scatter():
+    """Prompt replays at exp(+-a): one execution scatters by exp(+-a / sqrt 2); each TTFT is one prompt step, so
+    each drawn TTFT is its step's times exp(+-a / sqrt 2), and the within-target fraction is the chance of the
+    smaller side."""
+    a = 0.0300 * math.sqrt(2)                       # exp(0.03) - 1 = 3.05% > 3%, 1 - exp(-0.03) = 2.96% <= 3%
+    steps, reqs = one_prompt_run()
+    reqs = reqs.iloc[:1]                             # one request: its P50 is its TTFT
+    floor = repeat_floor(steps, reqs, track([math.exp(a), math.exp(-a)] * 5, [1.0] * 10), draws=400, seed=3)
+    assert floor["scatter"]["prompt"] == pytest.approx(0.03, rel=1e-12)
+    p50 = agg(floor, "ttft", "p50")
+    assert p50["p90_abs"] == pytest.approx(math.expm1(0.03), rel=1e-9)
+    assert 0.4 < p50["within_target"] < 0.6         # binomial(400, 1/2): 6 sigma
+    low, high = -math.expm1(-0.03), math.expm1(0.03)  # a median over draws of the two sides lies between them
+    assert low - 1e-12 <= p50["median_abs"] <= high + 1e-12
+    assert low - 1e-12 <= floor["per_request"]["ttft_median_ape"] <= high + 1e-12
+    # decode replays equal to their steps: TPOT does not move; E2E moves by the prompt step's share of it
+    assert agg(floor, "tpot", "p50")["p90_abs"] == pytest.approx(0.0, abs=1e-12)
+    assert agg(floor, "e2e", "p50")["p90_abs"] == pytest.approx(0.1 * math.expm1(0.03) / 0.2, rel=1e-9)
+
+
+def test_a_path_without_replays_takes_the_other_paths_scatter():
+    a = 0.1
+    steps, reqs = one_prompt_run()
+    floor = repeat_floor(steps, reqs, track([], [math.exp(a), math.exp(-a)] * 6), draws=100)
+    assert floor["n_replays"] == {"prompt": 0, "decode": 12}
+    assert floor["scatter"]["prompt"] == pytest.approx(a / math.sqrt(2)) == floor["scatter"]["decode"]
+    assert agg(floor, "ttft", "p90")["p90_abs"] > 0.05
+
+
+def test_the_draws_are_seeded():
+    steps, reqs = one_prompt_run()
+    t = track([1.1, 0.9, 1.02] * 4, [1.05, 0.97, 1.0] * 4)
+    assert repeat_floor(steps, reqs, t, seed=1) == repeat_floor(steps, reqs, t, seed=1)
+    assert repeat_floor(steps, reqs, t, seed=1) != repeat_floor(steps, reqs, t, seed=2)
+
+
+def test_no_floor_without_enough_replays_or_a_step_log():
+    steps, reqs = one_prompt_run()
+    assert repeat_floor(steps, reqs, track([1.0] * (FLOOR_MIN_REPLAYS - 1))) is None
+    assert repeat_floor(steps, reqs, None) is None
+    assert repeat_floor(None, reqs, track([1.0] * FLOOR_MIN_REPLAYS)) is None
+    assert repeat_floor(steps.drop(columns="clock_s"), reqs, track([1.0] * FLOOR_MIN_REPLAYS)) is None
+
+
+def test_failed_requests_and_single_token_replies_are_left_out_as_validate_leaves_them():
+    steps, reqs = one_prompt_run()
+    extra = pd.DataFrame([request(0.0, 0.1, 0.1, 1), {**request(1.0, 1.3, 1.4, 11), "finish": "error"}])
+    both = pd.concat([reqs, extra], ignore_index=True)
+    t = track([1.1, 0.9] * 5, [1.05, 0.95] * 5)
+    got, ref = repeat_floor(steps, both, t, draws=60), repeat_floor(steps, reqs, t, draws=60)
+    # the one-token reply has a TTFT and an E2E, no TPOT; the failed request counts nowhere
+    assert got["per_request"]["tpot_median_ape"] == ref["per_request"]["tpot_median_ape"]
+    assert agg(got, "tpot", "p90") == agg(ref, "tpot", "p90")
+
+
+def test_the_floor_prints_per_metric_and_per_request():
+    steps, reqs = one_prompt_run()
+    floor = repeat_floor(steps, reqs, track([1.1, 0.9] * 5, [1.0] * 10), draws=50)
+    text = format_repeat_floor(floor)
+    assert text.startswith("repeat floor (10 + 10 replays, one execution's scatter 7.1% prompt / 0.0% decode)")
+    assert "TTFT " in text and "TPOT 0.0/0.0% (within 3%: 100/100%)" in text and "per request median TTFT" in text
