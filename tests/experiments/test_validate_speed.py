@@ -484,25 +484,31 @@ def test_validation_json_has_the_repeat_floor_of_the_runs_replays(setup, tmp_pat
     steps = steps[steps["elapsed_s"] > 0]
     call = (((0, 0, 1, True, False),),)
 
-    def run_with(ratios):
+    def run_with(cycle):
+        """Every step replayed, each path's replays at the ratios of `cycle` in turn."""
         real = tmp_path / f"real{len(list(tmp_path.iterdir()))}"
         shutil.copytree(setup["out"] / "real", real)
-        mix = tuple(MixSample(call, bool(p > 0), r * e, e, c + e) for (c, e, p), r in
-                    zip(steps[["clock_s", "elapsed_s", "n_prefill_tokens"]].itertuples(index=False), ratios))
-        write_run_track(real, SpeedTrack(5.0, (TrackPass(1.0, 1.0, dict(CAL_S), 0.5, mix),)))
+        seen = {True: 0, False: 0}
+        mix = []
+        for c, e, p in steps[["clock_s", "elapsed_s", "n_prefill_tokens"]].itertuples(index=False):
+            prompt = bool(p > 0)
+            mix.append(MixSample(call, prompt, cycle[seen[prompt] % len(cycle)] * e, e, c + e))
+            seen[prompt] += 1
+        write_run_track(real, SpeedTrack(5.0, (TrackPass(1.0, 1.0, dict(CAL_S), 0.5, tuple(mix)),)))
         return real
 
     n = len(steps)
-    assert validate(setup, tmp_path / "same", "--real-run", str(run_with([1.07] * n))) == 0
+    assert validate(setup, tmp_path / "same", "--real-run", str(run_with([1.07]))) == 0
     floor = read_validation(tmp_path / "same")[2]["repeat_floor"]
     assert floor["n_replays"]["prompt"] + floor["n_replays"]["decode"] == n
     assert floor["offset"]["decode"] == pytest.approx(1.07, rel=1e-12)
     assert all(r["median_abs"] == pytest.approx(0.0, abs=1e-9) for r in floor["aggregate"])
-    moving = run_with([1.1, 1 / 1.1] * n)
+    moving = run_with([1.1, 1.0, 1 / 1.1])
     assert validate(setup, tmp_path / "moves", "--real-run", str(moving)) == 0
     floor = read_validation(tmp_path / "moves")[2]["repeat_floor"]
-    # centred on the path's median (one of the two ratios when a path holds an odd count of replays)
-    assert 0 < floor["scatter"]["decode"] <= 2 * math.log(1.1) / math.sqrt(2) + 1e-12
+    # centred on the path's median (1.0: the three ratios in turn, 3 or more decode steps), / sqrt 2
+    assert floor["n_replays"]["decode"] >= 3
+    assert floor["scatter"]["decode"] == pytest.approx(math.log(1.1) / math.sqrt(2), rel=1e-9)
     assert max(r["p90_abs"] for r in floor["aggregate"] if r["metric"] == "e2e") > 0.01
     capsys.readouterr()
     rc = run_validate(parse(*[o for o in setup["options"] if o != "--quiet"], "--latency",
