@@ -152,12 +152,15 @@ class Model:
             yield
 
     def new_kv(self, n_seq: int, n_ctx_seq: int, unified: bool = False,
-               dtype: np.dtype | type | None = None) -> KVStore:
+               dtype: np.dtype | type | None = None, resident: bool = True) -> KVStore:
         """KV cells for `n_seq` sequences: `n_ctx_seq` each, or (unified) a pool of n_seq * n_ctx_seq.
-        dtype None: the numerics mode's (float32; float16 in ggml mode, as llama.cpp's default KV)."""
+        dtype None: the numerics mode's (float32; float16 in ggml mode, as llama.cpp's default KV). `resident`
+        (default, as llama.cpp's KV buffers): every page of the cells, and of the float32 shadows ggml mode
+        keeps, written now rather than on a step's first write (`KVStore._make_resident`)."""
         hp = self.hparams
         return KVStore(n_seq, n_ctx_seq, hp.n_layer, hp.n_head_kv, hp.head_dim, self.rope,
-                       unified=unified, dtype=self.kv_dtype if dtype is None else dtype)
+                       unified=unified, dtype=self.kv_dtype if dtype is None else dtype, resident=resident,
+                       shadows=self.num.shadow_current is not None)
 
     def forward_batch(self, kv: KVStore, chunks: Sequence[BatchChunk | tuple]) -> list[np.ndarray]:
         """Run chunks (seq_id, token_ids, pos0, want_logits) as one batch; per chunk [n_rows, n_vocab] logits."""

@@ -16,7 +16,10 @@ of small calls per sequence. The pool is allocated once, at its full capacity, w
 cells (as llama.cpp allocates its KV cache when the context is created): growing it by doubling copied every
 pooled sequence's cells inside the step that crossed a power of two (a 19 ms decode step took 118 ms at cell
 512). Its pages come from an anonymous mapping (`lazy_zeros`: zero pages supplied on first touch, transparent
-huge pages refused), so only the cells written are resident. A sequence longer than the pool's capacity
+huge pages refused). A `resident` store (the engine's, `Model.new_kv`) allocates the pool at its full capacity
+when it is created and writes every page then, as llama.cpp clears its KV buffers when it creates the context, so
+that no step pays for the first touch of its cells (`KVStore._make_resident`); a store made without it keeps
+only the cells written resident. A sequence longer than the pool's capacity
 (n_ctx_seq; in unified mode at most 2 * n_ctx_seq) or than `pool_max_bytes` (virtual) allows gets arrays of
 its own instead ("private", grown by doubling); the forward pass attends it alone. Where the system refuses
 the pool's whole virtual size at once (ENOMEM), it grows by doubling instead.
@@ -31,7 +34,8 @@ so that each step converts only the cells written since (fp16 -> float32 is exac
 change them), and cells at n and beyond (the batch being written, not yet committed) are always re-converted
 by the reader. Allocated (`lazy_zeros`) on first use, per sequence, at the capacity of the sequence's arrays
 (a pooled sequence: the pool's; a private one: its own, regrown with it), so a running sequence never copies
-its shadow to grow it: 2 x n_layer x n_head_kv x head_dim x 4 bytes a cell, resident only where written.
+its shadow to grow it: 2 x n_layer x n_head_kv x head_dim x 4 bytes a cell, resident only where written (a
+resident store with `shadows` allocates and writes every pooled sequence's shadow when it is created).
 """
 
 from __future__ import annotations
@@ -76,6 +80,13 @@ def lazy_zeros(shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
     return np.frombuffer(m, dtype=dt).reshape(shape)
 
 
+def _touch(a: np.ndarray) -> None:
+    """Write one element of every memory page of the contiguous array `a` (its zeros stay zeros): the kernel
+    supplies each page now instead of on a later first write."""
+    flat = a.reshape(-1)
+    flat[::max(1, mmap.PAGESIZE // flat.itemsize)] = 0
+
+
 class KVCacheFull(RuntimeError):
     """No room for the tokens (llama_decode returning 1: "could not find a KV slot")."""
 
@@ -113,7 +124,7 @@ class KVStore:
 
     def __init__(self, n_seq: int, n_ctx_seq: int, n_layer: int, n_head_kv: int, head_dim: int,
                  rotator: Rotator, unified: bool = False, dtype: np.dtype | type = np.float32,
-                 pool_max_bytes: int = POOL_MAX_BYTES):
+                 pool_max_bytes: int = POOL_MAX_BYTES, resident: bool = False, shadows: bool = False):
         if n_seq <= 0 or n_ctx_seq <= 0:
             raise ValueError(f"n_seq ({n_seq}) and n_ctx_seq ({n_ctx_seq}) must be positive")
         self.dtype = np.dtype(dtype)
@@ -130,6 +141,10 @@ class KVStore:
         # private. And the pool's virtual size stays within pool_max_bytes.
         seq_max = min(self.n_ctx, 2 * n_ctx_seq) if unified else n_ctx_seq
         self._pool_cap_max = min(seq_max, max(0, int(pool_max_bytes)) // (n_seq * cell_bytes))
+        # resident: the pool (and with `shadows`, every sequence's float32 shadow) allocated at its full capacity
+        # and every page written now, not on a step's first write (see `_make_resident`)
+        self.resident, self._resident_shadows = bool(resident), bool(resident and shadows)
+        self.pool_k: np.ndarray | None = None
         self.clear()
 
     # --- accounting -----------------------------------------------------------------------------------
@@ -217,13 +232,57 @@ class KVStore:
         self._replace(dst, k, v, pos)
 
     def clear(self) -> None:
-        """`llama_memory_clear`: every sequence empty (buffers are released)."""
-        self.pool_k: np.ndarray | None = None      # [n_layer, n_seq, n_head_kv, pool_cap, head_dim]
+        """`llama_memory_clear`: every sequence empty (buffers are released; a resident store keeps its pool and
+        shadows, as llama.cpp keeps its KV buffers)."""
+        if self.resident and self.pool_k is not None:
+            for s in self._seqs:
+                if s.pooled:
+                    s.n = 0
+                    self._invalidate(s, 0)
+                else:                              # a private sequence rejoins the pool (its arrays released)
+                    s.k, s.v = self.pool_k[:, s.seq], self.pool_v[:, s.seq]
+                    s.pos, s.n, s.pooled, s.shadow = np.zeros(self.pool_cap, np.int32), 0, True, None
+            self._shadows_resident()
+            return
+        self.pool_k = None                         # [n_layer, n_seq, n_head_kv, pool_cap, head_dim]
         self.pool_v: np.ndarray | None = None
         self.pool_cap = 0
         self._seqs = [self._private(i, 0) for i in range(self.n_seq)]
         for s in self._seqs:
             s.pooled = True                        # capacity 0: joins the pool when it first needs cells
+        if self.resident:
+            self._make_resident()
+
+    def _make_resident(self) -> None:
+        """The pool at its full capacity and every page of it written now, as llama.cpp's KV cache is: its
+        constructor (`llama_kv_cache::llama_kv_cache`, src/llama-kv-cache.cpp) allocates the buffers and clears
+        them (`ggml_backend_buffer_clear(buf, 0)`), so no decode pays for the first touch of its cells. Left
+        lazy, the first write of each page faults inside a step: 0.6-2.1 ns a byte on the virtual machines of
+        docs/validation_sim.md §13, 6-18% more time for a prompt written into cells no sequence had used. Where
+        the system refuses the whole pool at once, the store stays lazy."""
+        if self._pool_cap_max <= 0:
+            return
+        try:
+            self._grow_pool(self._pool_cap_max)
+        except (OSError, MemoryError):
+            return
+        _touch(self.pool_k)
+        _touch(self.pool_v)
+        self._shadows_resident()
+
+    def _shadows_resident(self) -> None:
+        """With `shadows`: every pooled sequence's shadow allocated at the pool's capacity and written."""
+        if not self._resident_shadows or self.pool_k is None:
+            return
+        for s in self._seqs:
+            if s.pooled and (s.shadow is None or s.shadow.v.shape[2] < self.pool_cap):
+                try:
+                    sh = self._new_shadow(self.pool_cap)
+                except (OSError, MemoryError):
+                    return
+                _touch(sh.kt)
+                _touch(sh.v)
+                s.shadow = sh
 
     # --- state (slot save / host-RAM prompt cache) -------------------------------------------------------
 

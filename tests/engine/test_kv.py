@@ -312,3 +312,65 @@ def test_lazy_zeros_pages_are_resident_only_where_written():
     a[len(a) // 2] = 1
     assert resident() - before < 8 << 20
     del a
+
+
+# --- resident cells (llama.cpp allocates and clears its KV buffers when the context is created) ---------------
+
+
+def test_the_engines_kv_is_allocated_whole_before_any_step(tiny_gguf):
+    from engine.model import load
+    for numerics, shadows in (("f32", False), ("ggml", True)):
+        model = load(tiny_gguf(), n_threads=1, numerics=numerics)
+        kv = model.new_kv(3, 32)
+        assert kv.resident and kv.pool_k is not None and kv.pool_cap == 32
+        assert all(s.n == 0 and s.k.shape[2] == 32 for s in kv._seqs)
+        assert all((s.shadow is not None and s.shadow.v.shape[2] == 32) == shadows for s in kv._seqs)
+        lazy = model.new_kv(3, 32, resident=False)
+        assert not lazy.resident and lazy.pool_k is None and all(s.shadow is None for s in lazy._seqs)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="needs Linux /proc")
+@pytest.mark.parametrize("resident", [True, False])
+def test_a_resident_store_holds_its_pages_from_the_start_a_lazy_one_on_first_write(resident):
+    # fp16 cells of 8 KiB (8 layers x 4 heads x 64 x 2 x 2 bytes), 4 x 2048 of them: 64 MiB; shadows twice that
+    before = _rss_bytes()
+    kv = KVStore(4, 2048, 8, 4, 64, rotator=None, dtype=np.float16, resident=resident, shadows=True)
+    grown = _rss_bytes() - before
+    expected = 64 << 20
+    expected += 2 * expected                      # the float32 shadows
+    if resident:
+        assert grown >= 0.95 * expected, grown
+    else:
+        assert grown < 0.05 * expected, grown
+    del kv
+
+
+def test_a_resident_store_computes_what_a_lazy_one_does_and_clear_keeps_its_buffers(tiny_gguf):
+    """The same steps on both stores give the same logits bit for bit, through a sequence that outgrows the pool
+    (unified: the pool holds 2 x n_ctx_seq a sequence, a longer one gets arrays of its own) and a clear."""
+    from engine.model import load
+    model = load(tiny_gguf(), n_threads=1, numerics="ggml")
+    stores = [model.new_kv(4, 16, unified=True), model.new_kv(4, 16, unified=True, resident=False)]
+    long = [(i * 37) % 250 + 1 for i in range(36)]          # 36 cells > the pool's 32
+    outs = []
+    for kv in stores:
+        got = [model.forward_batch(kv, [(0, PROMPT, 0, True)])]
+        got.append(model.forward_batch(kv, [(2, long, 0, True)]))
+        assert not kv._seqs[2].pooled
+        kv.seq_cp(0, 3, -1, -1)
+        got.append(model.forward_batch(kv, [(3, [9], 12, True), (0, [11], 12, True)]))
+        pool = kv.pool_k
+        kv.clear()
+        assert all(s.n == 0 and s.pooled for s in kv._seqs)
+        if kv.resident:
+            assert kv.pool_k is pool and all(s.shadow is not None for s in kv._seqs)   # the buffers kept
+        got.append(model.forward_batch(kv, [(2, PROMPT, 0, True)]))
+        outs.append(got)
+    for a, b in zip(*outs):
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
