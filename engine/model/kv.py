@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import mmap
 import struct
+import warnings
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -78,6 +79,21 @@ def lazy_zeros(shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
         except OSError:                                # a kernel without THP: nothing to refuse
             pass
     return np.frombuffer(m, dtype=dt).reshape(shape)
+
+
+RESIDENT_MAX_SHARE = 0.5     # a resident store larger than this share of the available memory stays lazy
+
+
+def available_memory_bytes() -> int | None:
+    """The memory the system can give without swapping (/proc/meminfo's MemAvailable; None where unknown)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def _touch(a: np.ndarray) -> None:
@@ -259,8 +275,19 @@ class KVStore:
         them (`ggml_backend_buffer_clear(buf, 0)`), so no decode pays for the first touch of its cells. Left
         lazy, the first write of each page faults inside a step: 0.6-2.1 ns a byte on the virtual machines of
         docs/validation_sim.md §13, 6-18% more time for a prompt written into cells no sequence had used. Where
-        the system refuses the whole pool at once, the store stays lazy."""
+        the system refuses the whole pool at once, or the cells (and shadows) would take more than
+        RESIDENT_MAX_SHARE of the available memory, the store stays lazy (warned)."""
         if self._pool_cap_max <= 0:
+            return
+        cell = 2 * self.n_layer * self.n_head_kv * self.head_dim
+        need = self.n_seq * self._pool_cap_max * cell * (self.dtype.itemsize + (4 if self._resident_shadows else 0))
+        have = available_memory_bytes()
+        if have is not None and need > RESIDENT_MAX_SHARE * have:
+            # a context far larger than the machine: llama.cpp would fail to allocate it; this store stays lazy
+            # (pages supplied as cells are written) so that what fits still runs
+            warnings.warn(f"KV cells of {need / 2**20:.0f} MiB exceed {RESIDENT_MAX_SHARE:.0%} of the available "
+                          f"memory ({have / 2**20:.0f} MiB): allocated lazily, so a step that first writes a page "
+                          "pays for it (a smaller -c keeps them resident)", RuntimeWarning, stacklevel=3)
             return
         try:
             self._grow_pool(self._pool_cap_max)

@@ -374,3 +374,26 @@ def test_a_resident_store_computes_what_a_lazy_one_does_and_clear_keeps_its_buff
     for a, b in zip(*outs):
         for x, y in zip(a, b):
             np.testing.assert_array_equal(x, y)
+
+
+def test_a_resident_store_too_large_for_the_machine_stays_lazy_and_says_so(monkeypatch):
+    import engine.model.kv as kvmod
+    # 4 x 2048 cells of 8 KiB fp16 + 16 KiB shadow: 192 MiB; the machine offers 256 MiB, half of it is 128
+    monkeypatch.setattr(kvmod, "available_memory_bytes", lambda: 256 << 20)
+    with pytest.warns(RuntimeWarning, match=r"KV cells of 192 MiB exceed 50% of the available memory \(256 MiB\)"):
+        kv = KVStore(4, 2048, 8, 4, 64, rotator=None, dtype=np.float16, resident=True, shadows=True)
+    assert kv.pool_k is None and all(s.shadow is None for s in kv._seqs)
+    monkeypatch.setattr(kvmod, "available_memory_bytes", lambda: 512 << 20)
+    kv = KVStore(4, 2048, 8, 4, 64, rotator=None, dtype=np.float16, resident=True, shadows=True)
+    assert kv.pool_k is not None and all(s.shadow is not None for s in kv._seqs)
+    monkeypatch.setattr(kvmod, "available_memory_bytes", lambda: None)       # unknown: resident
+    assert KVStore(2, 64, 2, 2, 8, rotator=None, resident=True).pool_k is not None
+
+
+def test_available_memory_is_read_from_proc_meminfo():
+    from engine.model.kv import available_memory_bytes
+    got = available_memory_bytes()
+    if __import__("os").path.exists("/proc/meminfo"):
+        assert got is not None and got > 1 << 20
+    else:
+        assert got is None
