@@ -62,7 +62,8 @@ def test_native_answer_is_what_the_client_would_get_and_the_ids_are_recorded(ups
     assert len(asked["tokens"]) == 6                                    # a client that asks gets them
     got = wait_lines(tmp_path / "trace.jsonl", 3)
     assert got[0]["slotlab_native"] == 1 and got[0]["line_order"] == "end"
-    first, second = got[1], got[2]
+    # written as each recording ends (the first's may wait for its /tokenize behind the second's generation)
+    first, second = sorted(got[1:], key=lambda line: line["arrival_s"])
     assert first["output_tokens"] == asked["tokens"] == second["output_tokens"]
     assert first["prompt_tokens"] == upstream_tokenize(upstream, "Hello world, the")
     assert first["sampling"] == GREEDY and second["sampling"]["return_tokens"] is True
@@ -103,7 +104,10 @@ def test_chat_prompt_tokens_come_from_apply_template_and_tokenize(recorder, tmp_
     with httpx.Client(base_url=recorder.base_url, timeout=60) as c:
         r = c.post("/v1/chat/completions", json=body).json()
         oai = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3}).json()
-    chat, cmpl = wait_lines(tmp_path / "trace.jsonl", 3)[1:]
+    # lines are written as each request's recording ends (line_order "end"): the chat's waits for its template
+    # and tokenize calls, so the completion's line may come first
+    by_endpoint = {line["recorded"]["endpoint"]: line for line in wait_lines(tmp_path / "trace.jsonl", 3)[1:]}
+    chat, cmpl = by_endpoint["/v1/chat/completions"], by_endpoint["/v1/completions"]
     assert len(chat["prompt_tokens"]) == r["usage"]["prompt_tokens"]
     assert chat["recorded"]["tokens_source"] == "apply-template+tokenize"
     assert chat["n_output"] == r["usage"]["completion_tokens"] and "output_tokens" not in chat
