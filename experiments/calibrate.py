@@ -340,8 +340,8 @@ class _MixBench:
         return time.perf_counter() - t0
 
     def measure(self, calls: Sequence[MixCall], ops: Sequence[MixOp] = ()) -> float | None:
-        """Measured seconds of one execution of the step shape: its copies (`ops`; the loads timed, the saves
-        made untimed), then its forward calls; None when it does not fit these cells. A sequence loaded by a copy keeps its float32 shadow stale for the
+        """Measured seconds of one execution of the step shape: its copies (`ops`), then its forward calls; None
+        when it does not fit these cells. A sequence loaded by a copy keeps its float32 shadow stale for the
         forward calls, which convert it inside the timing as the run's step after a load does."""
         first: dict[int, list[int]] = {}                     # seq -> [pos0 of its first chunk, tokens it appends]
         for call in calls:
@@ -352,15 +352,7 @@ class _MixBench:
                 or any(pos0 + n > self.backend.n_ctx_seq for pos0, n in first.values())
                 or any(n > self.backend.n_ctx_seq for _kind, _seq, n in ops)):
             return None
-        copied = 0.0
-        for kind, seq, n in ops:
-            t = self._copy(kind, seq, n)
-            if kind == "load":
-                copied += t
-            # a save is made (its bytes go through the caches as the run's do) but not timed: its blob is new
-            # memory, freed right after, which the run's cache, keeping its blobs, reuses for its own next save;
-            # timed, 10-15% of the replays with a save read over 1.25x their step, none without
-            # (docs/validation_sim.md §13). The latency model prices the save (mix_predictions leaves it out).
+        copied = sum(self._copy(kind, seq, n) for kind, seq, n in ops)
         loaded = {seq for kind, seq, _n in ops if kind == "load"}
         for seq, (pos0, n_new) in first.items():
             self._hold(seq, pos0, n_new, shadow=seq not in loaded)
@@ -670,7 +662,7 @@ def mix_predictions(latency: Any, kv_bytes_per_token: int, track: SpeedTrack | N
     counter = SimBackend(latency, kv_bytes_per_token)
     n_seq = 1 + max((c[0] for p in track.passes for m in p.mix for call in m.calls for c in call), default=0)
     tasks = [Task(id=seq, tokens=[0]) for seq in range(n_seq)]
-    return [[float(latency.step_time_s(counter.cost(mix_plan(m.calls, _zeros, tasks, m.timed_ops)))) for m in p.mix]
+    return [[float(latency.step_time_s(counter.cost(mix_plan(m.calls, _zeros, tasks, m.ops)))) for m in p.mix]
             for p in track.passes]
 
 
@@ -780,7 +772,7 @@ class InRunProbe:
         t = self.mix_bench.measure(calls, ops)
         if t is not None and t > 0:
             self._credit[prompt] -= t
-            self._pending.append(MixSample(calls, prompt, float(t), step_s, clock_s, ops, saves_timed=False))
+            self._pending.append(MixSample(calls, prompt, float(t), step_s, clock_s, ops))
 
     def _pass(self, clock_s: float, now: float) -> None:
         samples: dict[str, list[float]] = {p.label: [] for p in self.points}

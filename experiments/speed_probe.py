@@ -395,10 +395,8 @@ class MixSample:
     (`calls`; its prompt-cache copies are `ops`, its other KV operations left out), whether it processes prompt tokens (`prompt`: the path of
     `TrackedLatency`), the replay's measured seconds, the seconds the run's step itself took (`step_s`: the two
     agree on a machine whose speed held between them) and the run's clock at the step's end (`clock_s`); `ops`:
-    the step's prompt-cache copies, replayed before its forward calls (`MixOp`; empty in files written before
-    they were replayed, whose `measured_s` is the forward calls' alone); `saves_timed`: whether `measured_s`
-    includes the saves (False since 2026-12-06: a save is made but not timed, the latency model prices it;
-    `timed_ops` are the copies it includes)."""
+    the step's prompt-cache copies, replayed (and timed) before its forward calls (`MixOp`; empty in files
+    written before they were replayed, whose `measured_s` is the forward calls' alone)."""
 
     calls: tuple[MixCall, ...]
     prompt: bool
@@ -406,20 +404,12 @@ class MixSample:
     step_s: float
     clock_s: float
     ops: tuple[MixOp, ...] = ()
-    saves_timed: bool = True       # False: the saves were made but not timed (replays since 2026-12-06)
-
-    @property
-    def timed_ops(self) -> tuple[MixOp, ...]:
-        """The copies `measured_s` includes (the reference prices the same ones)."""
-        return self.ops if self.saves_timed else tuple(op for op in self.ops if op[0] != "save")
 
     def to_dict(self) -> dict[str, Any]:
         out = {"calls": [[list(c) for c in call] for call in self.calls], "prompt": self.prompt,
                "measured_s": self.measured_s, "step_s": self.step_s, "clock_s": self.clock_s}
         if self.ops:
             out["ops"] = [list(op) for op in self.ops]
-        if not self.saves_timed:
-            out["saves_timed"] = False
         return out
 
     @classmethod
@@ -457,11 +447,8 @@ class MixSample:
                     and all(type(x) is int for x in op[1:]) and op[1] >= 0 and op[2] >= 1):
                 raise bad(f"ops[{k}]", f"must be [\"save\" or \"load\", seq >= 0, n_tokens >= 1], got {op!r}")
             ops.append((op[0], op[1], op[2]))
-        saves_timed = data.get("saves_timed", True)
-        if not isinstance(saves_timed, bool):
-            raise bad("saves_timed", f"must be true or false, got {saves_timed!r}")
         return cls(tuple(out), data["prompt"], _positive(data.get("measured_s"), lambda w: bad("measured_s", w)),
-                   _positive(data.get("step_s"), lambda w: bad("step_s", w)), float(clock), tuple(ops), saves_timed)
+                   _positive(data.get("step_s"), lambda w: bad("step_s", w)), float(clock), tuple(ops))
 
 
 @dataclass(frozen=True, slots=True)

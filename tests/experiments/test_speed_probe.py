@@ -420,15 +420,11 @@ def test_a_track_with_replays_round_trips_and_a_track_without_them_still_loads(t
     with_copies = dataclasses.replace(first.mix[1], ops=(("save", 0, 40), ("load", 0, 64)))
     track = dataclasses.replace(track, passes=(dataclasses.replace(first, mix=(first.mix[0], with_copies)),
                                                *track.passes[1:]))
-    track = dataclasses.replace(track, passes=(track.passes[0], dataclasses.replace(
-        track.passes[1], mix=(dataclasses.replace(track.passes[1].mix[0], saves_timed=False),))))
     write_run_track(tmp_path, track)
     assert read_run_track(tmp_path) == track
     data = json.loads((tmp_path / TRACK_FILE).read_text())
     assert "ops" not in data["passes"][0]["mix"][0] and data["passes"][0]["mix"][1]["ops"] == [["save", 0, 40],
                                                                                                 ["load", 0, 64]]
-    # a file from before 2026-12-06 timed its saves (no key); since, a replay says it did not
-    assert "saves_timed" not in data["passes"][0]["mix"][1] and data["passes"][1]["mix"][0]["saves_timed"] is False
     for row in data["passes"]:                              # a file written before the mix
         del row["mix"]
     (tmp_path / TRACK_FILE).write_text(json.dumps(data))
@@ -443,7 +439,6 @@ def test_a_track_with_replays_round_trips_and_a_track_without_them_still_loads(t
     (lambda m: m.update(measured_s=0.0), "'passes[0].mix[1].measured_s'"),
     (lambda m: m.pop("step_s"), "'passes[0].mix[1].step_s'"),
     (lambda m: m.update(clock_s=-1.0), "'passes[0].mix[1].clock_s'"),
-    (lambda m: m.update(saves_timed="no"), "'passes[0].mix[1].saves_timed'"),
     (lambda m: m.update(ops={"save": 3}), "'passes[0].mix[1].ops'"),
     (lambda m: m.update(ops=[["save", 0, 3], ["copy", 0, 3]]), "'passes[0].mix[1].ops[1]'"),
     (lambda m: m.update(ops=[["load", 0, 0]]), "'passes[0].mix[1].ops[0]'"),
