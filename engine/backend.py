@@ -33,11 +33,13 @@ class NumpyBackend:
     """Applies a plan's program in order on `model`; one `Sampler` per task (seeded as llama-server does)."""
 
     def __init__(self, model: Model, n_seq: int, n_ctx_seq: int,
-                 default_sampling: SamplingParams | None = None) -> None:
+                 default_sampling: SamplingParams | None = None, resident: bool = True) -> None:
         self.model = model
         self.n_seq = n_seq
         self.n_ctx_seq = n_ctx_seq
-        self.kv = model.new_kv(n_seq, n_ctx_seq, unified=False)
+        # resident (Model.new_kv): the cells allocated and written now, as llama.cpp's; a unified server's slots
+        # get n_ctx cells each here (n_seq x the cells in use at once), so its store is made lazy instead
+        self.kv = model.new_kv(n_seq, n_ctx_seq, unified=False, resident=resident)
         self.default_sampling = default_sampling if default_sampling is not None else SamplingParams()
         self.cache: dict[int, bytes] = {}                  # prompt-cache entry id -> sequence state bytes
         self._samplers: dict[int, tuple[Task, Sampler]] = {}   # task id -> (task, its sampler)

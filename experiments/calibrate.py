@@ -300,8 +300,9 @@ class _MixBench:
     only because its states are saved and loaded by the copy shapes). The float32 shadow is brought current as
     a running slot's is (`Model.shadow_current`)."""
 
-    def __init__(self, model: Any, n_seq: int, n_ctx_seq: int, sampling: Any, rng: np.random.Generator) -> None:
-        self.backend = NumpyBackend(model, n_seq, n_ctx_seq, default_sampling=sampling)
+    def __init__(self, model: Any, n_seq: int, n_ctx_seq: int, sampling: Any, rng: np.random.Generator,
+                 resident: bool = True) -> None:
+        self.backend = NumpyBackend(model, n_seq, n_ctx_seq, default_sampling=sampling, resident=resident)
         self.model, self.rng, self.n_vocab = model, rng, model.hparams.n_vocab
         self.tasks = [Task(id=seq, tokens=[0]) for seq in range(n_seq)]
 
@@ -742,7 +743,8 @@ class InRunProbe:
         (`NumpyBackend`: its slot count and per-slot context size the mix's bench; None = no mix)."""
         self._run_clock = run_clock
         if self.mix and backend is not None and self.mix_bench is None:
-            self.mix_bench = _MixBench(self.model, backend.n_seq, backend.n_ctx_seq, self.sampling, self._rng)
+            self.mix_bench = _MixBench(self.model, backend.n_seq, backend.n_ctx_seq, self.sampling, self._rng,
+                                       resident=bool(getattr(backend.kv, "resident", True)))
         self._credit = {False: 0.0, True: 0.0}
         self._pending = []
         self._t0 = self._clock()

@@ -155,8 +155,9 @@ class Model:
                dtype: np.dtype | type | None = None, resident: bool = True) -> KVStore:
         """KV cells for `n_seq` sequences: `n_ctx_seq` each, or (unified) a pool of n_seq * n_ctx_seq.
         dtype None: the numerics mode's (float32; float16 in ggml mode, as llama.cpp's default KV). `resident`
-        (default, as llama.cpp's KV buffers): every page of the cells, and of the float32 shadows ggml mode
-        keeps, written now rather than on a step's first write (`KVStore._make_resident`)."""
+        (default, as llama.cpp's KV buffers; a unified store stays lazy): every page of the cells, and of the
+        float32 shadows ggml mode keeps, written now rather than on a step's first write
+        (`KVStore._make_resident`)."""
         hp = self.hparams
         return KVStore(n_seq, n_ctx_seq, hp.n_layer, hp.n_head_kv, hp.head_dim, self.rope,
                        unified=unified, dtype=self.kv_dtype if dtype is None else dtype, resident=resident,

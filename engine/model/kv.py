@@ -16,10 +16,11 @@ of small calls per sequence. The pool is allocated once, at its full capacity, w
 cells (as llama.cpp allocates its KV cache when the context is created): growing it by doubling copied every
 pooled sequence's cells inside the step that crossed a power of two (a 19 ms decode step took 118 ms at cell
 512). Its pages come from an anonymous mapping (`lazy_zeros`: zero pages supplied on first touch, transparent
-huge pages refused). A `resident` store (the engine's, `Model.new_kv`) allocates the pool at its full capacity
-when it is created and writes every page then, as llama.cpp clears its KV buffers when it creates the context, so
-that no step pays for the first touch of its cells (`KVStore._make_resident`); a store made without it keeps
-only the cells written resident. A sequence longer than the pool's capacity
+huge pages refused). A `resident` store (the engine's, `Model.new_kv`; not unified) allocates the pool at its full
+capacity when it is created and writes every page then, as llama.cpp clears its KV buffers when it creates the
+context, so that no step pays for the first touch of its cells (`KVStore._make_resident`); a store made without
+it, or a unified one (whose pool is n_seq times larger than the cells in use can be), keeps only the cells
+written resident. A sequence longer than the pool's capacity
 (n_ctx_seq; in unified mode at most 2 * n_ctx_seq) or than `pool_max_bytes` (virtual) allows gets arrays of
 its own instead ("private", grown by doubling); the forward pass attends it alone. Where the system refuses
 the pool's whole virtual size at once (ENOMEM), it grows by doubling instead.
@@ -158,8 +159,12 @@ class KVStore:
         seq_max = min(self.n_ctx, 2 * n_ctx_seq) if unified else n_ctx_seq
         self._pool_cap_max = min(seq_max, max(0, int(pool_max_bytes)) // (n_seq * cell_bytes))
         # resident: the pool (and with `shadows`, every sequence's float32 shadow) allocated at its full capacity
-        # and every page written now, not on a step's first write (see `_make_resident`)
-        self.resident, self._resident_shadows = bool(resident), bool(resident and shadows)
+        # and every page written now, not on a step's first write (see `_make_resident`). Not in unified mode: its
+        # pool holds up to 2 * n_ctx_seq cells a sequence (n_seq * n_ctx_seq = n_ctx each for llama-server's
+        # default, 4x the n_ctx cells that can be in use at once), so it stays lazy and only the cells in use are
+        # resident, as llama.cpp's n_ctx cells would be
+        self.resident = bool(resident) and not unified
+        self._resident_shadows = self.resident and bool(shadows)
         self.pool_k: np.ndarray | None = None
         self.clear()
 

@@ -317,6 +317,14 @@ def test_lazy_zeros_pages_are_resident_only_where_written():
 # --- resident cells (llama.cpp allocates and clears its KV buffers when the context is created) ---------------
 
 
+def test_a_unified_store_stays_lazy(tiny_gguf):
+    """Unified, the pool holds up to 2 x n_ctx_seq cells a sequence (n_seq times more than can be used at once):
+    only the cells in use become resident."""
+    from engine.model import load
+    kv = load(tiny_gguf(), n_threads=1, numerics="ggml").new_kv(4, 16, unified=True)
+    assert not kv.resident and kv.pool_k is None
+
+
 def test_the_engines_kv_is_allocated_whole_before_any_step(tiny_gguf):
     from engine.model import load
     for numerics, shadows in (("f32", False), ("ggml", True)):
@@ -352,10 +360,17 @@ def test_a_resident_store_holds_its_pages_from_the_start_a_lazy_one_on_first_wri
 
 def test_a_resident_store_computes_what_a_lazy_one_does_and_clear_keeps_its_buffers(tiny_gguf):
     """The same steps on both stores give the same logits bit for bit, through a sequence that outgrows the pool
-    (unified: the pool holds 2 x n_ctx_seq a sequence, a longer one gets arrays of its own) and a clear."""
+    (a pool capped by pool_max_bytes: a longer sequence gets arrays of its own) and a clear."""
     from engine.model import load
     model = load(tiny_gguf(), n_threads=1, numerics="ggml")
-    stores = [model.new_kv(4, 16, unified=True), model.new_kv(4, 16, unified=True, resident=False)]
+    hp = model.hparams
+    cell = 2 * hp.n_layer * hp.n_head_kv * hp.head_dim * 2                  # fp16 K and V bytes a cell
+
+    def store(resident):
+        return KVStore(4, 64, hp.n_layer, hp.n_head_kv, hp.head_dim, model.rope, dtype=np.float16,
+                       pool_max_bytes=4 * 32 * cell, resident=resident, shadows=True)    # a pool of 32 cells
+    stores = [store(True), store(False)]
+    assert stores[0].resident and stores[0].pool_cap == 32
     long = [(i * 37) % 250 + 1 for i in range(36)]          # 36 cells > the pool's 32
     outs = []
     for kv in stores:

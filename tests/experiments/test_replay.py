@@ -66,3 +66,16 @@ def test_generate_prints_text_and_stats(tiny, capsys):
     err = capsys.readouterr().err
     assert "5 generated" in err and "1 compute thread (BLAS 1)" in err
     assert re.search(r"warm-up \d+\.\d\d s\]", err)                    # reported apart from the timing
+
+
+def test_the_replays_kv_is_resident_unless_the_server_is_unified(tiny):
+    """A unified server's slots each get n_ctx cells in the engine (n_slots x the cells in use at once): its store
+    stays lazy; a per-slot one is allocated and written whole before the first step, as llama.cpp's KV cache."""
+    from engine.core import ServerConfig
+    from engine.model import load
+    from experiments.replay import engine_simulation
+    model = load(tiny, n_threads=1)
+    for n_parallel, resident in ((-1, False), (2, True)):
+        sim, cfg = engine_simulation(model, ServerConfig(n_parallel=n_parallel, n_ctx=256), seed=0, temp=0.0)
+        assert cfg.resolve().kv_unified is not resident
+        assert sim.backend.kv.resident is resident and (sim.backend.kv.pool_k is not None) is resident

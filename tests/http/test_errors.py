@@ -156,3 +156,12 @@ def test_a_failing_forward_pass_answers_500_and_the_server_keeps_serving(start_s
             assert r.json()["timings"]["cache_n"] == 0       # the failed step's tokens were not kept as cached
     finally:
         backend.model.forward_batch = real
+
+
+def test_the_servers_kv_is_resident_unless_unified(start_server):
+    """Per-slot KV: allocated and written whole at load, as llama.cpp's; unified (-np auto), each slot may use all
+    of n_ctx, so the store stays lazy and only the cells in use are resident."""
+    per_slot = start_server(n_parallel=2, n_ctx=256).state.backend.kv
+    unified = start_server(n_parallel=-1, n_ctx=256).state.backend.kv
+    assert per_slot.resident and per_slot.pool_k is not None
+    assert not unified.resident and unified.pool_k is None
