@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.core.config import ResolvedConfig
 from engine.core.types import BatchPlan, ForwardCall, KVOp, StepResult, Task
 from engine.model import BatchChunk, Model
 from engine.model.sampling import Sampler, SamplingParams
@@ -37,8 +38,7 @@ class NumpyBackend:
         self.model = model
         self.n_seq = n_seq
         self.n_ctx_seq = n_ctx_seq
-        # resident (Model.new_kv): the cells allocated and written now, as llama.cpp's; a unified server's slots
-        # get n_ctx cells each here (n_seq x the cells in use at once), so its store is made lazy instead
+        # resident (Model.new_kv): the cells allocated and written now, as llama.cpp's (for_server says when)
         self.kv = model.new_kv(n_seq, n_ctx_seq, unified=False, resident=resident)
         self.default_sampling = default_sampling if default_sampling is not None else SamplingParams()
         self.cache: dict[int, bytes] = {}                  # prompt-cache entry id -> sequence state bytes
@@ -51,6 +51,14 @@ class NumpyBackend:
         self.on_step: Any = None
 
     # --- facts the server builds its ServerConfig from -----------------------------------------------------
+    @classmethod
+    def for_server(cls, model: Model, resolved: ResolvedConfig,
+                   default_sampling: SamplingParams | None = None) -> NumpyBackend:
+        """The backend of a server of `resolved`'s slots and per-slot cells. Its KV is resident (allocated and
+        written at start, as llama.cpp's) unless the server is unified: then every slot gets n_ctx cells here,
+        n_slots x the cells that can be in use at once, and the store stays lazy (docs/engine.md)."""
+        return cls(model, resolved.n_slots, resolved.n_ctx_slot, default_sampling, resident=not resolved.kv_unified)
+
     @property
     def n_threads(self) -> int:
         """Compute threads of the forward passes (`Model.n_threads`: the matmul split's threads, or BLAS's own

@@ -81,8 +81,7 @@ def engine_simulation(model: Any, cfg: ServerConfig, seed: int, temp: float, *, 
     sampling = SamplingParams(temperature=temp, seed=seed & 0xFFFFFFFF, ignore_eos=True,
                               logit_bias=tuple((t, -math.inf) for t in sorted(model.tokenizer.eog_ids)))
     resolved = cfg.resolve()
-    backend = NumpyBackend(model, resolved.n_slots, resolved.n_ctx_slot, default_sampling=sampling,
-                           resident=not resolved.kv_unified)
+    backend = NumpyBackend.for_server(model, resolved, sampling)
     return Simulation(cfg, None, seed=seed, backend=backend, progress=progress, **sim_kw), cfg
 
 

@@ -147,8 +147,7 @@ class ServerState:
                                resolved.cache_limit_bytes)
         core = ServerCore(resolved, make_policies(config.policies), server_log)
         server_log.bind(core.slots)
-        backend = NumpyBackend(model, resolved.n_slots, resolved.n_ctx_slot, opts.default_sampling,
-                               resident=not resolved.kv_unified)
+        backend = NumpyBackend.for_server(model, resolved, opts.default_sampling)
         template_src = opts.chat_template or str(meta.get("tokenizer.chat_template") or "")
         template = None
         if template_src:

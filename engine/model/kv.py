@@ -151,7 +151,8 @@ class KVStore:
         self.n_ctx = n_seq * n_ctx_seq
         self.n_layer, self.n_head_kv, self.head_dim = n_layer, n_head_kv, head_dim
         self.rotator = rotator
-        cell_bytes = 2 * n_layer * n_head_kv * head_dim * self.dtype.itemsize
+        self._cell_values = 2 * n_layer * n_head_kv * head_dim          # K and V values a cell holds
+        cell_bytes = self._cell_values * self.dtype.itemsize
         # Pool capacity per sequence: its own limit, but in unified mode at most 2 * n_ctx_seq (a sequence may
         # use the whole n_ctx, and n_seq * n_ctx cells would be n_seq times what the configuration asks for;
         # with transparent huge pages even lightly used pool rows can become resident). Longer sequences go
@@ -173,7 +174,7 @@ class KVStore:
     @property
     def bytes_per_token(self) -> int:
         """State bytes one cached token costs: its position (int32) plus K and V over all layers."""
-        return 4 + 2 * self.n_layer * self.n_head_kv * self.head_dim * self.dtype.itemsize
+        return 4 + self._cell_values * self.dtype.itemsize
 
     @property
     def n_cells_used(self) -> int:
@@ -284,8 +285,8 @@ class KVStore:
         RESIDENT_MAX_SHARE of the available memory, the store stays lazy (warned)."""
         if self._pool_cap_max <= 0:
             return
-        cell = 2 * self.n_layer * self.n_head_kv * self.head_dim
-        need = self.n_seq * self._pool_cap_max * cell * (self.dtype.itemsize + (4 if self._resident_shadows else 0))
+        need = (self.n_seq * self._pool_cap_max * self._cell_values
+                * (self.dtype.itemsize + (4 if self._resident_shadows else 0)))        # float32 shadows: 4 bytes
         have = available_memory_bytes()
         if have is not None and need > RESIDENT_MAX_SHARE * have:
             # a context far larger than the machine: llama.cpp would fail to allocate it; this store stays lazy
