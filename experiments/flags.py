@@ -416,6 +416,9 @@ FLAGS: tuple[Flag, ...] = (
          _K, float, 0.0, "T"),
     Flag(None, ("--seed",), "seed of tokens and shuffling (default: 0)", _K, int, 0, "N"),
     Flag(None, ("--notes",), "appended to measured_on.notes", _K, str, "", "TEXT"),
+    Flag(None, ("--refit",), "measure nothing: fit this version's latency models to the samples a calibration file "
+         "keeps (its threads and numerics; -m when its model is not the default one) and write them with its "
+         "measurement to --out", _K, str, metavar="FILE.json"),
     Flag(None, ("--quiet",), "no progress bar and no residual table", _K, default=False),
     Flag(None, ("--no-plots",), "do not write <stem>_fit.png", _K, default=False),
     # record: the reverse proxy

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sim.latency_physical import _read_json as read_calibration_json
+from sim.latency_physical import read_calibration_json
 
 PROBE_FILE = "speed_probe.json"    # beside a real run's results (validate's real/): the probes around that run
 SPEED_THRESHOLD = 0.05             # warn when a ratio is off 1 (or before and after differ) by more than this

@@ -451,6 +451,12 @@ def calibration_mismatch(latency: Any, model: str, threads: int, numerics: str =
     cal_numerics = next((n for n in ("ggml", "q", "f32") if f"numerics {n}" in engine), "f32" if engine else None)
     if cal_numerics is not None and cal_numerics != numerics:
         differences.append(f"numerics {cal_numerics} (this run: {numerics})")
+    layout = getattr(latency, "layout", None)
+    if not differences and cal_numerics == "ggml" and layout is not None and not layout.attend_by_token:
+        return (f"the latency model's file ({getattr(latency, 'source', None) or 'calibration'}) was fitted before "
+                f"the physical and table models priced the ggml kernels' attention as they lay it out; refit it "
+                f"(nothing runs) with `slotlab calibrate --refit FILE --out new.json` and pass "
+                f"`--latency parametric:new.json`")
     if not differences:
         return None
     return (f"the latency model was calibrated with {' and '.join(differences)}; sim-vs-real errors will mostly "

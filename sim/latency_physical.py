@@ -18,7 +18,17 @@ step's `StepCost.calls` (each `llama_decode` call's chunks as `(seq, pos0, n_tok
   query-key pairs and reads its keys once; a chunk of more than one block runs its blocks on the threads;
 - host prompt-cache copies: `cache_save` (building a bytes blob) costs several times more per byte than
   `cache_load` (a copy into the KV pool);
-- a K re-rotation per shifted cell; a fixed cost per execute().
+- a K re-rotation per shifted cell; a fixed cost per execute();
+- a long sequence's cells cost more each: Σ over one-token chunks of (cells read)² (`kv_read_sq_s_per_cell2`).
+  Measured on the ggml kernels (AMD EPYC, 2 threads): a decode's marginal cost per cell rises from ~2 µs below
+  1k cells to ~3 µs at 1.5–2k (the query heads that share a KV head re-read it, from cache while it fits).
+
+The ggml numerics' compiled kernels (`EngineLayout.attend_by_token`, `gdecode.decode_layer`) lay attention out
+otherwise: every token attends its own cells (no query blocks, no decode batch), and the call's attention goes to
+the threads as one job: a call of one token by ranges of query heads (SmolLM2's 9 heads in 4 ranges of 2, 2, 2
+and 3 on 2 threads: the busiest does 5/9), a call of several by ranges of tokens (a 16-cell decode next to a
+2048-cell one leaves the long one to one thread). The `*_split` terms count the busiest thread's cells and pairs;
+a prompt chunk reads its keys once (later tokens find them in cache) and computes its pairs.
 
 The **table** variant (`fit_table`, model name "table") replaces the four per-call matmul terms (weights
 streamed, the one-token and the sgemm layouts, the per-token rows) by a cost per forward call that depends on
@@ -35,6 +45,7 @@ weight bytes of one call) are an `EngineLayout`, recorded by `slotlab calibrate`
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -72,7 +83,10 @@ PHYSICAL_TERMS = (
     "save_s_per_byte",           # bytes copied to the host-RAM prompt cache (cache_save)
     "load_s_per_byte",           # bytes restored from it (cache_load)
     "shift_s_per_cell",          # cached cells whose K is re-rotated (context shift, cache reuse)
+    "kv_read_sq_s_per_cell2",    # Σ over one-token chunks of (cells read)²: a long sequence's cells cost more each
 )
+# terms a calibration file may lack (written before they existed): they load as 0, which prices steps as before
+OPTIONAL_TERMS = ("kv_read_sq_s_per_cell2",)
 MODEL_CHOICES = ("simple", "physical", "table")
 # the terms the table model's per-call cost replaces (its fit leaves them at 0)
 TABLE_REPLACES = ("weights_s_per_byte", "one_token_call_s", "gemm_call_s", "token_s")
@@ -81,7 +95,8 @@ _KEPT = tuple(i for i in range(len(PHYSICAL_TERMS)) if i not in _REPLACED)
 # candidate knots of the per-call table (call token counts); a fit keeps those its rows support
 CALL_KNOTS = (*range(1, 17), 24, 32, 48, 64, 65, 128, 256, 512, 768, 1024, 2048)
 LAYOUT_FIELDS = ("weight_bytes", "n_threads", "small_m_max", "decode_batch_min", "decode_split_min",
-                 "attn_query_block", "attn_score_budget", "n_head")
+                 "attn_query_block", "attn_score_budget", "n_head", "attend_by_token", "attend_split_cells",
+                 "attend_pieces")
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +110,13 @@ class EngineLayout:
     threads from this many sequence rows on; attn_query_block and attn_score_budget: a prompt chunk of m
     tokens over n keys is cut into query blocks of min(m, attn_query_block, attn_score_budget // (n_head·n));
     n_head: query heads.
+    attend_by_token (0 or 1): attention as the compiled kernels lay it out (ggml numerics, `gdecode.decode_layer`):
+    every token attends its own cells (a decode its n_past + 1, prompt token i of a chunk pos0 + i + 1), the
+    call's attention together; from `attend_split_cells` cells (summed over the call's tokens) on, with more than
+    one thread, it goes to the threads in `attend_pieces` pieces: a call of one token by ranges of query heads,
+    of several by ranges of tokens of near-equal cells (a token is never cut). The `*_split` terms then count the
+    busiest thread's part (`physical_features`). 0: the f32 layout above (query blocks, decode batches), and
+    attend_split_cells / attend_pieces unused.
     """
 
     weight_bytes: int
@@ -105,13 +127,26 @@ class EngineLayout:
     attn_query_block: int = 128
     attn_score_budget: int = 1 << 22
     n_head: int = 1
+    attend_by_token: int = 0
+    attend_split_cells: int = 0
+    attend_pieces: int = 1
 
     def __post_init__(self) -> None:
         for name in LAYOUT_FIELDS:
             value = getattr(self, name)
-            low = 0 if name in ("weight_bytes", "decode_batch_min") else 1
+            low = 0 if name in ("weight_bytes", "decode_batch_min", "attend_by_token", "attend_split_cells") else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"EngineLayout: {name} must be an integer >= {low}, got {value!r}")
+        if self.attend_by_token not in (0, 1):
+            raise ValueError(f"EngineLayout: attend_by_token must be 0 or 1, got {self.attend_by_token!r}")
+
+    @property
+    def head_share(self) -> float:
+        """The busiest thread's share of a one-token call's split attention (`attend_by_token`): the query heads
+        cut into `attend_pieces` near-equal ranges (`spin.set_cuts`), each range taken in order by the thread
+        that is free first. SmolLM2 (9 heads, 4 pieces, 2 threads): ranges 2, 2, 2, 3 heads, the busiest thread
+        5 of 9."""
+        return _head_share(self.n_head, self.attend_pieces, self.n_threads)
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -129,6 +164,19 @@ class EngineLayout:
             return cls(**data)
         except ValueError as exc:
             raise ValueError(f"{where}: field 'physical.layout': {exc}") from exc
+
+
+@functools.lru_cache(maxsize=64)
+def _head_share(n_head: int, n_pieces: int, n_threads: int) -> float:
+    bounds = [0]
+    for i in range(1, n_pieces + 1):                    # spin.set_cuts with align 1
+        b = n_head if i == n_pieces else min(n_head, n_head * i // n_pieces)
+        if b > bounds[-1]:
+            bounds.append(b)
+    busy = [0] * max(1, n_threads)
+    for a, b in zip(bounds, bounds[1:]):
+        busy[busy.index(min(busy))] += b - a
+    return max(busy) / n_head
 
 
 # --- the step's layout ------------------------------------------------------------------------------
@@ -186,12 +234,14 @@ def physical_features(cost: StepCost, layout: EngineLayout, calls: Any = None) -
     threads = layout.n_threads > 1
     batch_min = layout.decode_batch_min
     n_calls = one_token = gemm = tokens = seqs = 0
-    read = read_split = pairs = pairs_split = 0
+    read = read_split = pairs = pairs_split = 0.0
+    squares = 0
     for call in calls:
         n_calls += 1
         n_ones = call_tokens = 0
         lo = hi = keys = 0
         ones_alone = 0
+        call_pairs = call_keys = call_most = 0
         for seq, pos0, n in call:
             call_tokens += n
             seqs += 1
@@ -203,6 +253,10 @@ def physical_features(cost: StepCost, layout: EngineLayout, calls: Any = None) -
                     lo, hi, keys = min(lo, seq), max(hi, seq), max(keys, pos0 + 1)
                 n_ones += 1
                 ones_alone += pos0 + 1
+                squares += (pos0 + 1) * (pos0 + 1)
+            elif layout.attend_by_token:
+                call_pairs += n * pos0 + n * (n + 1) // 2
+                call_keys += pos0 + n
             else:
                 n_blocks, p, r = chunk_blocks(pos0, n, layout)
                 if threads and n_blocks > 1:
@@ -211,7 +265,19 @@ def physical_features(cost: StepCost, layout: EngineLayout, calls: Any = None) -
                 else:
                     pairs += p
                     read += r
-        if n_ones:
+            call_most = max(call_most, pos0 + n)
+        if layout.attend_by_token:
+            total = ones_alone + call_pairs
+            if not threads or total < layout.attend_split_cells:
+                read_split += ones_alone + call_keys           # one thread does it all: the busiest, alone
+                pairs_split += call_pairs
+            elif call_tokens == 1:
+                read_split += ones_alone * layout.head_share
+            else:
+                share = max(total / layout.n_threads, float(call_most)) / total
+                read_split += (ones_alone + call_keys) * share
+                pairs_split += call_pairs * share
+        elif n_ones:
             if batch_min and n_ones >= batch_min:
                 rows = hi - lo + 1
                 if threads and rows >= layout.decode_split_min:
@@ -227,7 +293,7 @@ def physical_features(cost: StepCost, layout: EngineLayout, calls: Any = None) -
     save = copy if cost.kv_save_bytes is None else cost.kv_save_bytes   # uncounted: priced as saves
     return [1.0, float(layout.weight_bytes * n_calls), float(one_token), float(gemm), float(tokens), float(seqs),
             float(read), float(read_split), float(pairs), float(pairs_split), float(save), float(copy - save),
-            float(cost.kv_shift_tokens)]
+            float(cost.kv_shift_tokens), float(squares)]
 
 
 def call_tokens(cost: StepCost, calls: Any = None) -> list[int]:
@@ -352,7 +418,16 @@ class PhysicalLatency:
         i = np.arange(k, dtype=np.int64)                                     # [k]
         zero = np.zeros(k)
         read, read_split = zero, zero
-        if lay.decode_batch_min and n_seqs >= lay.decode_batch_min:
+        cells = (sum(p + 1 for _, p in decode) + n_seqs * i).astype(np.float64)   # [k] each token's own cells
+        if lay.attend_by_token:
+            split = (cells >= lay.attend_split_cells) if lay.n_threads > 1 else np.zeros(k, bool)
+            if n_seqs == 1:
+                busiest = cells * lay.head_share
+            else:
+                most = (max(p for _, p in decode) + 1 + i).astype(np.float64)
+                busiest = cells * (np.maximum(cells / lay.n_threads, most) / cells)
+            read_split = np.where(split, busiest, cells)
+        elif lay.decode_batch_min and n_seqs >= lay.decode_batch_min:
             seqs = [s for s, _ in decode]
             rows = max(seqs) - min(seqs) + 1
             cells = (rows * (max(p for _, p in decode) + 1 + i)).astype(np.float64)   # [k]
@@ -361,9 +436,10 @@ class PhysicalLatency:
             else:
                 read = cells
         else:
-            read = (sum(p + 1 for _, p in decode) + n_seqs * i).astype(np.float64)
+            read = cells
+        squares = sum((np.int64(p) + 1 + i) ** 2 for _, p in decode).astype(np.float64)     # [k]
         x = [1.0, float(lay.weight_bytes), float(n_seqs == 1), float(n_seqs > lay.small_m_max), float(n_seqs),
-             float(n_seqs), read, read_split, 0.0, 0.0, 0.0, 0.0, 0.0]
+             float(n_seqs), read, read_split, 0.0, 0.0, 0.0, 0.0, 0.0, squares]
         t = np.zeros(k)
         for c, xi in zip(self.coefficients, x):
             t += c * xi
@@ -509,7 +585,7 @@ def save_calibration_file(path: str | Path, simple: FitResult, measured_on: Meas
     Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
-def _read_json(path: str | Path) -> dict:
+def read_calibration_json(path: str | Path) -> dict:
     where = str(path)
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -527,7 +603,7 @@ def load_physical(path: str | Path, block: str = "physical") -> PhysicalLatency:
     ValueError naming file and field when it has none or it is malformed."""
     where = str(path)
     simple = load_calibration(path)                   # validates the common part (kind, measured_on)
-    data = _read_json(path)
+    data = read_calibration_json(path)
     part = data.get(block)
     if part is None:
         raise ValueError(f"{where}: no field '{block}' (a calibration without the {block} model: "
@@ -537,7 +613,10 @@ def load_physical(path: str | Path, block: str = "physical") -> PhysicalLatency:
     for name in ("terms", "layout", *(("call_table",) if block == "table" else ())):
         if name not in part:
             raise ValueError(f"{where}: missing field '{block}.{name}'")
-    values = tuple(_require_numbers(where, f"{block}.terms", part["terms"], PHYSICAL_TERMS).values())
+    terms = part["terms"]
+    if isinstance(terms, dict):                       # a file written before a term existed: that term is 0
+        terms = {**{name: 0.0 for name in OPTIONAL_TERMS}, **terms}
+    values = tuple(_require_numbers(where, f"{block}.terms", terms, PHYSICAL_TERMS).values())
     layout = EngineLayout.from_dict(part["layout"], where)
     table: tuple[tuple[int, float], ...] = ()
     if block == "table":
@@ -564,7 +643,7 @@ def load_latency_file(path: str | Path, model: str | None = None) -> ParametricL
     field (files without one hold only the simple model)."""
     where = str(path)
     if model is None:
-        chosen = _read_json(path).get("model", "simple")
+        chosen = read_calibration_json(path).get("model", "simple")
         if chosen not in MODEL_CHOICES:
             raise ValueError(f"{where}: field 'model' must be one of {MODEL_CHOICES}, got {chosen!r}")
     else:

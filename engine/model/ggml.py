@@ -644,16 +644,31 @@ def compiled_layers(w: Any, hp: HParams, rope: Rope, mm: Matmul, kv: KVStore, se
     `sizes` tokens, on x [T, D]) in one compiled call each (`gdecode.decode_layers`, the layer loop's bits). False,
     nothing done, unless the matmul is the compiled one with 1 thread or polling workers, the KV store fp16,
     head_dim a multiple of 16, and every layer matrix one exact part."""
-    if (not isinstance(mm, GgmlMatmul) or not mm.compiled or (mm.n_threads > 1 and mm._spin is None)
-            or kv.dtype != np.float16 or hp.head_dim % 16 or x.shape[0] != sum(sizes)):
+    if not runs_compiled_layers(mm, w, hp, kv.dtype) or x.shape[0] != sum(sizes):
         return False
     layers = _fused_layers(mm, w)
-    if layers is None:
-        return False
     from engine.model import gdecode
     gdecode.decode_layers(layers, hp, rope, kv, seqs, sizes, x, pos, mm._spin,
                           mm.n_threads * _SPIN_PIECES_PER_THREAD, _SPLIT_MIN_MACS, attention_scale(hp.head_dim))
     return True
+
+
+def runs_compiled_layers(mm: Matmul, w: Any, hp: HParams, kv_dtype: Any) -> bool:
+    """Whether `compiled_layers` runs a step's layers (and so lays its attention out per token, `gdecode`): the
+    matmul is the compiled one with 1 thread or polling workers, the KV store fp16, head_dim a multiple of 16,
+    and every layer matrix one exact part."""
+    return (isinstance(mm, GgmlMatmul) and mm.compiled and not (mm.n_threads > 1 and mm._spin is None)
+            and np.dtype(kv_dtype) == np.float16 and hp.head_dim % 16 == 0 and _fused_layers(mm, w) is not None)
+
+
+def attend_layout(n_threads: int, hp: HParams) -> dict[str, int]:
+    """The layout constants of the compiled attention (`sim.latency_physical.EngineLayout.attend_*`): it goes to
+    the threads from `gdecode.ATTEND_SPLIT_MIN` cells x n_head x head_dim on, in n_threads x
+    _SPIN_PIECES_PER_THREAD pieces (`compiled_layers`)."""
+    from engine.model import gdecode
+    n_q = hp.n_head * hp.head_dim
+    return {"attend_by_token": 1, "attend_split_cells": -(-gdecode.ATTEND_SPLIT_MIN // n_q),
+            "attend_pieces": n_threads * _SPIN_PIECES_PER_THREAD}
 
 
 def _dot_kind(p: Q8_1DotPart) -> int:

@@ -260,3 +260,19 @@ def test_compiled_layers_give_the_layer_loops_bits_for_mixed_batches(tiny_gguf, 
     assert len(calls) == 6 * model.hparams.n_layer
     assert np.array_equal(got[0], want[0])
     assert got[1] == want[1]
+
+
+@pytest.mark.parametrize("numerics, by_token", [("ggml", 1), ("f32", 0)])
+def test_the_calibration_layout_says_whether_the_compiled_layers_attend(tiny_gguf, monkeypatch, numerics, by_token):
+    """`engine_layout` prices attention by token exactly when `compiled_layers` runs the step."""
+    from experiments.calibrate import engine_layout
+    model = load(tiny_gguf(tensor_type="Q4_1"), n_threads=2, numerics=numerics)
+    layout = engine_layout(model)
+    assert layout.attend_by_token == by_token
+    calls = _counting(monkeypatch)
+    kv = model.new_kv(1, 64)
+    model.forward_batch(kv, [BatchChunk(0, PROMPT, 0, True)])
+    assert bool(calls) == bool(by_token)
+    if by_token:
+        assert layout.attend_pieces == 2 * G._SPIN_PIECES_PER_THREAD
+        assert layout.attend_split_cells * model.hparams.n_head * model.hparams.head_dim >= gdecode.ATTEND_SPLIT_MIN

@@ -684,3 +684,45 @@ def test_a_budget_of_one_replays_every_step_even_when_replays_run_longer(tiny):
     replayed = [m.prompt for m in probe._pending]
     assert replayed.count(True) == 20 and replayed.count(False) < 16        # a budget below 1 keeps its credit
     assert {m.ops for m in probe._pending if m.prompt} == {(("save", 0, 32), ("load", 0, 64))}
+
+
+# --- --refit: this version's models fitted to a file's stored samples -----------------------------------------
+
+
+def test_refit_of_a_calibration_fits_the_same_models_to_its_samples(tiny, calibrated, tmp_path, capsys):
+    rc, src = calibrated
+    out = tmp_path / "refit.json"
+    assert run_calibrate(parse("-m", tiny, "--refit", str(src), "--quiet", "--no-plots",
+                               "--out", str(out))) == 0
+    old, new = json.loads(src.read_text()), json.loads(out.read_text())
+    for key in ("physical", "table", "coefficients", "samples", "probe", "load", "measurement", "load_moved"):
+        assert new[key] == old[key], key                      # same samples, same code: the same fits
+    assert new["measured_on"]["date"] == old["measured_on"]["date"]
+    assert "refit" in new["measured_on"]["notes"] and new["refit"]["from"] == str(src)
+    assert load_latency_file(out) == load_latency_file(src)
+    assert (tmp_path / "refit_steps.csv").exists() and "wrote" in capsys.readouterr().out
+
+
+def test_refit_refuses_a_file_without_samples_or_with_a_shape_it_does_not_know(tiny, calibrated, tmp_path, capsys):
+    _, src = calibrated
+    data = json.loads(src.read_text())
+    for edit, message in ((lambda d: d.pop("samples"), "no field 'samples'"),
+                          (lambda d: d["samples"][3].update(label="7x decode @9"),
+                           "samples[3]: '7x decode @9' is not a shape"),
+                          (lambda d: d["samples"][0].update(samples_s=[]), "samples[0].samples_s"),
+                          (lambda d: d["measured_on"].update(engine="abacus"), "names no numerics")):
+        bad = json.loads(json.dumps(data))
+        edit(bad)
+        path = tmp_path / "bad.json"
+        path.write_text(json.dumps(bad))
+        assert run_calibrate(parse("-m", tiny, "--refit", str(path), "--out", str(tmp_path / "o.json"))) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "o.json").exists()
+
+
+def test_refit_names_the_model_the_file_was_measured_on(tiny, calibrated, tmp_path, capsys):
+    _, src = calibrated
+    other = tmp_path / "other.gguf"
+    other.write_bytes(open(tiny, "rb").read())
+    assert run_calibrate(parse("-m", str(other), "--refit", str(src), "--out", str(tmp_path / "o.json"))) == 2
+    assert "was measured on model 'tiny.gguf', not 'other.gguf'" in capsys.readouterr().err

@@ -227,6 +227,18 @@ def test_a_calibration_of_another_numerics_is_named():
     assert "numerics ggml (this run: f32)" in calibration_mismatch(ggml, model, 2, "f32")
 
 
+def test_a_ggml_calibration_fitted_before_the_by_token_layout_is_named_with_the_refit(tmp_path):
+    from dataclasses import replace
+
+    from experiments.validate import MEASURED_CALIBRATION, calibration_mismatch
+    from sim.latency_spec import get_latency_model
+    ggml = get_latency_model(f"parametric:{MEASURED_CALIBRATION.with_name('smollm2_ggml_2threads.json')}")
+    assert ggml.layout.attend_by_token == 1                      # the shipped file is fitted with it
+    old = replace(ggml, layout=replace(ggml.layout, attend_by_token=0))
+    why = calibration_mismatch(old, "/x/SmolLM2-135M-Instruct.Q4_1.gguf", 2, "ggml")
+    assert "slotlab calibrate --refit" in why
+
+
 def test_validate_warns_when_the_calibration_is_of_another_setup(tiny, calib, tmp_path, capsys):
     assert run_validate(parse("-m", tiny, "--threads", "2", "--latency", f"parametric:{calib}", "--quiet",
                               "--no-plots", "--out", str(tmp_path / "v"), *WORKLOAD)) == 0

@@ -94,6 +94,65 @@ def test_prompt_chunk_of_several_blocks_runs_them_on_the_threads():
     assert term(big, "gemm_call_s") == 1 and term(one_call((0, 0, 64)), "gemm_call_s") == 0
 
 
+BY_TOKEN = EngineLayout(LAYOUT.weight_bytes, n_threads=2, decode_batch_min=0, n_head=9, attend_by_token=1,
+                        attend_split_cells=114, attend_pieces=4)
+
+
+@pytest.mark.parametrize("n_head, pieces, threads, share", [
+    (9, 4, 2, 5 / 9),        # ranges 2, 2, 2, 3: the thread free first takes the next, the busiest ends with 2 + 3
+    (8, 4, 2, 4 / 8),        # 2, 2, 2, 2: even
+    (9, 4, 1, 1.0),          # one thread takes every range
+    (3, 8, 4, 1 / 3),        # fewer heads than pieces: one head per range, no thread gets two
+    (9, 1, 2, 1.0),          # one range: one thread
+])
+def test_head_share_is_the_busiest_threads_share_of_the_query_heads(n_head, pieces, threads, share):
+    lay = EngineLayout(1, n_threads=threads, n_head=n_head, attend_by_token=1, attend_pieces=pieces)
+    assert lay.head_share == pytest.approx(share, rel=1e-15)
+
+
+def test_by_token_attention_goes_to_the_threads_by_heads_or_by_tokens():
+    """The compiled kernels' layout (gdecode.decode_layer): one token's cells split by query heads, several
+    tokens' by tokens (a token never cut), below attend_split_cells on one thread. The *_split terms count the
+    busiest thread's cells and pairs, so an unsplit call counts all of them there."""
+    lone = one_call((0, 999, 1))
+    assert term(lone, "kv_read_split_s_per_cell", BY_TOKEN) == pytest.approx(1000 * 5 / 9, rel=1e-15)
+    assert term(lone, "kv_read_s_per_cell", BY_TOKEN) == 0
+    short = one_call((0, 100, 1))                    # 101 cells < 114: unsplit, one thread reads them all
+    assert term(short, "kv_read_split_s_per_cell", BY_TOKEN) == 101
+    assert term(short, "kv_read_s_per_cell", BY_TOKEN) == 0
+    even = one_call((0, 499, 1), (5, 499, 1))                          # no rows x keys padding, halves
+    assert term(even, "kv_read_split_s_per_cell", BY_TOKEN) == 500
+    uneven = one_call((0, 15, 1), (1, 2047, 1))                        # the 2048-cell token is one thread's
+    assert term(uneven, "kv_read_split_s_per_cell", BY_TOKEN) == 2048
+    mixed = one_call((0, 999, 1), (1, 0, 100))     # 1000 decode cells; the chunk: 5050 pairs, its 100 keys read once
+    total = 1000 + 100 * 101 // 2
+    assert term(mixed, "kv_read_split_s_per_cell", BY_TOKEN) == pytest.approx((1000 + 100) * (total / 2) / total)
+    assert term(mixed, "attn_pair_split_s", BY_TOKEN) == pytest.approx(5050 * (total / 2) / total)
+    assert term(mixed, "attn_pair_s", BY_TOKEN) == 0                   # no query blocks in this layout
+    one_thread = EngineLayout(**{**BY_TOKEN.to_dict(), "n_threads": 1})
+    assert term(mixed, "kv_read_split_s_per_cell", one_thread) == 1000 + 100
+    assert term(mixed, "attn_pair_split_s", one_thread) == 5050
+    continued = one_call((0, 512, 4))                                  # keys 513..516, 4 tokens over 2 threads
+    assert term(continued, "attn_pair_split_s", BY_TOKEN) == pytest.approx((4 * 512 + 10) / 2)
+    assert term(continued, "kv_read_split_s_per_cell", BY_TOKEN) == pytest.approx(516 / 2)
+
+
+def test_squared_cells_count_each_one_token_chunk_alone():
+    cost = one_call((0, 9, 1), (1, 99, 1), (2, 0, 50))                 # the prompt chunk adds nothing
+    assert term(cost, "kv_read_sq_s_per_cell2") == 10 ** 2 + 100 ** 2
+    assert term(cost, "kv_read_sq_s_per_cell2", BY_TOKEN) == 10 ** 2 + 100 ** 2
+
+
+def test_compiled_attention_layout_constants_are_the_engines():
+    import math
+    from types import SimpleNamespace
+
+    from engine.model import gdecode, ggml
+    lay = ggml.attend_layout(2, SimpleNamespace(n_head=9, head_dim=64))
+    assert lay == {"attend_by_token": 1, "attend_split_cells": math.ceil(gdecode.ATTEND_SPLIT_MIN / (9 * 64)),
+                   "attend_pieces": 2 * ggml._SPIN_PIECES_PER_THREAD}
+
+
 def test_weights_are_streamed_once_per_call_and_saves_priced_apart_from_loads():
     cost = StepCost(0, 0, 2, 0, n_forward_calls=2, kv_copy_bytes=10 * BPT, calls=(((0, 5, 1),), ((1, 5, 1),)),
                     kv_save_bytes=4 * BPT)
@@ -129,10 +188,12 @@ def test_estimated_layout_is_exact_for_equal_decodes_and_a_single_chunk():
 
 @settings(max_examples=60, deadline=None)
 @given(pasts=st.lists(st.integers(0, 5000), min_size=1, max_size=20), gap=st.integers(0, 6),
-       k=st.integers(0, 40), threads=st.sampled_from([1, 2]), batch_min=st.sampled_from([0, 2]))
-def test_decode_only_times_equal_the_step_times_of_their_layout(pasts, gap, k, threads, batch_min):
-    lay = EngineLayout(LAYOUT.weight_bytes, n_threads=threads, decode_batch_min=batch_min, n_head=9)
-    model = PhysicalLatency(TRUTH.coefficients, lay)
+       k=st.integers(0, 40), threads=st.sampled_from([1, 2]), batch_min=st.sampled_from([0, 2]),
+       by_token=st.sampled_from([0, 1]))
+def test_decode_only_times_equal_the_step_times_of_their_layout(pasts, gap, k, threads, batch_min, by_token):
+    lay = EngineLayout(LAYOUT.weight_bytes, n_threads=threads, decode_batch_min=0 if by_token else batch_min, n_head=9,
+                       attend_by_token=by_token, attend_split_cells=114 * by_token, attend_pieces=4)
+    model = PhysicalLatency(TRUTH.coefficients[:-1] + (3e-10,), lay)
     decode = [(i + (gap if i else 0), p) for i, p in enumerate(pasts)]
     n, attn0 = len(pasts), sum(p + 1 for p in pasts)
     expected = [model.step_time_s(StepCost(0, n, n, attn0 + i * n, calls=(tuple((s, p + i, 1) for s, p in decode),)))
@@ -281,6 +342,22 @@ def test_simple_default_and_old_files_load_the_simple_model(tmp_path):
     assert get_latency_model(f"parametric:{old}") == simple.model
     with pytest.raises(ValueError, match="no field 'physical'"):
         get_latency_model(f"physical:{old}")
+
+
+def test_files_written_before_the_by_token_layout_and_squared_cells_price_as_before(tmp_path):
+    simple, physical = both_fits()
+    path = tmp_path / "cal.json"
+    save_calibration_file(path, simple, MEASURED_ON, physical=physical)
+    data = json.loads(path.read_text())
+    data["physical"]["terms"].pop("kv_read_sq_s_per_cell2")
+    for name in ("attend_by_token", "attend_split_cells", "attend_pieces"):
+        data["physical"]["layout"].pop(name)
+    path.write_text(json.dumps(data))
+    old = load_physical(path)
+    assert old.terms()["kv_read_sq_s_per_cell2"] == 0 and old.layout.attend_by_token == 0
+    unsquared = PhysicalLatency(physical.model.coefficients[:-1] + (0.0,), physical.model.layout)
+    for cost in synthetic_costs(np.random.default_rng(3))[:40]:
+        assert old.step_time_s(cost) == unsquared.step_time_s(cost)
 
 
 @pytest.mark.parametrize("edit, message", [
