@@ -31,11 +31,12 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from experiments.results import LATENCY_METRICS, STATS, latency_stats_rows
+
 FLOOR_DRAWS = 400                 # drawn runs per validation: the within-target fractions to about +-2.5%
 FLOOR_MIN_REPLAYS = 10            # fewer replays in the run (both paths together): no floor
 FLOOR_TARGET = 0.03               # the aggregate target the fractions count against (issue #14: 3%)
-FLOOR_STATS = ("p50", "p90", "p99", "mean")
-FLOOR_METRICS = ("ttft", "tpot", "e2e")
+FLOOR_METRICS = tuple(m for m in LATENCY_METRICS if m != "queue")   # a queue time is not a step's: no floor
 _CHUNK_CELLS = 4_000_000          # draws x steps per block of the draws (32 MB of float64)
 
 
@@ -68,13 +69,6 @@ def interval_deltas(start_s: np.ndarray, elapsed_s: np.ndarray, lo: np.ndarray, 
     cut_right = np.clip(end_s[s - 1] - hi, 0.0, elapsed_s[s - 1])  # the last step's part after hi
     out = full - cut_left * change[:, f] - cut_right * change[:, s - 1]
     return np.where(some, out, 0.0)
-
-
-def _percentiles(values: np.ndarray) -> np.ndarray:
-    """[draws, requests] -> [draws, 4]: P50, P90, P99 (linear interpolation, as validate) and mean, over the
-    finite values of each draw (the same requests in every draw)."""
-    return np.concatenate([np.percentile(values, (50, 90, 99), axis=1).T, values.mean(axis=1, keepdims=True)],
-                          axis=1)
 
 
 def repeat_floor(steps: pd.DataFrame | None, requests: pd.DataFrame, track: Any, *, draws: int = FLOOR_DRAWS,
@@ -113,7 +107,7 @@ def repeat_floor(steps: pd.DataFrame | None, requests: pd.DataFrame, track: Any,
     has_tpot = np.isfinite(tpot)
     gen_end = first + np.where(has_tpot, tpot, 0.0) * gaps      # the last token (tpot's span), not the reply's end
     base = {"ttft": ttft, "tpot": tpot[has_tpot], "e2e": e2e}
-    base_stats = {m: _percentiles(v[None, :])[0] for m, v in base.items() if len(v)}
+    base_stats = {m: latency_stats_rows(v[None, :])[0] for m, v in base.items() if len(v)}
     rng = np.random.default_rng(seed)
     agg: dict[str, list[np.ndarray]] = {m: [] for m in base_stats}
     per: dict[str, list[np.ndarray]] = {m: [] for m in base_stats}
@@ -131,7 +125,7 @@ def repeat_floor(steps: pd.DataFrame | None, requests: pd.DataFrame, track: Any,
         d_e2e = interval_deltas(start, elapsed, arrival, end, change)
         new = {"ttft": ttft + d_ttft, "e2e": e2e + d_e2e, "tpot": (tpot + d_gen / gaps)[:, has_tpot]}
         for m in agg:
-            agg[m].append(_percentiles(new[m]) / base_stats[m] - 1.0)
+            agg[m].append(latency_stats_rows(new[m]) / base_stats[m] - 1.0)
             per[m].append(np.median(np.abs(new[m] / base[m] - 1.0), axis=1))
         done += k
     aggregate = []
@@ -139,7 +133,7 @@ def repeat_floor(steps: pd.DataFrame | None, requests: pd.DataFrame, track: Any,
         if m not in agg:
             continue
         err = np.abs(np.concatenate(agg[m]))
-        for j, stat in enumerate(FLOOR_STATS):
+        for j, stat in enumerate(STATS):
             aggregate.append({"metric": m, "stat": stat, "median_abs": float(np.median(err[:, j])),
                               "p90_abs": float(np.percentile(err[:, j], 90)),
                               "within_target": float(np.mean(err[:, j] <= target))})

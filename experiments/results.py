@@ -37,6 +37,7 @@ _INT_COLUMNS = ("request", "turn", "slot", "n_prompt", "n_cached", "n_processed"
                 "n_deferred")
 LATENCY_METRICS = ("ttft", "tpot", "e2e", "queue")
 PERCENTILES = (50, 90, 99)
+STATS = tuple(f"p{p}" for p in PERCENTILES) + ("mean",)    # the statistics of a latency metric, in this order
 
 FILES = {
     "config": "config.json",
@@ -86,14 +87,20 @@ def timeline_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
 # --- summary ---------------------------------------------------------------------------------------
 
 
-def _stats(values: pd.Series) -> dict[str, float]:
-    """Mean and P50/P90/P99 (numpy's linear interpolation) of the finite values; NaN when there are none."""
+def latency_stats(values: pd.Series) -> dict[str, float]:
+    """STATS of the finite values: P50/P90/P99 (numpy's linear interpolation) and the mean; NaN when there are
+    none. The one definition the results summary, validate's aggregates and the repeat floor share."""
     v = values.to_numpy(dtype="float64", na_value=np.nan)
     v = v[np.isfinite(v)]
     if v.size == 0:
-        return {"mean": math.nan, **{f"p{p}": math.nan for p in PERCENTILES}}
-    q = np.percentile(v, PERCENTILES)
-    return {"mean": float(v.mean()), **{f"p{p}": float(x) for p, x in zip(PERCENTILES, q)}}
+        return dict.fromkeys(STATS, math.nan)
+    return dict(zip(STATS, (float(x) for x in latency_stats_rows(v[None, :])[0])))
+
+
+def latency_stats_rows(values: np.ndarray) -> np.ndarray:
+    """[rows, n] -> [rows, len(STATS)]: `latency_stats` of each row (all finite), at once."""
+    return np.concatenate([np.percentile(values, PERCENTILES, axis=1).T, values.mean(axis=1, keepdims=True)],
+                          axis=1)
 
 
 def _counter(source: Any, name: str, default: int = 0) -> int:
@@ -210,7 +217,7 @@ def summarize(requests: pd.DataFrame, *, sim_s: float | None = None, cache_stats
         row[f"errors_{kind}"] = counts.get(kind, 0)
     row["errors_by_kind"] = " | ".join(b["text"] for b in breakdown)
     for m in LATENCY_METRICS:
-        st = _stats(ok[f"{m}_s"])
+        st = latency_stats(ok[f"{m}_s"])
         row[f"{m}_mean_s"] = st["mean"]
         for p in PERCENTILES:
             row[f"{m}_p{p}_s"] = st[f"p{p}"]

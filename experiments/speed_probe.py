@@ -11,6 +11,7 @@ warnings. See docs/validation_sim.md §6 for what one factor can and cannot corr
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import statistics
@@ -619,8 +620,18 @@ def window_knots(clock_s: Sequence[float], ratio: Sequence[float], prompt: Seque
     centres = [(w + 0.5) * every_s for w in range(n)]
     prompt_at = sorted((float(c), float(r)) for c, r, p in zip(clock_s, ratio, prompt) if p)
     if prompt_fill and prompt_at:
+        clocks = [c for c, _ in prompt_at]
+
         def nearest_median(centre: float) -> float:
-            near = sorted(range(len(prompt_at)), key=lambda i: abs(prompt_at[i][0] - centre))[:prompt_fill]
+            # the k nearest lie within k places of centre's, widened to whole groups of equal clocks (whose order
+            # decides a tie): sorting those few by distance picks what sorting all of them would
+            at = bisect.bisect_left(clocks, centre)
+            lo, hi = max(0, at - prompt_fill), min(len(clocks), at + prompt_fill)
+            while lo > 0 and clocks[lo - 1] == clocks[lo]:
+                lo -= 1
+            while hi < len(clocks) and clocks[hi] == clocks[hi - 1]:
+                hi += 1
+            near = sorted(range(lo, hi), key=lambda i: abs(clocks[i] - centre))[:prompt_fill]
             return float(statistics.median(prompt_at[i][1] for i in near))
         factor_prompt = [v if v is not None else nearest_median(c) for v, c in zip(raw_prompt, centres)]
     else:

@@ -53,7 +53,7 @@ from experiments.calibrate import (
 )
 from experiments.repeat_floor import format_repeat_floor, repeat_floor
 from experiments.replay import run_replay
-from experiments.results import load_results, write_json, write_run
+from experiments.results import LATENCY_METRICS, STATS, latency_stats, load_results, write_json, write_run
 from experiments.runs import follow, out_dir, resolve_model, run_context, server_config
 from experiments.speed_probe import (
     PROBE_FILE,
@@ -93,9 +93,8 @@ from sim.latency_spec import get_latency_model
 from traces import Trace, read_trace
 from traces.synthetic.chat import ChatWorkload
 
-METRICS = ("ttft", "tpot", "e2e", "queue")
+METRICS = LATENCY_METRICS
 CORRECTIONS = ("probe", "grid", "track", "track-mix", "steps")   # --speed-correct values that change the step times
-STATS = ("p50", "p90", "p99", "mean")
 MEASURED_CALIBRATION = Path(__file__).resolve().parents[1] / "sim" / "data" / "smollm2_numpy_2threads.json"
 # the same grid measured in the ggml numerics (`slotlab calibrate --threads 2 --numerics ggml`): the default latency
 # of `validate --numerics ggml`
@@ -141,16 +140,6 @@ def compare_requests(real: pd.DataFrame, sim: pd.DataFrame) -> pd.DataFrame:
     return out.sort_values("request").reset_index(drop=True)
 
 
-def _stats(values: pd.Series) -> dict[str, float]:
-    """P50/P90/P99 (numpy's linear interpolation, as the results summary) and mean of the finite values."""
-    v = values.to_numpy(dtype="float64", na_value=np.nan)
-    v = v[np.isfinite(v)]
-    if v.size == 0:
-        return dict.fromkeys(STATS, math.nan)
-    p50, p90, p99 = np.percentile(v, (50, 90, 99))
-    return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(v.mean())}
-
-
 def aggregate_errors(real: pd.DataFrame, sim: pd.DataFrame) -> pd.DataFrame:
     """The aggregate table: for each metric and statistic (over finished requests of each run), the real and
     simulated value, their difference (sim − real, seconds) and relative error ((sim − real) / real)."""
@@ -158,7 +147,7 @@ def aggregate_errors(real: pd.DataFrame, sim: pd.DataFrame) -> pd.DataFrame:
     ok_r = real[real["finish"] != "error"]
     ok_s = sim[sim["finish"] != "error"]
     for m in METRICS:
-        sr, ss = _stats(ok_r[f"{m}_s"]), _stats(ok_s[f"{m}_s"])
+        sr, ss = latency_stats(ok_r[f"{m}_s"]), latency_stats(ok_s[f"{m}_s"])
         for st in STATS:
             rv, sv = sr[st], ss[st]
             rel = (sv - rv) / rv if rv and math.isfinite(rv) else math.nan

@@ -7,6 +7,8 @@ import re
 import statistics
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from experiments.calibrate import probe_points
 from experiments.speed_probe import (
@@ -460,3 +462,20 @@ def test_format_speed_and_the_warnings_name_the_replays():
     assert format_speed(report, 1.0).endswith(f"simulator step times {span}, following the run's clock (replays)")
     (text,) = [w for w in speed_warnings(report, "parametric:cal.json", "track-mix", 1.0) if "were multiplied by" in w]
     assert "measured by replaying a sample of the run's own steps during it (--speed-correct track-mix)" in text
+
+
+@settings(max_examples=200, deadline=None)
+@given(samples=st.lists(st.tuples(st.integers(0, 40).map(lambda c: c / 4), st.floats(0.5, 2.0), st.booleans()),
+                        min_size=1, max_size=60),
+       k=st.integers(1, 12))
+def test_the_prompt_fill_takes_what_sorting_every_prompt_sample_by_distance_takes(samples, k):
+    """The fill looks only near each window's centre; it must pick the same k samples (ties: the earlier, then the
+    smaller ratio) as sorting all of them."""
+    from experiments.speed_probe import window_knots
+    clock, ratio, prompt = zip(*samples)
+    knots = window_knots(clock, ratio, prompt, 1.0, 10.5, statistics.fmean, prompt_fill=k)
+    at = sorted((c, r) for c, r, p in samples if p)
+    for centre, raw, got in zip(knots["clock_s"], knots["raw_prompt"], knots["factor_prompt"]):
+        if raw is None and at:
+            near = sorted(range(len(at)), key=lambda i: abs(at[i][0] - centre))[:k]
+            assert got == statistics.median(at[i][1] for i in near)
