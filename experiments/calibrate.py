@@ -949,6 +949,15 @@ def format_coefficients(model: Any) -> str:
             f"{1000 * c['g_call_s']:.3f} ms·(calls-1)")
 
 
+def _kept_terms(t: dict[str, float]) -> str:
+    """The terms the physical and the table model share, in readable units."""
+    return (f"{1000 * t['seq_s']:.3f} ms/sequence, KV read {1e6 * t['kv_read_s_per_cell']:.2f} µs/cell "
+            f"({1e6 * t['kv_read_split_s_per_cell']:.2f} split, +{1e9 * t['kv_read_sq_s_per_cell2']:.2f} µs/cell "
+            f"per 1k cells of the sequence), attention {1e6 * t['attn_pair_s']:.3f} µs/pair "
+            f"({1e6 * t['attn_pair_split_s']:.3f} split), save {1e9 * t['save_s_per_byte']:.3f} ns/B, "
+            f"load {1e9 * t['load_s_per_byte']:.3f} ns/B, shift {1e6 * t['shift_s_per_cell']:.1f} µs/cell")
+
+
 def format_terms(model: Any) -> str:
     """The physical model's terms in readable units (and the weights' effective streaming rate)."""
     t = model.terms()
@@ -957,22 +966,14 @@ def format_terms(model: Any) -> str:
     return (f"physical: step {1000 * t['step_s']:.2f} ms, per call {1000 * t['weights_s_per_byte'] * wb:.2f} ms"
             f"{rate}, +{1000 * t['one_token_call_s']:.2f} ms per one-token call, "
             f"+{1000 * t['gemm_call_s']:.2f} ms per call of > {model.layout.small_m_max} tokens, "
-            f"{1000 * t['token_s']:.3f} ms/token, "
-            f"{1000 * t['seq_s']:.3f} ms/sequence, KV read {1e6 * t['kv_read_s_per_cell']:.2f} µs/cell "
-            f"({1e6 * t['kv_read_split_s_per_cell']:.2f} split), attention {1e6 * t['attn_pair_s']:.3f} µs/pair "
-            f"({1e6 * t['attn_pair_split_s']:.3f} split), save {1e9 * t['save_s_per_byte']:.3f} ns/B, "
-            f"load {1e9 * t['load_s_per_byte']:.3f} ns/B, shift {1e6 * t['shift_s_per_cell']:.1f} µs/cell")
+            f"{1000 * t['token_s']:.3f} ms/token, {_kept_terms(t)}")
 
 
 def format_table(model: Any) -> str:
     """The table model's per-call costs (ms per forward call of m tokens) and the terms it keeps."""
     t = model.terms()
     cells = ", ".join(f"{m}: {1000 * sec:.1f}" for m, sec in model.call_table)
-    return (f"table: per forward call of m tokens, ms ({cells}); step {1000 * t['step_s']:.2f} ms, "
-            f"{1000 * t['seq_s']:.3f} ms/sequence, KV read {1e6 * t['kv_read_s_per_cell']:.2f} µs/cell "
-            f"({1e6 * t['kv_read_split_s_per_cell']:.2f} split), attention {1e6 * t['attn_pair_s']:.3f} µs/pair "
-            f"({1e6 * t['attn_pair_split_s']:.3f} split), save {1e9 * t['save_s_per_byte']:.3f} ns/B, "
-            f"load {1e9 * t['load_s_per_byte']:.3f} ns/B, shift {1e6 * t['shift_s_per_cell']:.1f} µs/cell")
+    return f"table: per forward call of m tokens, ms ({cells}); step {1000 * t['step_s']:.2f} ms, {_kept_terms(t)}"
 
 
 def format_residuals(steps: Any) -> str:
