@@ -19,7 +19,7 @@ step's `StepCost.calls` (each `llama_decode` call's chunks as `(seq, pos0, n_tok
 - host prompt-cache copies: `cache_save` (building a bytes blob) costs several times more per byte than
   `cache_load` (a copy into the KV pool);
 - a K re-rotation per shifted cell; a fixed cost per execute();
-- a long sequence's cells cost more each: Σ over one-token chunks of (cells read)² (`kv_read_sq_s_per_cell2`).
+- a long sequence's cells cost more each: Σ over one-token chunks of (n_past + 1)² (`kv_read_sq_s_per_cell2`).
   Measured on the ggml kernels (AMD EPYC, 2 threads): a decode's marginal cost per cell rises from ~2 µs below
   1k cells to ~3 µs at 1.5–2k (the query heads that share a KV head re-read it, from cache while it fits).
 
@@ -83,7 +83,7 @@ PHYSICAL_TERMS = (
     "save_s_per_byte",           # bytes copied to the host-RAM prompt cache (cache_save)
     "load_s_per_byte",           # bytes restored from it (cache_load)
     "shift_s_per_cell",          # cached cells whose K is re-rotated (context shift, cache reuse)
-    "kv_read_sq_s_per_cell2",    # Σ over one-token chunks of (cells read)²: a long sequence's cells cost more each
+    "kv_read_sq_s_per_cell2",    # Σ over one-token chunks of (n_past + 1)²: a long sequence's cells cost more each
 )
 # terms a calibration file may lack (written before they existed): they load as 0, which prices steps as before
 OPTIONAL_TERMS = ("kv_read_sq_s_per_cell2",)
