@@ -403,8 +403,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(None, ("--out",), "calibration file to write (default: results/calibrate/<timestamp>/calibration.json)",
          _K, str, metavar="FILE.json"),
     Flag(None, ("--quick",), "a dozen small shapes instead of the full grid (tests)", _K, default=False),
-    Flag(None, ("--repeats",), "interleaved passes over the grid, the median per shape is fitted (default: 5, "
-         "--quick 2)", _K, int, metavar="N"),
+    Flag(None, ("--repeats",), "interleaved passes over the grid, the median per shape is fitted (default: 9, "
+         "--quick 2; --max-seconds stops earlier)", _K, int, metavar="N"),
     Flag(None, ("--max-seconds",), "no pass over the grid starts that would end past this many seconds of the run "
          "(at least 3 passes; the speed probe measured after the grid is not counted; default: 170)", _K, float, 170.0, "S"),
     Flag(None, ("--load-threshold",), "warn and mark the file load_moved when the CPU other processes use (cores, "
