@@ -82,6 +82,9 @@ PROBE_REPEATS = 5                  # interleaved passes over the speed probe's s
 MIX_BUDGET = 0.15                  # the in-run probe replays this fraction of the run's decode step time
 MIX_BUDGET_PROMPT = 0.5            # ... and of its prompt step time (few, long steps: TTFT rests on them; 1 = every
                                    # prompt step measured no better for 1.5x the replays' time, docs/validation_sim.md §12)
+MIX_WARM_DECODE = True             # a decode step's replay runs its shape twice back to back and keeps the second:
+# the bench's cells are then as warm as the run's own (over 20 runs, a run's median first execution read 1.1-4.5%
+# slower than its step, the second 0.3-1.8%; docs/validation_sim.md §14). The untimed execution is outside the budget
 GROUPS_DOC = ("decode and mixed shapes by batch size, prompt chunks by length, each copy, shift and split "
               "shape alone")
 
@@ -696,7 +699,8 @@ class InRunProbe:
       shape (one execution of a 40 ms shape samples 40 ms of a host whose speed moves within a second); the
       knots of `--speed-correct track`;
     - the mix (`mix`, with the run's backend given to `start`): right after one of the run's steps, that step
-      re-executed once with its prompt-cache copies (`MixSample`, `replay_shape`), so that the replays take
+      re-executed once with its prompt-cache copies (`MixSample`, `replay_shape`; a step without prompt tokens
+      twice back to back, the second timed: `warm_decode`, MIX_WARM_DECODE), so that the timed replays take
       `budget` of the run's step time without prompt tokens and `budget_prompt` of its time with, spread evenly
       over it (a path's step is replayed when the path's credit, its budget x its step time so far less its
       replays' time, covers the step; a budget of 1 replays every step). The prompt path's budget is larger:
@@ -717,7 +721,8 @@ class InRunProbe:
 
     def __init__(self, model: Any, sampling: Any, every_s: float, *, repeats: int = TRACK_REPEATS, seed: int = 0,
                  clock: Callable[[], float] = time.perf_counter, load_reader: LoadReader = os.getloadavg,
-                 mix: bool = True, budget: float = MIX_BUDGET, budget_prompt: float = MIX_BUDGET_PROMPT) -> None:
+                 mix: bool = True, budget: float = MIX_BUDGET, budget_prompt: float = MIX_BUDGET_PROMPT,
+                 warm_decode: bool = MIX_WARM_DECODE) -> None:
         if not every_s > 0:
             raise ValueError(f"InRunProbe: every_s must be > 0, got {every_s!r}")
         if repeats < 1:
@@ -734,6 +739,7 @@ class InRunProbe:
         for p in self.points:                      # warm-up (as measure_grid's), not recorded
             self.bench.measure(p)
         self.mix, self.budget = mix, {False: float(budget), True: float(budget_prompt)}
+        self.warm_decode = bool(warm_decode)
         self.mix_bench: _MixBench | None = None
         self._credit = {False: 0.0, True: 0.0}     # per path: budget x step time so far - the replays' time
         self._pending: list[MixSample] = []        # replays since the last pass
@@ -775,6 +781,8 @@ class InRunProbe:
         if budget < 1 and self._credit[prompt] < step_s:     # a budget of 1: every step (a replay may run longer)
             return
         calls, ops = replay_shape(plan)
+        if self.warm_decode and not prompt:
+            self.mix_bench.measure(calls, ops)       # untimed: its cells then as warm as the run's step finds its own
         t = self.mix_bench.measure(calls, ops)
         if t is not None and t > 0:
             self._credit[prompt] -= t

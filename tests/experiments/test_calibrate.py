@@ -604,12 +604,13 @@ def test_replays_take_the_budget_of_each_paths_step_time(tiny):
         run_clock[0] = float(i)
         probe(plan, seconds)
     # credit: budget x the path's step time so far, less its replays' time; a step is replayed when it covers it
-    assert bench.calls == [replay_shape(decode)[0]] * 2 + [replay_shape(prompt)[0]]
+    # a decode step's replay runs its shape twice (the first untimed, outside the budget), a prompt step's once
+    assert bench.calls == [replay_shape(decode)[0]] * 4 + [replay_shape(prompt)[0]]
     assert [(m.prompt, m.clock_s, m.step_s) for m in probe._pending] == [(False, 1.02, 0.02), (False, 3.02, 0.02),
                                                                           (True, 6.1, 0.1)]
     assert probe._credit == pytest.approx({False: 0.01, True: 0.1 - 0.02})
     probe(None, 0.02)                    # a step without a plan (nothing to replay) changes nothing
-    assert len(bench.calls) == 3 and probe.passes == []
+    assert len(bench.calls) == 5 and probe.passes == []
     probe.finish()                       # the replays go with a pass
     (last,) = probe.passes
     assert len(last.mix) == 3 and probe._pending == []
@@ -623,6 +624,31 @@ def test_replays_take_the_budget_of_each_paths_step_time(tiny):
     assert probe._pending == [] and probe._credit[False] == pytest.approx(0.03)
     with pytest.raises(ValueError, match="budget and budget_prompt must be fractions of the step time"):
         InRunProbe(model, replay_sampling(model, 0.0, 0), 10.0, budget_prompt=1.5)
+
+
+class ColdThenWarm:
+    """A mix bench stand-in whose executions alternate between a cold and a warm time."""
+
+    def __init__(self, cold, warm):
+        self.times, self.calls = [cold, warm], []
+
+    def measure(self, calls, ops=()):
+        self.calls.append(calls)
+        return self.times[(len(self.calls) - 1) % 2]
+
+
+def test_a_decode_replay_keeps_its_warm_second_execution_and_is_charged_for_it_alone(tiny):
+    from experiments.calibrate import InRunProbe, build_plan as plan_of, replay_shape
+    model = load(tiny, n_threads=1)
+    decode = plan_of(GridPoint("decode", decode=(40, 60)), ones, TASKS)
+    for warm_decode, n_calls, kept in ((True, 2, 0.010), (False, 1, 0.013)):
+        probe = InRunProbe(model, replay_sampling(model, 0.0, 0), 100.0, budget=1.0, warm_decode=warm_decode)
+        probe.start(lambda: 0.0)
+        probe.mix_bench = bench = ColdThenWarm(0.013, 0.010)
+        probe(decode, 0.02)
+        assert bench.calls == [replay_shape(decode)[0]] * n_calls
+        (m,) = probe._pending
+        assert m.measured_s == kept and probe._credit[False] == pytest.approx(0.02 - kept)
 
 
 def test_replays_run_on_a_bench_of_the_runs_size_and_go_with_the_next_pass(tiny):
