@@ -1064,14 +1064,16 @@ def raw_samples(m: Measurement) -> list[dict[str, Any]]:
              "load1": list(p.load1)} for p in m.points]
 
 
-def _numerics_of(engine: str) -> str | None:
-    """The numerics a calibration file's `measured_on.engine` names ("... (numerics ggml: ...")."""
-    for name in NUMERICS_DESC:
-        if f"(numerics {name}:" in engine:
-            return name
-    if engine.startswith(f"{ENGINE_NAME} (") and "numerics" not in engine:
-        return "f32"                                 # written before the numerics had names: f32 was the only one
-    return None
+def numerics_of_engine(engine: str) -> str | None:
+    """The numerics a calibration's `measured_on.engine` names ("... (numerics ggml: ..."), or None when it names
+    none (a file of this engine written before the numerics had names was measured in f32, the only one then)."""
+    return next((name for name in ("ggml", "q", "f32") if f"numerics {name}" in engine), None)
+
+
+def cross_validation_block(fits: Fits) -> dict[str, Any]:
+    """A calibration file's `cross_validation`: what the validations are, and each model's errors by kind."""
+    return {"loso": "leave one shape out", "group": "leave one group out (" + GROUPS_DOC + ")",
+            "errors": fits.errors()}
 
 
 def refit_points(data: dict[str, Any], model: Any, where: str) -> list[Measured]:
@@ -1113,7 +1115,9 @@ def run_refit(args: argparse.Namespace) -> int:
         on = data.get("measured_on")
         if not isinstance(on, dict):
             raise ValueError(f"{src}: missing field 'measured_on'")
-        numerics = _numerics_of(str(on.get("engine", "")))
+        engine = str(on.get("engine", ""))
+        numerics = numerics_of_engine(engine) or ("f32" if engine.startswith(f"{ENGINE_NAME} (")
+                                                  and "numerics" not in engine else None)
         threads = on.get("threads")
         if numerics is None or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"{src}: measured_on names no numerics or thread count this version knows "
@@ -1134,8 +1138,7 @@ def run_refit(args: argparse.Namespace) -> int:
     info = {**on, "notes": f"{on.get('notes', '')}; refit {now} from {src.name} (slotlab calibrate --refit)"}
     carried = {k: data[k] for k in ("load_moved", "load", "measurement", "probe") if k in data}
     extra = {**carried,
-             "cross_validation": {"loso": "leave one shape out", "group": "leave one group out (" + GROUPS_DOC + ")",
-                                  "errors": fits.errors()},
+             "cross_validation": cross_validation_block(fits),
              "samples": data["samples"],
              "refit": {"from": str(src), "date": now, "weighting": args.weighting}}
     _write_fits(out, fits, info, extra, points, args,
@@ -1145,8 +1148,9 @@ def run_refit(args: argparse.Namespace) -> int:
 
 
 def _write_fits(out: Path, fits: Fits, info: dict[str, Any], extra: dict[str, Any], points: Sequence[Measured],
-                args: argparse.Namespace, title: str) -> None:
-    """Write the calibration file, its steps table and plot, and print the fits (calibrate and --refit)."""
+                args: argparse.Namespace, title: str) -> tuple[Path, Path]:
+    """Write the calibration file, its steps table and plot, and print the fits (calibrate and --refit); returns
+    the side files' paths (`side_files`)."""
     save_calibration_file(out, fits.simple, info, physical=fits.physical, table=fits.table, model="table",
                           extra=extra)
     steps = steps_frame(points, fits)
@@ -1163,6 +1167,7 @@ def _write_fits(out: Path, fits: Fits, info: dict[str, Any], extra: dict[str, An
     print(format_fit(fits.physical, "physical fit"))
     print(format_fit(fits.table, "table fit"))
     print(format_errors(fits))
+    return steps_csv, png
 
 
 # --- command line ----------------------------------------------------------------------------------------
@@ -1245,16 +1250,13 @@ def run_calibrate(args: argparse.Namespace, *, load_reader: LoadReader = os.getl
                         "max_seconds": args.max_seconds, "measure_wall_s": m.wall_s,
                         "statistic": "median over passes per shape",
                         "median_spread": float(np.median([p.spread for p in m.points]))},
-        "cross_validation": {
-            "loso": "leave one shape out", "group": "leave one group out (" + GROUPS_DOC + ")",
-            "errors": fits.errors()},
+        "cross_validation": cross_validation_block(fits),
         "samples": raw_samples(m),
         "probe": probe.to_dict(),
     }
-    _write_fits(out, fits, info, extra, m.points, args, f"{info['model']}, {info['threads']} threads, load "
-                f"{m.load_before[0]:.2f}-{m.load_after[0]:.2f}, {n_passes} passes")
+    steps_csv, png = _write_fits(out, fits, info, extra, m.points, args, f"{info['model']}, {info['threads']} "
+                                 f"threads, load {m.load_before[0]:.2f}-{m.load_after[0]:.2f}, {n_passes} passes")
     print(format_probe(probe))
-    steps_csv, png = side_files(out)
     wall = time.perf_counter() - t_start
     speeds = ", ".join(f"{s:.2f}" for s in m.pass_speed())
     others = ", ".join("?" if p.others_cpu is None else f"{p.others_cpu:.2f}" for p in m.passes)

@@ -47,6 +47,7 @@ from experiments.calibrate import (
     InRunProbe,
     measure_probe,
     mix_predictions,
+    numerics_of_engine,
     probe_points,
     probe_predictions,
     replay_sampling,
@@ -437,7 +438,7 @@ def calibration_mismatch(latency: Any, model: str, threads: int, numerics: str =
     if measured.threads is not None and measured.threads != threads:
         differences.append(f"{measured.threads} thread{'s' if measured.threads != 1 else ''} (this run: {threads})")
     engine = str(getattr(measured, "engine", "") or "")
-    cal_numerics = next((n for n in ("ggml", "q", "f32") if f"numerics {n}" in engine), "f32" if engine else None)
+    cal_numerics = numerics_of_engine(engine) or ("f32" if engine else None)
     if cal_numerics is not None and cal_numerics != numerics:
         differences.append(f"numerics {cal_numerics} (this run: {numerics})")
     layout = getattr(latency, "layout", None)
