@@ -1100,6 +1100,8 @@ def refit_points(data: dict[str, Any], model: Any, where: str) -> list[Measured]
                 or not all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0
                            for t in times)):
             raise ValueError(f"{where}: samples[{i}].samples_s must be a non-empty list of seconds > 0")
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in loads):
+            raise ValueError(f"{where}: samples[{i}].load1 must be a list of load averages (numbers)")
         plan = build_plan(point, lambda n: [0] * n, tasks)
         out.append(Measured(point, costs.layout_cost(plan), tuple(float(t) for t in times),
                             tuple(float(x) for x in loads)))

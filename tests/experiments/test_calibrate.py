@@ -736,6 +736,7 @@ def test_refit_refuses_a_file_without_samples_or_with_a_shape_it_does_not_know(t
                           (lambda d: d["samples"][3].update(label="7x decode @9"),
                            "samples[3]: '7x decode @9' is not a shape"),
                           (lambda d: d["samples"][0].update(samples_s=[]), "samples[0].samples_s"),
+                          (lambda d: d["samples"][1].update(load1=[None]), "samples[1].load1"),
                           (lambda d: d["measured_on"].update(engine="abacus"), "names no numerics")):
         bad = json.loads(json.dumps(data))
         edit(bad)
