@@ -312,6 +312,7 @@ class _MixBench:
         self.backend = NumpyBackend(model, n_seq, n_ctx_seq, default_sampling=sampling, resident=resident)
         self.model, self.rng, self.n_vocab = model, rng, model.hparams.n_vocab
         self.tasks = [Task(id=seq, tokens=[0]) for seq in range(n_seq)]
+        self.last_copy_s = 0.0
 
     def tokens(self, n: int) -> list[int]:
         return self.rng.integers(0, self.n_vocab, n).tolist()
@@ -349,7 +350,7 @@ class _MixBench:
 
     def measure(self, calls: Sequence[MixCall], ops: Sequence[MixOp] = ()) -> float | None:
         """Measured seconds of one execution of the step shape: its copies (`ops`), then its forward calls; None
-        when it does not fit these cells. A sequence loaded by a copy keeps its float32 shadow stale for the
+        when it does not fit these cells. The copies' part of it is `last_copy_s` after the call. A sequence loaded by a copy keeps its float32 shadow stale for the
         forward calls, which convert it inside the timing as the run's step after a load does."""
         first: dict[int, list[int]] = {}                     # seq -> [pos0 of its first chunk, tokens it appends]
         for call in calls:
@@ -360,7 +361,7 @@ class _MixBench:
                 or any(pos0 + n > self.backend.n_ctx_seq for pos0, n in first.values())
                 or any(n > self.backend.n_ctx_seq for _kind, _seq, n in ops)):
             return None
-        copied = sum(self._copy(kind, seq, n) for kind, seq, n in ops)
+        copied = self.last_copy_s = sum(self._copy(kind, seq, n) for kind, seq, n in ops)
         loaded = {seq for kind, seq, _n in ops if kind == "load"}
         for seq, (pos0, n_new) in first.items():
             self._hold(seq, pos0, n_new, shadow=seq not in loaded)
@@ -664,14 +665,17 @@ def _zeros(n: int) -> list[int]:
 
 def mix_predictions(latency: Any, kv_bytes_per_token: int, track: SpeedTrack | None) -> list[list[float]]:
     """What `latency` charges for each step a probe pass replayed (`TrackPass.mix`), per pass: the replayed plan
-    (`mix_plan`) counted as the simulator counts it. The reference of the mix's knots (speed_probe.mix_knots)."""
+    (`mix_plan`) counted as the simulator counts it, without its copies where the replay timed them apart
+    (`MixSample.copy_s`). The reference of the mix's knots (speed_probe.mix_knots)."""
     if track is None:
         return []
     counter = SimBackend(latency, kv_bytes_per_token)
     n_seq = 1 + max((c[0] for p in track.passes for m in p.mix for call in m.calls for c in call), default=0)
     tasks = [Task(id=seq, tokens=[0]) for seq in range(n_seq)]
-    return [[float(latency.step_time_s(counter.cost(mix_plan(m.calls, _zeros, tasks, m.ops)))) for m in p.mix]
-            for p in track.passes]
+    # a replay that timed its copies apart (copy_s) is compared on its forward calls alone (mix_knots)
+    return [[float(latency.step_time_s(counter.cost(mix_plan(m.calls, _zeros, tasks,
+                                                             m.ops if m.copy_s is None else ()))))
+             for m in p.mix] for p in track.passes]
 
 
 def measure_probe(model: Any, sampling: Any, *, repeats: int = PROBE_REPEATS, seed: int = 0,
@@ -786,7 +790,8 @@ class InRunProbe:
         t = self.mix_bench.measure(calls, ops)
         if t is not None and t > 0:
             self._credit[prompt] -= t
-            self._pending.append(MixSample(calls, prompt, float(t), step_s, clock_s, ops))
+            self._pending.append(MixSample(calls, prompt, float(t), step_s, clock_s, ops,
+                                           float(self.mix_bench.last_copy_s)))
 
     def _pass(self, clock_s: float, now: float) -> None:
         samples: dict[str, list[float]] = {p.label: [] for p in self.points}

@@ -397,7 +397,11 @@ class MixSample:
     `TrackedLatency`), the replay's measured seconds, the seconds the run's step itself took (`step_s`: the two
     agree on a machine whose speed held between them) and the run's clock at the step's end (`clock_s`); `ops`:
     the step's prompt-cache copies, replayed (and timed) before its forward calls (`MixOp`; empty in files
-    written before they were replayed, whose `measured_s` is the forward calls' alone)."""
+    written before they were replayed, whose `measured_s` is the forward calls' alone); `copy_s`: the seconds
+    of those copies within `measured_s` (0 without copies; None in files written before they were timed on
+    their own). The knots leave the copies' seconds out (`mix_knots`): a save on the bench writes a new blob
+    it frees at once, and whether its pages are fresh decides its time (0.05 or 2 ns a byte on a VM), unlike
+    the run's own saves (docs/validation_sim.md §15)."""
 
     calls: tuple[MixCall, ...]
     prompt: bool
@@ -405,12 +409,21 @@ class MixSample:
     step_s: float
     clock_s: float
     ops: tuple[MixOp, ...] = ()
+    copy_s: float | None = None
+
+    @property
+    def forward_s(self) -> float:
+        """The replay's forward calls' seconds: `measured_s` less its copies' (`copy_s`; all of it in files
+        written before the copies were timed on their own, whose `copy_s` is None)."""
+        return self.measured_s - (self.copy_s or 0.0)
 
     def to_dict(self) -> dict[str, Any]:
         out = {"calls": [[list(c) for c in call] for call in self.calls], "prompt": self.prompt,
                "measured_s": self.measured_s, "step_s": self.step_s, "clock_s": self.clock_s}
         if self.ops:
             out["ops"] = [list(op) for op in self.ops]
+        if self.copy_s is not None:
+            out["copy_s"] = self.copy_s
         return out
 
     @classmethod
@@ -448,8 +461,13 @@ class MixSample:
                     and all(type(x) is int for x in op[1:]) and op[1] >= 0 and op[2] >= 1):
                 raise bad(f"ops[{k}]", f"must be [\"save\" or \"load\", seq >= 0, n_tokens >= 1], got {op!r}")
             ops.append((op[0], op[1], op[2]))
-        return cls(tuple(out), data["prompt"], _positive(data.get("measured_s"), lambda w: bad("measured_s", w)),
-                   _positive(data.get("step_s"), lambda w: bad("step_s", w)), float(clock), tuple(ops))
+        measured = _positive(data.get("measured_s"), lambda w: bad("measured_s", w))
+        copy_s = data.get("copy_s")
+        if copy_s is not None and not (_is_number(copy_s) and 0 <= copy_s < measured):
+            raise bad("copy_s", f"must be the seconds of its copies, >= 0 and below measured_s ({measured}), "
+                                f"got {copy_s!r}")
+        return cls(tuple(out), data["prompt"], measured, _positive(data.get("step_s"), lambda w: bad("step_s", w)),
+                   float(clock), tuple(ops), None if copy_s is None else float(copy_s))
 
 
 @dataclass(frozen=True, slots=True)
@@ -649,7 +667,10 @@ def mix_knots(track: SpeedTrack | None, predicted: Sequence[Sequence[float]],
     `predicted[i][j]`: what the latency model charges for pass i's j-th replay (`experiments.calibrate.
     mix_predictions`). The run's clock is cut into windows of `every_s` seconds (default: the track's
     `every_s`, as `--speed-correct steps` cuts it); a window's knot, at its centre, is the mean measured /
-    predicted ratio of its replays without prompt tokens (`raw`) and with (`raw_prompt`); a window without
+    predicted ratio of its replays without prompt tokens (`raw`) and with (`raw_prompt`), of their forward
+    calls alone where their copies were timed on their own (`MixSample.copy_s`; `mix_predictions` then prices
+    the forward calls alone: a copy's time on the bench depends on whether its blob's pages are fresh, which the
+    run's own copies do not share, docs/validation_sim.md §15); a window without
     decode replays takes the nearest window's that has some, a window without prompt replays the median of the
     MIX_PROMPT_FILL prompt replays nearest it (few, and each carries the model's error on its own shape); a run
     without replays of a path takes the other path's. The mean, not the median: latency is a sum of step times, and the steps' slow tail (a step the host
@@ -663,14 +684,15 @@ def mix_knots(track: SpeedTrack | None, predicted: Sequence[Sequence[float]],
     if not rows:
         return None
     every = float(every_s if every_s is not None else track.every_s)
-    knots = window_knots([m.clock_s for m, _ in rows], [m.measured_s / t for m, t in rows],
+    knots = window_knots([m.clock_s for m, _ in rows], [m.forward_s / t for m, t in rows],
                          [m.prompt for m, _ in rows], every, max(m.clock_s for m, _ in rows), statistics.fmean,
                          prompt_fill=MIX_PROMPT_FILL)
     return {**knots, "n_replays": len(rows), "source": "mix", "prompt_fill": MIX_PROMPT_FILL,
             "replay_over_step": statistics.median(m.measured_s / m.step_s for m, _ in rows),
             "definition": "knots at the centres of windows of every_s seconds of the real run's clock; raw = the "
                           "mean, over the window's replays of the run's own steps (each right after its step), of "
-                          "the replayed time / the latency model's time of the same step, over the replays without "
+                          "the replayed time / the latency model's time of the same step (both of its forward calls "
+                          "alone where the replay timed its prompt-cache copies apart), over the replays without "
                           "prompt tokens (raw_prompt: with), None where a window has none (then the nearest "
                           "window's; on the prompt path the median of the prompt_fill nearest prompt replays); "
                           "factor, factor_prompt = raw, raw_prompt filled; replay_over_step = the median "

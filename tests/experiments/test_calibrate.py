@@ -571,6 +571,7 @@ def test_the_mix_bench_times_a_steps_copies_before_its_forward_calls(tiny, monke
     t = bench.measure((((0, 40, 8, True, True),),), (("save", 0, 60), ("load", 0, 40)))
     assert done == [("save", 0, 60, 60), ("load", 0, 40, 40)]            # each copy moves the cells it names
     assert t > 10.0 and kv.n_tokens(0) == 48                             # both copies timed, then the chunk
+    assert bench.last_copy_s == 10.0                                      # ... and their part of it known
     # a loaded sequence's float32 shadow is left for the timed step to convert (as the run's step after a load)
     current = []
     monkeypatch.setattr(model, "shadow_current", lambda kv, seq: current.append(seq))
@@ -580,6 +581,8 @@ def test_the_mix_bench_times_a_steps_copies_before_its_forward_calls(tiny, monke
 
 class FixedReplay:
     """A mix bench stand-in: every replay takes `seconds`, or does not fit (None) for the shapes in `misfit`."""
+
+    last_copy_s = 0.0                       # no copies in these shapes
 
     def __init__(self, seconds, misfit=()):
         self.seconds, self.misfit, self.calls = seconds, set(misfit), []
@@ -628,6 +631,8 @@ def test_replays_take_the_budget_of_each_paths_step_time(tiny):
 
 class ColdThenWarm:
     """A mix bench stand-in whose executions alternate between a cold and a warm time."""
+
+    last_copy_s = 0.0
 
     def __init__(self, cold, warm):
         self.times, self.calls = [cold, warm], []

@@ -409,6 +409,42 @@ def test_mix_knots_fill_a_window_without_prompt_replays_with_the_median_of_the_n
     assert k["factor_prompt"] == pytest.approx([1.0, 2.0, 1.2, 1.2])
 
 
+def test_mix_knots_leave_a_replays_copies_out_where_it_timed_them_apart():
+    """A replay's prompt-cache save writes a new blob whose pages may be fresh (0.05 or 2 ns a byte on a VM), which
+    the run's own saves do not share: where `copy_s` is known, the knot is the forward calls' time over the
+    model's price of the forward calls alone (`mix_predictions` leaves the copies out then)."""
+    import dataclasses
+    from experiments.speed_probe import mix_knots
+    passes = [[(1.0, True, 0.06), (2.0, True, 0.06)]]
+    track = mix_track(passes)
+    fast, slow = (dataclasses.replace(m, ops=(("save", 0, 700),), copy_s=c, measured_s=0.06 + c)
+                  for m, c in zip(track.passes[0].mix, (0.001, 0.030)))
+    timed = dataclasses.replace(track, passes=(dataclasses.replace(track.passes[0], mix=(fast, slow)),))
+    k = mix_knots(timed, model_times_of(passes))                # the model's 0.05 s of the forward calls
+    assert k["raw_prompt"] == pytest.approx([1.2]) and k["replay_over_step"] == pytest.approx((0.061 / 0.02 + 0.09 / 0.02) / 2)
+    untimed = dataclasses.replace(timed, passes=(dataclasses.replace(
+        timed.passes[0], mix=tuple(dataclasses.replace(m, copy_s=None) for m in timed.passes[0].mix)),))
+    k = mix_knots(untimed, model_times_of(passes))              # an older file: the whole replay over its price
+    assert k["raw_prompt"] == pytest.approx([(0.061 + 0.09) / 2 / 0.05])
+
+
+def test_mix_predictions_price_a_replay_without_its_copies_where_it_timed_them_apart():
+    import dataclasses
+    from experiments.calibrate import mix_predictions
+    from sim.latency import ParametricLatency
+    lat = ParametricLatency(0.0, 1e-3, 0.0, 0.0, e_copy_s_per_byte=1e-6)
+    track = mix_track([[(1.0, True, 0.1)]])
+    m = dataclasses.replace(track.passes[0].mix[0], ops=(("save", 0, 10),))
+    price = {}
+    for copy_s in (None, 0.01):
+        one = dataclasses.replace(track, passes=(dataclasses.replace(track.passes[0], mix=(
+            dataclasses.replace(m, copy_s=copy_s),)),))
+        (row,) = mix_predictions(lat, 100, one)
+        price[copy_s] = row[0]
+    assert price[0.01] == pytest.approx(64e-3)                     # 64 prompt tokens
+    assert price[None] == pytest.approx(64e-3 + 10 * 100 * 1e-6, rel=1e-3)    # and the 1000 bytes it saves
+
+
 def test_fill_nearest_takes_the_nearest_value_and_the_earlier_on_a_tie():
     from experiments.speed_probe import fill_nearest
     assert fill_nearest([None, 2.0, None, None, 5.0, None], [0.0] * 6) == [2.0, 2.0, 2.0, 5.0, 5.0, 5.0]
@@ -419,7 +455,7 @@ def test_a_track_with_replays_round_trips_and_a_track_without_them_still_loads(t
     import dataclasses
     track = mix_track([[(1.0, False, 0.011), (2.0, True, 0.06)], [(12.0, False, 0.012)]])
     first = track.passes[0]
-    with_copies = dataclasses.replace(first.mix[1], ops=(("save", 0, 40), ("load", 0, 64)))
+    with_copies = dataclasses.replace(first.mix[1], ops=(("save", 0, 40), ("load", 0, 64)), copy_s=0.004)
     track = dataclasses.replace(track, passes=(dataclasses.replace(first, mix=(first.mix[0], with_copies)),
                                                *track.passes[1:]))
     write_run_track(tmp_path, track)
@@ -427,6 +463,10 @@ def test_a_track_with_replays_round_trips_and_a_track_without_them_still_loads(t
     data = json.loads((tmp_path / TRACK_FILE).read_text())
     assert "ops" not in data["passes"][0]["mix"][0] and data["passes"][0]["mix"][1]["ops"] == [["save", 0, 40],
                                                                                                 ["load", 0, 64]]
+    assert "copy_s" not in data["passes"][0]["mix"][0] and data["passes"][0]["mix"][1]["copy_s"] == 0.004
+    del data["passes"][0]["mix"][1]["copy_s"]               # a file written before the copies were timed apart
+    (tmp_path / TRACK_FILE).write_text(json.dumps(data))
+    assert read_run_track(tmp_path).passes[0].mix[1].copy_s is None
     for row in data["passes"]:                              # a file written before the mix
         del row["mix"]
     (tmp_path / TRACK_FILE).write_text(json.dumps(data))
@@ -444,6 +484,9 @@ def test_a_track_with_replays_round_trips_and_a_track_without_them_still_loads(t
     (lambda m: m.update(ops={"save": 3}), "'passes[0].mix[1].ops'"),
     (lambda m: m.update(ops=[["save", 0, 3], ["copy", 0, 3]]), "'passes[0].mix[1].ops[1]'"),
     (lambda m: m.update(ops=[["load", 0, 0]]), "'passes[0].mix[1].ops[0]'"),
+    (lambda m: m.update(copy_s=-0.001), "'passes[0].mix[1].copy_s'"),
+    (lambda m: m.update(copy_s=0.06), "'passes[0].mix[1].copy_s'"),         # all of measured_s (0.06)
+    (lambda m: m.update(copy_s="0.01"), "'passes[0].mix[1].copy_s'"),
 ])
 def test_a_malformed_replay_names_file_and_field(tmp_path, edit, field):
     data = mix_track([[(1.0, False, 0.011), (2.0, True, 0.06)]]).to_dict()

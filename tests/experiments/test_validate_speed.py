@@ -305,7 +305,7 @@ def with_replays(setup, tmp_path, ratio, fixed_ratio):
     kv = json.loads((real / "config.json").read_text())["server_config"]["kv_bytes_per_token"]
     predicted = mix_predictions(get_latency_model(f"parametric:{setup['cal']}"), kv, track)
     passes = tuple(dataclasses.replace(p, shapes_s=scaled(model_times(setup), fixed_ratio),
-                                       mix=tuple(dataclasses.replace(m, measured_s=ratio * t)
+                                       mix=tuple(dataclasses.replace(m, measured_s=ratio * t + (m.copy_s or 0.0))
                                                  for m, t in zip(p.mix, pred)))
                    for p, pred in zip(track.passes, predicted))
     write_run_track(real, SpeedTrack(track.every_s, passes, track.repeats))
