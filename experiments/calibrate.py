@@ -350,8 +350,9 @@ class _MixBench:
 
     def measure(self, calls: Sequence[MixCall], ops: Sequence[MixOp] = ()) -> float | None:
         """Measured seconds of one execution of the step shape: its copies (`ops`), then its forward calls; None
-        when it does not fit these cells. The copies' part of it is `last_copy_s` after the call. A sequence loaded by a copy keeps its float32 shadow stale for the
-        forward calls, which convert it inside the timing as the run's step after a load does."""
+        when it does not fit these cells. The copies' part of it is `last_copy_s` after the call. A sequence
+        loaded by a copy keeps its float32 shadow stale for the forward calls, which convert it inside the timing
+        as the run's step after a load does."""
         first: dict[int, list[int]] = {}                     # seq -> [pos0 of its first chunk, tokens it appends]
         for call in calls:
             for seq, pos0, n, _samples, _prompt in call:
