@@ -421,7 +421,8 @@ def test_mix_knots_leave_a_replays_copies_out_where_it_timed_them_apart():
                   for m, c in zip(track.passes[0].mix, (0.001, 0.030)))
     timed = dataclasses.replace(track, passes=(dataclasses.replace(track.passes[0], mix=(fast, slow)),))
     k = mix_knots(timed, model_times_of(passes))                # the model's 0.05 s of the forward calls
-    assert k["raw_prompt"] == pytest.approx([1.2]) and k["replay_over_step"] == pytest.approx((0.061 / 0.02 + 0.09 / 0.02) / 2)
+    assert k["raw_prompt"] == pytest.approx([1.2])
+    assert k["replay_over_step"] == pytest.approx((0.061 / 0.02 + 0.09 / 0.02) / 2)    # whole replays / steps
     untimed = dataclasses.replace(timed, passes=(dataclasses.replace(
         timed.passes[0], mix=tuple(dataclasses.replace(m, copy_s=None) for m in timed.passes[0].mix)),))
     k = mix_knots(untimed, model_times_of(passes))              # an older file: the whole replay over its price
