@@ -369,6 +369,15 @@ class _MixBench:
         return copied + self.backend.execute(mix_plan(calls, self.tokens, self.tasks)).elapsed_s
 
 
+def recently_freed(n_bytes: int) -> None:
+    """Write `n_bytes` of new memory and free it (not timed): the pages a save's blob then gets are ones the
+    process has just used, as a serving process's saves find them (its steps free their temporaries
+    continually). A blob written into pages new to the process costs ~2 ns a byte on a VM, against 0.05-0.15
+    for recently used ones; left to chance, the grid's save shapes were bimodal (docs/validation_sim.md §15)."""
+    buf = np.ones(n_bytes, np.uint8)
+    del buf
+
+
 class _Bench:
     """A NumpyBackend plus prefilled KV states, so that every grid point starts from the cells it needs.
 
@@ -458,6 +467,9 @@ class _Bench:
         self.prepare(point)
         plan = build_plan(point, self.tokens, self.tasks)
         cost = self.sim_costs.layout_cost(plan)          # what either model is charged (with the layout)
+        if point.save_tokens:
+            kv = self.backend.kv
+            recently_freed(sum(kv.state_size(len(point.decode) + i) for i in range(point.save_slots)))
         result = self.backend.execute(plan)
         for i in range(point.save_slots):
             self.backend.cache.pop(ENTRY_SAVE + i, None)

@@ -364,6 +364,28 @@ def test_a_multi_slot_save_point_runs_on_the_bench_and_leaves_the_slots_cleared(
         assert not bench.backend.cache                  # the saved entries do not pile up across passes
 
 
+def test_a_save_point_first_writes_and_frees_as_much_memory_as_its_saves_take(tiny, monkeypatch):
+    """Outside the timing, so that the saves' blobs land in pages the process has just used, as a serving
+    process's do (pages new to it cost ~2 ns a byte on a VM: the grid's save shapes were bimodal)."""
+    import experiments.calibrate as C
+    model = load(tiny, n_threads=1)
+    points = [GridPoint("copy", prompt=((0, 8),) * 2, save_tokens=30, save_slots=2),
+              GridPoint("copy", prompt=((20, 8),), save_tokens=20, load_tokens=20),
+              GridPoint("copy", prompt=((20, 8),), load_tokens=20), GridPoint("prefill", prompt=((0, 16),))]
+    bench = _Bench(model, points, replay_sampling(model, 0.0, 0), np.random.default_rng(0))
+    freed, execute = [], bench.backend.execute
+
+    def timed(plan):
+        freed.append("execute")
+        return execute(plan)
+    monkeypatch.setattr(C, "recently_freed", freed.append)
+    monkeypatch.setattr(bench.backend, "execute", timed)
+    for p in points:
+        bench.measure(p)
+    state = {n: len(bench.blob(n)) for n in (20, 30)}              # bytes of a sequence state of n cells
+    assert freed == [2 * state[30], "execute", state[20], "execute", "execute", "execute"]
+
+
 def test_full_grid_saves_several_slots_in_one_step():
     grid = calibration_grid()
     multi = [p for p in grid if p.save_slots > 1]
