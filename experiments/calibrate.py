@@ -53,6 +53,7 @@ from experiments.speed_probe import (
     TrackPass,
     format_probe,
     grid_offset_warning,
+    is_number,
 )
 from sim.backend import SimBackend
 from sim.latency import ConstantLatency, cost_features, error_summary, fit_parametric, held_out_predictions
@@ -685,9 +686,7 @@ def mix_predictions(latency: Any, kv_bytes_per_token: int, track: SpeedTrack | N
     counter = SimBackend(latency, kv_bytes_per_token)
     n_seq = 1 + max((c[0] for p in track.passes for m in p.mix for call in m.calls for c in call), default=0)
     tasks = [Task(id=seq, tokens=[0]) for seq in range(n_seq)]
-    # a replay that timed its copies apart (copy_s) is compared on its forward calls alone (mix_knots)
-    return [[float(latency.step_time_s(counter.cost(mix_plan(m.calls, _zeros, tasks,
-                                                             m.ops if m.copy_s is None else ()))))
+    return [[float(latency.step_time_s(counter.cost(mix_plan(m.calls, _zeros, tasks, m.compared_ops))))
              for m in p.mix] for p in track.passes]
 
 
@@ -1115,10 +1114,9 @@ def refit_points(data: dict[str, Any], model: Any, where: str) -> list[Measured]
                              f"calibration grid (written by another version): calibrate again")
         times, loads = item.get("samples_s"), item.get("load1", [])
         if (not isinstance(times, list) or not times or not isinstance(loads, list)
-                or not all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0
-                           for t in times)):
+                or not all(is_number(t) and t > 0 for t in times)):
             raise ValueError(f"{where}: samples[{i}].samples_s must be a non-empty list of seconds > 0")
-        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in loads):
+        if not all(is_number(x) for x in loads):
             raise ValueError(f"{where}: samples[{i}].load1 must be a list of load averages (numbers)")
         plan = build_plan(point, lambda n: [0] * n, tasks)
         out.append(Measured(point, costs.layout_cost(plan), tuple(float(t) for t in times),

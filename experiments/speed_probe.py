@@ -106,22 +106,23 @@ class SpeedProbe:
         loads = {}
         for name in ("before", "after"):
             value = load.get(name, [])
-            if not isinstance(value, list) or not all(_is_number(x) for x in value):
+            if not isinstance(value, list) or not all(is_number(x) for x in value):
                 raise bad(f"load.{name}", "must be a list of numbers")
             loads[name] = tuple(float(x) for x in value)
         wall = data.get("wall_s", 0.0)
-        if not _is_number(wall):
+        if not is_number(wall):
             raise bad("wall_s", f"must be a number, got {wall!r}")
         return cls(tuple(shapes), str(data.get("statistic", "")), loads["before"], loads["after"], data["when"],
                    float(wall), threads, data["model"], str(data.get("engine", "")))
 
 
-def _is_number(x: object) -> bool:
+def is_number(x: object) -> bool:
+    """A finite int or float, not a bool (JSON fields read from files)."""
     return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def _positive(x: object, bad: Any) -> float:
-    if not _is_number(x) or x <= 0:
+    if not is_number(x) or x <= 0:
         raise bad(f"must be a finite number of seconds > 0, got {x!r}")
     return float(x)
 
@@ -417,6 +418,12 @@ class MixSample:
         written before the copies were timed on their own, whose `copy_s` is None)."""
         return self.measured_s - (self.copy_s or 0.0)
 
+    @property
+    def compared_ops(self) -> tuple[MixOp, ...]:
+        """The copies the knots compare with the model's price (`experiments.calibrate.mix_predictions`): none
+        where their time is known apart (`forward_s` leaves it out), all of them in files without `copy_s`."""
+        return self.ops if self.copy_s is None else ()
+
     def to_dict(self) -> dict[str, Any]:
         out = {"calls": [[list(c) for c in call] for call in self.calls], "prompt": self.prompt,
                "measured_s": self.measured_s, "step_s": self.step_s, "clock_s": self.clock_s}
@@ -463,7 +470,7 @@ class MixSample:
             ops.append((op[0], op[1], op[2]))
         measured = _positive(data.get("measured_s"), lambda w: bad("measured_s", w))
         copy_s = data.get("copy_s")
-        if copy_s is not None and not (_is_number(copy_s) and 0 <= copy_s < measured):
+        if copy_s is not None and not (is_number(copy_s) and 0 <= copy_s < measured):
             raise bad("copy_s", f"must be the seconds of its copies, >= 0 and below measured_s ({measured}), "
                                 f"got {copy_s!r}")
         return cls(tuple(out), data["prompt"], measured, _positive(data.get("step_s"), lambda w: bad("step_s", w)),
@@ -504,7 +511,7 @@ class SpeedTrack:
         if not isinstance(data, dict):
             raise ValueError(f"{where}: top level must be a JSON object")
         every = data.get("every_s")
-        if not _is_number(every) or every < 0:
+        if not is_number(every) or every < 0:
             raise ValueError(f"{where}: field 'every_s' must be a number >= 0, got {every!r}")
         rows = data.get("passes")
         if not isinstance(rows, list):
@@ -516,7 +523,7 @@ class SpeedTrack:
             if not isinstance(row, dict):
                 raise bad("", "must be a JSON object")
             for name in ("clock_s", "wall_s", "load1"):
-                if not _is_number(row.get(name)) or not math.isfinite(row[name]):
+                if not is_number(row.get(name)) or not math.isfinite(row[name]):
                     raise bad(name, f"must be a finite number, got {row.get(name)!r}")
             shapes = row.get("shapes_s")
             if not isinstance(shapes, dict) or not shapes:
