@@ -22,12 +22,26 @@ from engine.core.types import BatchPlan, ForwardCall, KVOp, StepResult, Task
 from engine.model import BatchChunk, Model
 from engine.model.sampling import Sampler, SamplingParams
 
+try:
+    import resource
+except ImportError:                                    # not a Unix: no page-fault counts
+    resource = None  # type: ignore[assignment]
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingFailed:
     """`StepResult.extra` entry for a slot whose sampler raised (the token given is the argmax)."""
 
     message: str
+
+
+def minor_faults() -> int | None:
+    """The process's minor page faults so far (all its threads: `getrusage(RUSAGE_SELF).ru_minflt`), or None where
+    the platform has no `resource` module. A minor fault is the kernel supplying a page on first touch; a step
+    whose temporaries land in memory new to the process takes thousands (docs/validation_sim.md §16)."""
+    if resource is None:                               # not a Unix
+        return None
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
 
 
 class NumpyBackend:
@@ -47,6 +61,9 @@ class NumpyBackend:
         self._eog = frozenset(tok.eog_ids)
         self.n_steps = 0
         self.t_total_s = 0.0
+        # the process's minor page faults during the last execute (None before the first, or where unknown);
+        # read outside the timed region; the step log records it (experiments/steplog.py, `minor_faults`)
+        self.last_minor_faults: int | None = None
         # optional observer called as on_step(plan, elapsed_s) after every execute (slotlab replay's step log)
         self.on_step: Any = None
 
@@ -88,6 +105,7 @@ class NumpyBackend:
     # --- execution -------------------------------------------------------------------------------------------
     def execute(self, plan: BatchPlan) -> StepResult:
         """Run the program; sample for every slot that asked for logits; elapsed_s is measured wall time."""
+        faults0 = minor_faults()
         t0 = time.perf_counter()
         rows: dict[int, np.ndarray] = {}                   # slot -> logits row [n_vocab]
         for step in plan.program:
@@ -116,6 +134,8 @@ class NumpyBackend:
             if res.probs is not None:
                 extra[sid] = res
         elapsed = time.perf_counter() - t0
+        faults1 = minor_faults()
+        self.last_minor_faults = None if faults0 is None or faults1 is None else faults1 - faults0
         self.n_steps += 1
         self.t_total_s += elapsed
         if len(self._samplers) > 4 * self.n_seq:

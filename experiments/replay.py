@@ -95,7 +95,8 @@ def run_replay(values: dict[str, Any], workload, model_path: str, threads: int, 
     model = loaded if loaded is not None else load(model_path, n_threads=threads, numerics=numerics)
     sim, cfg = engine_simulation(model, server_config({**values, "kv_bytes_per_token": None}), values["seed"], temp,
                                  keep_n_ctx_train=values["ctx_size"] != 0, progress=progress)
-    steps = StepLog(sim.backend.kv_bytes_per_token, run_clock=lambda: sim.now_s)
+    steps = StepLog(sim.backend.kv_bytes_per_token, run_clock=lambda: sim.now_s,
+                    faults=lambda: getattr(sim.backend, "last_minor_faults", None))
     if probe is None:
         sim.backend.on_step = steps
     else:

@@ -17,7 +17,11 @@ row per `NumpyBackend.execute` call, in order, with
   (machine busy time minus this process's own CPU time, over windows of at least half a second; NaN where
   /proc/stat is not readable or before the first window closed);
 - `steal_cores`: of those, the CPU the hypervisor gave to other guests while this one wanted it (/proc/stat's
-  `steal`, same windows; NaN where unknown): on a virtual machine, contention no process list shows.
+  `steal`, same windows; NaN where unknown): on a virtual machine, contention no process list shows;
+- `minor_faults`: the pages the kernel supplied to the process during the step (`NumpyBackend.last_minor_faults`,
+  all threads; NaN where unknown): a step whose temporaries land in memory new to the process (after a kept
+  prompt-cache save took the heap space they had used) takes thousands, which its replay does not
+  (docs/validation_sim.md §16).
 
 `step_errors(steps, latency)` prices every logged step with a latency model and compares it with the measured
 time. Because both sides see the *same* step, this error is the timing model's alone: it does not depend on
@@ -70,13 +74,16 @@ class StepLog:
 
     `cpu_reader` returns (machine busy CPU seconds, this process's CPU seconds) or None (`proc_cpu_seconds`);
     a window closes at the first step ending at least `window_s` after it opened, and its others' cores are
-    given to every step that started in it."""
+    given to every step that started in it. `faults`, read once per step, returns the page faults the engine
+    counted during it (`NumpyBackend.last_minor_faults`) or None; without it the column is NaN."""
 
     def __init__(self, kv_bytes_per_token: int, *, cpu_reader: Callable[[], tuple[float, float] | None] = proc_cpu_seconds,
                  clock: Callable[[], float] = time.perf_counter, window_s: float = 0.5,
                  run_clock: Callable[[], float] | None = None,
-                 steal_reader: Callable[[], float | None] = proc_steal_seconds) -> None:
+                 steal_reader: Callable[[], float | None] = proc_steal_seconds,
+                 faults: Callable[[], int | None] | None = None) -> None:
         self._steal = steal_reader
+        self._faults = faults
         self._win_steal: float | None = None
         self._run_clock = run_clock
         self._costs = SimBackend(ConstantLatency(0.0), kv_bytes_per_token)
@@ -98,8 +105,10 @@ class StepLog:
             self._win_clock, self._win_cpu, self._win_steal = end, self._cpu(), self._steal()
         cost = self._costs.layout_cost(plan)
         charged = bool(plan.tasks) or any(type(p) is ForwardCall for p in plan.program)
+        n_faults = self._faults() if self._faults is not None else None
         row = {"t_s": start - self._t0, "elapsed_s": elapsed_s, "kind": step_kind(cost), "charged": charged,
                "others_cores": math.nan, "steal_cores": math.nan,
+               "minor_faults": math.nan if n_faults is None else float(n_faults),
                "clock_s": self._run_clock() if self._run_clock is not None else math.nan}
         for name in COST_COLUMNS:
             row[name] = getattr(cost, name)
@@ -126,7 +135,7 @@ class StepLog:
         if self._win_start < len(self.rows):
             self._close_window(self._clock())
         cols = ["t_s", "elapsed_s", "kind", "charged", *COST_COLUMNS, "calls", "others_cores", "steal_cores",
-                "clock_s"]
+                "minor_faults", "clock_s"]
         return pd.DataFrame(self.rows, columns=cols)
 
     def write(self, run_dir: str | Path) -> Path:

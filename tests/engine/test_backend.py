@@ -7,7 +7,7 @@ import pytest
 
 from engine.backend import NumpyBackend
 from engine.core import ServerConfig, ServerCore, Task, step
-from engine.core.types import BatchPlan, ForwardCall, KVOp
+from engine.core.types import BatchPlan, Chunk, ForwardCall, KVOp
 from engine.model.sampling import SamplingParams
 from policies import make_policies
 
@@ -190,3 +190,24 @@ def test_real_model_greedy_serving_matches_forward_logits(smollm2):
     task = core.submit(Task(id=-1, tokens=prompt, n_predict=4, ignore_eos=True, sampling=GREEDY), 0.0)
     drive(core, backend)
     assert task.generated == greedy_by_hand(smollm2, prompt, 4)
+
+
+def test_each_step_counts_the_page_faults_it_took(tiny_model, monkeypatch):
+    import engine.backend as eb
+
+    model = tiny_model()
+    backend = NumpyBackend(model, 1, 64)
+    assert backend.last_minor_faults is None                      # no step yet
+    task = Task(id=0, tokens=[1, 2, 3])
+    prompt = BatchPlan(0.0, (ForwardCall((Chunk(0, 0, [1, 2, 3], 0, (0,), True),), 3),), 3, 0, {0: task})
+    backend.execute(prompt)
+    assert isinstance(backend.last_minor_faults, int) and backend.last_minor_faults >= 0
+    readings = iter([1000, 1017])                                  # the process's counter before and after the step
+    monkeypatch.setattr(eb, "minor_faults", lambda: next(readings))
+    backend.kv.seq_rm(0, -1, -1)
+    backend.execute(prompt)
+    assert backend.last_minor_faults == 17
+    monkeypatch.setattr(eb, "minor_faults", lambda: None)          # a platform without getrusage
+    backend.kv.seq_rm(0, -1, -1)
+    backend.execute(prompt)
+    assert backend.last_minor_faults is None

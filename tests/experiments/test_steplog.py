@@ -201,6 +201,8 @@ def test_replay_writes_the_step_log_of_every_token_it_computed(tiny, tmp_path):
     assert steps["n_prefill_tokens"].sum() == (rows["n_prompt"] - rows["n_cached"]).sum()
     assert steps["n_decode_tokens"].sum() == (rows["n_output"] - 1).sum()
     assert set(steps["kind"]) <= {"decode", "prefill", "mixed", "copy", "shift"}
+    # the engine's count of the process's page faults during each step (Linux: getrusage)
+    assert (steps["minor_faults"] >= 0).all() and (steps["minor_faults"] % 1 == 0).all()
 
 
 def test_a_results_directory_without_a_step_log_reads_as_none_and_a_foreign_file_is_refused(tmp_path):
@@ -270,3 +272,17 @@ def test_the_step_ratio_plot_draws_the_speed_track(tmp_path):
     assert out.stat().st_size > 1000
     assert plot_step_ratio(steps.drop(columns="clock_s"), [0.01] * 20, tmp_path / "plain.png", "test",
                            probe=knots).exists()                    # an old step log: no track drawn, no error
+
+
+def test_each_step_records_the_page_faults_the_engine_counted():
+    fake, counted = Fake(), [3]
+    log = StepLog(BPT, cpu_reader=fake.cpu, steal_reader=fake.steal, clock=fake.clock, faults=lambda: counted[0])
+    for n in (3, 2711, None):
+        counted[0] = n
+        fake.t += 0.1
+        log(plan(call(Chunk(0, 0, [5], 10, (0,), False)), sample=(0,)), 0.1)
+    got = log.frame()["minor_faults"]
+    assert list(got[:2]) == [3, 2711] and math.isnan(got[2])
+    plain = StepLog(BPT, cpu_reader=fake.cpu, steal_reader=fake.steal, clock=fake.clock)
+    plain(plan(call(Chunk(0, 0, [5], 10, (0,), False)), sample=(0,)), 0.1)
+    assert plain.frame()["minor_faults"].isna().all()
