@@ -1084,7 +1084,7 @@ def raw_samples(m: Measurement) -> list[dict[str, Any]]:
 def numerics_of_engine(engine: str) -> str | None:
     """The numerics a calibration's `measured_on.engine` names ("... (numerics ggml: ..."), or None when it names
     none (a file of this engine written before the numerics had names was measured in f32, the only one then)."""
-    return next((name for name in ("ggml", "q", "f32") if f"numerics {name}" in engine), None)
+    return next((name for name in NUMERICS_DESC if f"numerics {name}" in engine), None)
 
 
 def cross_validation_block(fits: Fits) -> dict[str, Any]:
