@@ -4,21 +4,21 @@
         [--slots 16] [--prompt 400] [--n-past 300] [--steps 20] [--saves 4]
 
 Each round runs one worker process with NUMPY_MADVISE_HUGEPAGE=1 (numpy's advice on: numpy's default, and the
-engine's) and one with 0 (off); the order alternates between rounds, so a change of the machine's speed hits
-both. Figures and why the engine keeps numpy's default: docs/validation_sim.md §16. A worker loads the model, fills a server-shaped backend (`--slots` sequences of
-`--n-past` cells, resident KV), then `--repeats` times: one `--prompt`-token prompt into an emptied sequence,
-`--steps` decode steps of all `--slots` sequences, and `--saves` prompt-cache saves of the prompt's sequence, all
-kept (as a growing cache keeps them), so that most land in memory new to the process. Prints each worker's
-medians, then per setting the median of the workers' medians, the ratio off / on, minor page faults per step,
-the saves' ns a byte, the machine's THP setting, the thread settings and the load averages. The setting is a
-process's: numpy reads it at import, and a switch inside one process leaves the memory already advised as it was.
+engine's) and one with 0 (off); the order alternates between rounds, so a change of the machine's speed hits both.
+Figures and why the engine keeps numpy's default: docs/validation_sim.md §16. A worker loads the model, fills a
+server-shaped backend (`--slots` sequences of `--n-past` cells, resident KV), then `--repeats` times: one
+`--prompt`-token prompt into an emptied sequence, `--steps` decode steps of all `--slots` sequences, and `--saves`
+prompt-cache saves of the prompt's sequence, all kept (as a growing cache keeps them), so that most land in memory
+new to the process. Prints each worker's medians, then per setting the median of the workers' medians, the ratio off
+/ on, minor page faults per step, the saves' ns a byte, the machine's THP setting, the thread settings and the load
+averages. The setting is a process's: numpy reads it at import, and a switch inside one process leaves the memory
+already advised as it was.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import resource
 import json
 import statistics
 import subprocess
@@ -30,14 +30,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.backend import NumpyBackend  # noqa: E402
+from engine.backend import NumpyBackend, minor_faults  # noqa: E402
 from engine.core.types import Task  # noqa: E402
 from engine.model import default_model_path, load  # noqa: E402
 from experiments.calibrate import mix_plan, replay_sampling  # noqa: E402
-
-
-def faults() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def thp() -> str:
@@ -67,23 +63,23 @@ def worker(args: argparse.Namespace) -> dict[str, list[float]]:
     kept: list[memoryview] = []
     for rep in range(args.repeats):
         backend.kv.seq_rm(args.slots, -1, -1)
-        f0, t0 = faults(), time.perf_counter()
+        f0, t0 = minor_faults(), time.perf_counter()
         backend.execute(mix_plan((((args.slots, 0, args.prompt, True, True),),), tokens, tasks))
         out["prompt"].append(time.perf_counter() - t0)
-        out["prompt_faults"].append(faults() - f0)
+        out["prompt_faults"].append(minor_faults() - f0)
         for i in range(args.steps):
-            f0, t0 = faults(), time.perf_counter()
+            f0, t0 = minor_faults(), time.perf_counter()
             backend.execute(mix_plan((tuple((s, args.n_past + i, 1, True, True) for s in range(args.slots)),),
                                      tokens, tasks))
             out["decode"].append(time.perf_counter() - t0)
-            out["decode_faults"].append(faults() - f0)
+            out["decode_faults"].append(minor_faults() - f0)
         for s in range(args.slots):
             backend.kv.seq_rm(s, args.n_past, -1)
         for _ in range(args.saves):                  # kept, as a growing prompt cache keeps them: after the
-            f0, t0 = faults(), time.perf_counter()   # first, each lands in memory new to the process
+            f0, t0 = minor_faults(), time.perf_counter()   # first, each lands in memory new to the process
             kept.append(backend.kv.state_save(args.slots))
             out["save"].append(time.perf_counter() - t0)
-            out["save_faults"].append(faults() - f0)
+            out["save_faults"].append(minor_faults() - f0)
     out["blob_bytes"] = [float(len(kept[-1]))]
     return out
 

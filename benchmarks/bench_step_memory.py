@@ -8,11 +8,12 @@ A serving process's prompt cache keeps the blobs it saves. The engine's forward 
 arrays afresh in every step, so a kept blob takes the memory the previous step freed, and the next long prompt's
 arrays then get memory new to the process, which the kernel supplies page by page (minor page faults) inside the
 step; its replay, right after, does not pay them, and the simulator does not see them (docs/validation_sim.md §16;
-§17 measures a tree whose layers kept their arrays from step to step). A worker (`--worker`, run with PYTHONPATH set to its tree) loads SmolLM2 in ggml mode, prefills one sequence of
-`--blob-cells` cells, then runs `--pairs` pairs: a `--prompt`-token prompt into an emptied sequence right after a
-save of that sequence (the blob kept, as the cache keeps it), and the same prompt after no save; the order within a
-pair alternates. Prints, per tree, the median step time and page faults of each kind of prompt and their ratio; the
-ratio of the trees' prompts; the thread settings and the load averages. Without `--base`, this tree alone.
+§17 measures a tree whose layers kept their arrays from step to step). A worker (`--worker`, run with PYTHONPATH set
+to its tree) loads SmolLM2 in ggml mode, prefills one sequence of `--blob-cells` cells, then runs `--pairs` pairs: a
+`--prompt`-token prompt into an emptied sequence right after a save of that sequence (the blob kept, as the cache
+keeps it), and the same prompt after no save; the order within a pair alternates. Prints, per tree, the median step
+time and page faults of each kind of prompt and their ratio; the ratio of the trees' prompts; the thread settings
+and the load averages. Without `--base`, this tree alone.
 """
 
 from __future__ import annotations
@@ -29,17 +30,12 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def worker(args: argparse.Namespace) -> dict[str, list[float]]:
-    import resource
-
     import numpy as np
 
-    from engine.backend import NumpyBackend
+    from engine.backend import NumpyBackend, minor_faults
     from engine.core.types import Task
     from engine.model import default_model_path, load
     from experiments.calibrate import mix_plan, replay_sampling
-
-    def faults() -> int:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
     model = load(args.model or default_model_path(), n_threads=args.threads, numerics="ggml")
     model.warm_up()
@@ -62,9 +58,9 @@ def worker(args: argparse.Namespace) -> dict[str, list[float]]:
             kept.append(backend.kv.state_save(0))
         seq = 1 + i % (n_seq - 1)
         backend.kv.seq_rm(seq, -1, -1)
-        f0, t0 = faults(), time.perf_counter()
+        f0, t0 = minor_faults(), time.perf_counter()
         backend.execute(mix_plan((((seq, 0, args.prompt, True, True),),), tokens, tasks))
-        elapsed, faulted = time.perf_counter() - t0, faults() - f0
+        elapsed, faulted = time.perf_counter() - t0, minor_faults() - f0
         if i >= 2:
             key = "after_save" if save else "after_none"
             out[key].append(elapsed)
