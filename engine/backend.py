@@ -61,10 +61,9 @@ class NumpyBackend:
         self._eog = frozenset(tok.eog_ids)
         self.n_steps = 0
         self.t_total_s = 0.0
-        # the process's minor page faults during the last execute (None before the first, or where unknown);
-        # read outside the timed region; the step log records it (experiments/steplog.py, `minor_faults`)
-        self.last_minor_faults: int | None = None
-        # optional observer called as on_step(plan, elapsed_s) after every execute (slotlab replay's step log)
+        # optional observer called after every execute as on_step(plan, elapsed_s, minor_faults) (slotlab
+        # replay's step log): the step's measured seconds and the process's minor page faults during it (read
+        # outside the timed region; None where unknown), which the step log records (experiments/steplog.py)
         self.on_step: Any = None
 
     # --- facts the server builds its ServerConfig from -----------------------------------------------------
@@ -135,13 +134,12 @@ class NumpyBackend:
                 extra[sid] = res
         elapsed = time.perf_counter() - t0
         faults1 = minor_faults()
-        self.last_minor_faults = None if faults0 is None or faults1 is None else faults1 - faults0
         self.n_steps += 1
         self.t_total_s += elapsed
         if len(self._samplers) > 4 * self.n_seq:
             self._prune_samplers()
         if self.on_step is not None:
-            self.on_step(plan, elapsed)
+            self.on_step(plan, elapsed, None if faults0 is None or faults1 is None else faults1 - faults0)
         return StepResult(elapsed, sampled, extra or None)
 
     def apply(self, op: KVOp) -> None:

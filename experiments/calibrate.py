@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -299,6 +299,14 @@ def mix_plan(calls: Sequence[MixCall], tokens: Callable[[int], list[int]], tasks
     return BatchPlan(0.0, tuple(program), n_prompt, n_decode, plan_tasks)
 
 
+class MixTime(NamedTuple):
+    """One timed execution of a step shape on the mix bench (`_MixBench.measure`): its seconds, of which its
+    prompt-cache copies took `copy_s`."""
+
+    seconds: float
+    copy_s: float
+
+
 class _MixBench:
     """The run's own step shapes re-executed on KV cells of their own (a NumpyBackend of the run's slot count and
     per-slot context): the run's cells, slots and prompt cache are untouched. A sequence is brought to the
@@ -313,7 +321,6 @@ class _MixBench:
         self.backend = NumpyBackend(model, n_seq, n_ctx_seq, default_sampling=sampling, resident=resident)
         self.model, self.rng, self.n_vocab = model, rng, model.hparams.n_vocab
         self.tasks = [Task(id=seq, tokens=[0]) for seq in range(n_seq)]
-        self.last_copy_s = 0.0
 
     def tokens(self, n: int) -> list[int]:
         return self.rng.integers(0, self.n_vocab, n).tolist()
@@ -349,11 +356,11 @@ class _MixBench:
             kv.state_load(seq, blob)
         return time.perf_counter() - t0
 
-    def measure(self, calls: Sequence[MixCall], ops: Sequence[MixOp] = ()) -> float | None:
-        """Measured seconds of one execution of the step shape: its copies (`ops`), then its forward calls; None
-        when it does not fit these cells. The copies' part of it is `last_copy_s` after the call. A sequence
-        loaded by a copy keeps its float32 shadow stale for the forward calls, which convert it inside the timing
-        as the run's step after a load does."""
+    def measure(self, calls: Sequence[MixCall], ops: Sequence[MixOp] = ()) -> MixTime | None:
+        """One execution of the step shape, timed: its copies (`ops`), then its forward calls (`MixTime`: the
+        seconds of both, and the copies' part of them); None when it does not fit these cells. A sequence loaded
+        by a copy keeps its float32 shadow stale for the forward calls, which convert it inside the timing as the
+        run's step after a load does."""
         first: dict[int, list[int]] = {}                     # seq -> [pos0 of its first chunk, tokens it appends]
         for call in calls:
             for seq, pos0, n, _samples, _prompt in call:
@@ -363,11 +370,11 @@ class _MixBench:
                 or any(pos0 + n > self.backend.n_ctx_seq for pos0, n in first.values())
                 or any(n > self.backend.n_ctx_seq for _kind, _seq, n in ops)):
             return None
-        copied = self.last_copy_s = sum(self._copy(kind, seq, n) for kind, seq, n in ops)
+        copied = sum(self._copy(kind, seq, n) for kind, seq, n in ops)
         loaded = {seq for kind, seq, _n in ops if kind == "load"}
         for seq, (pos0, n_new) in first.items():
             self._hold(seq, pos0, n_new, shadow=seq not in loaded)
-        return copied + self.backend.execute(mix_plan(calls, self.tokens, self.tasks)).elapsed_s
+        return MixTime(copied + self.backend.execute(mix_plan(calls, self.tokens, self.tasks)).elapsed_s, copied)
 
 
 def recently_freed(n_bytes: int) -> None:
@@ -776,7 +783,8 @@ class InRunProbe:
         self._t0 = self._clock()
         self._next = self._t0 + self.every_s
 
-    def __call__(self, plan: Any, elapsed_s: float) -> None:
+    def __call__(self, plan: Any, elapsed_s: float, minor_faults: int | None = None) -> None:
+        """After one of the run's steps (`NumpyBackend.on_step`); the step's page faults are not used here."""
         # the run's clock at this step's end (run_clock reads its start while the step is being committed)
         end_s = float(self._run_clock()) + elapsed_s
         if self.mix_bench is not None and plan is not None and plan.forwards and elapsed_s > 0:
@@ -800,10 +808,9 @@ class InRunProbe:
         if self.warm_decode and not prompt:
             self.mix_bench.measure(calls, ops)       # untimed: its cells then as warm as the run's step finds its own
         t = self.mix_bench.measure(calls, ops)
-        if t is not None and t > 0:
-            self._credit[prompt] -= t
-            self._pending.append(MixSample(calls, prompt, float(t), step_s, clock_s, ops,
-                                           float(self.mix_bench.last_copy_s)))
+        if t is not None and t.seconds > 0:
+            self._credit[prompt] -= t.seconds
+            self._pending.append(MixSample(calls, prompt, float(t.seconds), step_s, clock_s, ops, float(t.copy_s)))
 
     def _pass(self, clock_s: float, now: float) -> None:
         samples: dict[str, list[float]] = {p.label: [] for p in self.points}
@@ -1081,10 +1088,15 @@ def raw_samples(m: Measurement) -> list[dict[str, Any]]:
              "load1": list(p.load1)} for p in m.points]
 
 
-def numerics_of_engine(engine: str) -> str | None:
-    """The numerics a calibration's `measured_on.engine` names ("... (numerics ggml: ..."), or None when it names
-    none (a file of this engine written before the numerics had names was measured in f32, the only one then)."""
-    return next((name for name in NUMERICS_DESC if f"numerics {name}" in engine), None)
+def calibration_numerics(engine: str) -> str | None:
+    """The numerics a calibration's `measured_on.engine` says it was measured in: the one it names ("slotlab numpy
+    (numerics ggml: ..."); f32 for a file of this engine that names none (written before the numerics had names,
+    f32 the only one then); None for a file not measured on this engine (the embedded default, derived from the
+    roofline model). `calibrate --refit` and `validate`'s calibration check both read it so."""
+    named = next((name for name in NUMERICS_DESC if f"numerics {name}" in engine), None)
+    if named is not None:
+        return named
+    return "f32" if engine.startswith(f"{ENGINE_NAME} (") else None
 
 
 def cross_validation_block(fits: Fits) -> dict[str, Any]:
@@ -1134,8 +1146,7 @@ def run_refit(args: argparse.Namespace) -> int:
         if not isinstance(on, dict):
             raise ValueError(f"{src}: missing field 'measured_on'")
         engine = str(on.get("engine", ""))
-        numerics = numerics_of_engine(engine) or ("f32" if engine.startswith(f"{ENGINE_NAME} (")
-                                                  and "numerics" not in engine else None)
+        numerics = calibration_numerics(engine)
         threads = on.get("threads")
         if numerics is None or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"{src}: measured_on names no numerics or thread count this version knows "

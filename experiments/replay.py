@@ -95,16 +95,15 @@ def run_replay(values: dict[str, Any], workload, model_path: str, threads: int, 
     model = loaded if loaded is not None else load(model_path, n_threads=threads, numerics=numerics)
     sim, cfg = engine_simulation(model, server_config({**values, "kv_bytes_per_token": None}), values["seed"], temp,
                                  keep_n_ctx_train=values["ctx_size"] != 0, progress=progress)
-    steps = StepLog(sim.backend.kv_bytes_per_token, run_clock=lambda: sim.now_s,
-                    faults=lambda: getattr(sim.backend, "last_minor_faults", None))
+    steps = StepLog(sim.backend.kv_bytes_per_token, run_clock=lambda: sim.now_s)
     if probe is None:
         sim.backend.on_step = steps
     else:
         probe.start(lambda: sim.now_s, sim.backend)
 
-        def on_step(plan: Any, elapsed_s: float) -> None:
-            steps(plan, elapsed_s)
-            probe(plan, elapsed_s)
+        def on_step(plan: Any, elapsed_s: float, minor_faults: int | None) -> None:
+            steps(plan, elapsed_s, minor_faults)
+            probe(plan, elapsed_s, minor_faults)
         sim.backend.on_step = on_step
     result = sim.run(workload)
     sim.backend.on_step = None

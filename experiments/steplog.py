@@ -18,8 +18,8 @@ row per `NumpyBackend.execute` call, in order, with
   /proc/stat is not readable or before the first window closed);
 - `steal_cores`: of those, the CPU the hypervisor gave to other guests while this one wanted it (/proc/stat's
   `steal`, same windows; NaN where unknown): on a virtual machine, contention no process list shows;
-- `minor_faults`: the pages the kernel supplied to the process during the step (`NumpyBackend.last_minor_faults`,
-  all threads; NaN where unknown): a step whose temporaries land in memory new to the process (after a kept
+- `minor_faults`: the pages the kernel supplied to the process during the step (the engine counts them and passes
+  them to its `on_step` observer; all threads; NaN where unknown): a step whose temporaries land in memory new to the process (after a kept
   prompt-cache save took the heap space they had used) takes thousands, which its replay does not
   (docs/validation_sim.md §16).
 
@@ -74,16 +74,14 @@ class StepLog:
 
     `cpu_reader` returns (machine busy CPU seconds, this process's CPU seconds) or None (`proc_cpu_seconds`);
     a window closes at the first step ending at least `window_s` after it opened, and its others' cores are
-    given to every step that started in it. `faults`, read once per step, returns the page faults the engine
-    counted during it (`NumpyBackend.last_minor_faults`) or None; without it the column is NaN."""
+    given to every step that started in it. Each call's `minor_faults` is the page faults the engine counted
+    during the step (`NumpyBackend.execute`), or None: the column is then NaN."""
 
     def __init__(self, kv_bytes_per_token: int, *, cpu_reader: Callable[[], tuple[float, float] | None] = proc_cpu_seconds,
                  clock: Callable[[], float] = time.perf_counter, window_s: float = 0.5,
                  run_clock: Callable[[], float] | None = None,
-                 steal_reader: Callable[[], float | None] = proc_steal_seconds,
-                 faults: Callable[[], int | None] | None = None) -> None:
+                 steal_reader: Callable[[], float | None] = proc_steal_seconds) -> None:
         self._steal = steal_reader
-        self._faults = faults
         self._win_steal: float | None = None
         self._run_clock = run_clock
         self._costs = SimBackend(ConstantLatency(0.0), kv_bytes_per_token)
@@ -96,7 +94,7 @@ class StepLog:
         self._win_clock = 0.0
         self._win_cpu: tuple[float, float] | None = None
 
-    def __call__(self, plan: BatchPlan, elapsed_s: float) -> None:
+    def __call__(self, plan: BatchPlan, elapsed_s: float, minor_faults: int | None = None) -> None:
         end = self._clock()
         start = end - elapsed_s
         if self._t0 is None:
@@ -105,10 +103,9 @@ class StepLog:
             self._win_clock, self._win_cpu, self._win_steal = end, self._cpu(), self._steal()
         cost = self._costs.layout_cost(plan)
         charged = bool(plan.tasks) or any(type(p) is ForwardCall for p in plan.program)
-        n_faults = self._faults() if self._faults is not None else None
         row = {"t_s": start - self._t0, "elapsed_s": elapsed_s, "kind": step_kind(cost), "charged": charged,
                "others_cores": math.nan, "steal_cores": math.nan,
-               "minor_faults": math.nan if n_faults is None else float(n_faults),
+               "minor_faults": math.nan if minor_faults is None else float(minor_faults),
                "clock_s": self._run_clock() if self._run_clock is not None else math.nan}
         for name in COST_COLUMNS:
             row[name] = getattr(cost, name)

@@ -45,9 +45,9 @@ from experiments.flags import (
 )
 from experiments.calibrate import (
     InRunProbe,
+    calibration_numerics,
     measure_probe,
     mix_predictions,
-    numerics_of_engine,
     probe_points,
     probe_predictions,
     replay_sampling,
@@ -426,7 +426,8 @@ def check_same_run(real: Any, values: Mapping[str, Any], model: str, numerics: s
 
 def calibration_mismatch(latency: Any, model: str, threads: int, numerics: str = "f32") -> str | None:
     """Why `latency`'s calibration does not describe this run (another model file, thread count or numerics), or
-    None. A calibration whose `measured_on.engine` names no numerics was measured in f32.
+    None. The calibration's numerics are read as `calibrate --refit` reads them (`calibration_numerics`): a file of
+    this engine that names none was measured in f32; one not measured on this engine has none to compare.
 
     The simulator then predicts another setup's step times, and sim-vs-real errors mostly measure that."""
     measured = getattr(latency, "measured_on", None)
@@ -438,7 +439,7 @@ def calibration_mismatch(latency: Any, model: str, threads: int, numerics: str =
     if measured.threads is not None and measured.threads != threads:
         differences.append(f"{measured.threads} thread{'s' if measured.threads != 1 else ''} (this run: {threads})")
     engine = str(getattr(measured, "engine", "") or "")
-    cal_numerics = numerics_of_engine(engine) or ("f32" if engine else None)
+    cal_numerics = calibration_numerics(engine)
     if cal_numerics is not None and cal_numerics != numerics:
         differences.append(f"numerics {cal_numerics} (this run: {numerics})")
     layout = getattr(latency, "layout", None)

@@ -192,22 +192,25 @@ def test_real_model_greedy_serving_matches_forward_logits(smollm2):
     assert task.generated == greedy_by_hand(smollm2, prompt, 4)
 
 
-def test_each_step_counts_the_page_faults_it_took(tiny_model, monkeypatch):
+def test_each_step_tells_its_observer_the_page_faults_it_took(tiny_model, monkeypatch):
     import engine.backend as eb
 
     model = tiny_model()
     backend = NumpyBackend(model, 1, 64)
-    assert backend.last_minor_faults is None                      # no step yet
+    seen = []
+    backend.on_step = lambda plan, elapsed_s, minor_faults: seen.append((plan, elapsed_s, minor_faults))
     task = Task(id=0, tokens=[1, 2, 3])
     prompt = BatchPlan(0.0, (ForwardCall((Chunk(0, 0, [1, 2, 3], 0, (0,), True),), 3),), 3, 0, {0: task})
-    backend.execute(prompt)
-    assert isinstance(backend.last_minor_faults, int) and backend.last_minor_faults >= 0
+    res = backend.execute(prompt)
+    (got,) = seen
+    assert got[0] is prompt and got[1] == res.elapsed_s                   # the plan and the time it took
+    assert isinstance(got[2], int) and got[2] >= 0
     readings = iter([1000, 1017])                                  # the process's counter before and after the step
     monkeypatch.setattr(eb, "minor_faults", lambda: next(readings))
     backend.kv.seq_rm(0, -1, -1)
     backend.execute(prompt)
-    assert backend.last_minor_faults == 17
+    assert seen[-1][2] == 17
     monkeypatch.setattr(eb, "minor_faults", lambda: None)          # a platform without getrusage
     backend.kv.seq_rm(0, -1, -1)
     backend.execute(prompt)
-    assert backend.last_minor_faults is None
+    assert seen[-1][2] is None and len(seen) == 3

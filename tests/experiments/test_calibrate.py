@@ -12,7 +12,7 @@ import pytest
 
 from engine.core.types import ForwardCall, KVOp, Task
 from engine.model import load
-from experiments.calibrate import (PROBE_REPEATS, TEMPLATE_CHUNK, GridPoint, KINDS, _Bench, Measured, Measurement, PassInfo, add_calibrate_parser, build_plan,
+from experiments.calibrate import (PROBE_REPEATS, TEMPLATE_CHUNK, GridPoint, KINDS, _Bench, Measured, Measurement, MixTime, PassInfo, add_calibrate_parser, build_plan,
                                    calibration_grid, engine_layout, load_figures, measure_grid, measure_probe,
                                    probe_points, replay_sampling, run_calibrate, side_files)
 from experiments.speed_probe import SpeedProbe, calibration_probe
@@ -566,10 +566,10 @@ def test_the_mix_bench_brings_each_sequence_to_the_context_its_chunk_continues(t
     bench = _MixBench(model, 2, 128, replay_sampling(model, 0.0, 0), np.random.default_rng(0))
     kv = bench.backend.kv
     two_decodes = (((0, 90, 1, True, False), (1, 30, 1, True, False)),)
-    assert bench.measure(two_decodes) > 0
+    assert bench.measure(two_decodes).seconds > 0
     assert (kv.n_tokens(0), kv.n_tokens(1)) == (91, 31)                # grown to pos0, plus the step's token
     prompt = (((1, 0, 16, False, True),), ((1, 16, 8, True, True),))   # a prompt in two calls (n_batch cut)
-    assert bench.measure(prompt) > 0 and kv.n_tokens(1) == 24           # trimmed to 0, then the two chunks
+    assert bench.measure(prompt).seconds > 0 and kv.n_tokens(1) == 24           # trimmed to 0, then the two chunks
     assert kv.n_tokens(0) == 91                                          # a sequence the shape leaves alone
     # shapes these cells cannot hold: a third sequence, or a context beyond the per-slot size
     assert bench.measure((((2, 0, 4, True, True),),)) is None
@@ -592,8 +592,9 @@ def test_the_mix_bench_times_a_steps_copies_before_its_forward_calls(tiny, monke
     bench.measure((((0, 70, 1, True, False),),))                          # sequence 0 ran to 71 cells
     t = bench.measure((((0, 40, 8, True, True),),), (("save", 0, 60), ("load", 0, 40)))
     assert done == [("save", 0, 60, 60), ("load", 0, 40, 40)]            # each copy moves the cells it names
-    assert t > 10.0 and kv.n_tokens(0) == 48                             # both copies timed, then the chunk
-    assert bench.last_copy_s == 10.0                                      # ... and their part of it known
+    assert t.seconds > 10.0 and kv.n_tokens(0) == 48                     # both copies timed, then the chunk
+    assert t.copy_s == 10.0                                               # ... and their part of it known
+    assert bench.measure((((0, 48, 1, True, False),),)).copy_s == 0.0      # a step without copies
     # a loaded sequence's float32 shadow is left for the timed step to convert (as the run's step after a load)
     current = []
     monkeypatch.setattr(model, "shadow_current", lambda kv, seq: current.append(seq))
@@ -602,16 +603,15 @@ def test_the_mix_bench_times_a_steps_copies_before_its_forward_calls(tiny, monke
 
 
 class FixedReplay:
-    """A mix bench stand-in: every replay takes `seconds`, or does not fit (None) for the shapes in `misfit`."""
-
-    last_copy_s = 0.0                       # no copies in these shapes
+    """A mix bench stand-in: every replay takes `seconds` (no copies in these shapes), or does not fit (None) for
+    the shapes in `misfit`."""
 
     def __init__(self, seconds, misfit=()):
         self.seconds, self.misfit, self.calls = seconds, set(misfit), []
 
     def measure(self, calls, ops=()):
         self.calls.append(calls)
-        return None if calls in self.misfit else self.seconds
+        return None if calls in self.misfit else MixTime(self.seconds, 0.0)
 
 
 def test_replays_take_the_budget_of_each_paths_step_time(tiny):
@@ -654,14 +654,12 @@ def test_replays_take_the_budget_of_each_paths_step_time(tiny):
 class ColdThenWarm:
     """A mix bench stand-in whose executions alternate between a cold and a warm time."""
 
-    last_copy_s = 0.0
-
     def __init__(self, cold, warm):
         self.times, self.calls = [cold, warm], []
 
     def measure(self, calls, ops=()):
         self.calls.append(calls)
-        return self.times[(len(self.calls) - 1) % 2]
+        return MixTime(self.times[(len(self.calls) - 1) % 2], 0.0)
 
 
 def test_a_decode_replay_keeps_its_warm_second_execution_and_is_charged_for_it_alone(tiny):
@@ -780,3 +778,14 @@ def test_refit_names_the_model_the_file_was_measured_on(tiny, calibrated, tmp_pa
     other.write_bytes(open(tiny, "rb").read())
     assert run_calibrate(parse("-m", str(other), "--refit", str(src), "--out", str(tmp_path / "o.json"))) == 2
     assert "was measured on model 'tiny.gguf', not 'other.gguf'" in capsys.readouterr().err
+
+
+def test_the_numerics_a_calibration_was_measured_in_are_read_alike_by_refit_and_validate():
+    """One reading of `measured_on.engine` for both: the numerics it names; f32 for a file of this engine written
+    before the numerics had names; None (unknown) for a file not measured on this engine."""
+    from experiments.calibrate import calibration_numerics
+    assert calibration_numerics("slotlab numpy (numerics ggml: quantized weights, threading=split)") == "ggml"
+    assert calibration_numerics("slotlab numpy (numerics f32: f32 weights, f32 KV)") == "f32"
+    assert calibration_numerics("slotlab numpy (threading=split)") == "f32"        # before the numerics had names
+    assert calibration_numerics("none: derived from sim.roofline.RooflineLatency") is None
+    assert calibration_numerics("") is None

@@ -284,3 +284,14 @@ def test_noise_floor_of_the_reused_run_itself_is_refused(validated, tiny, calib,
     assert run_validate(parse("-m", tiny, "--latency", f"parametric:{calib}", "--real-run", real, "--noise-floor",
                               real, "--out", str(tmp_path), *WORKLOAD)) == 2
     assert "--noise-floor is the run --real-run reuses" in capsys.readouterr().err
+
+
+def test_a_calibration_not_measured_on_this_engine_is_not_said_to_be_of_other_numerics():
+    """The embedded default (derived from the roofline model, measured on nothing) names no numerics: a ggml run
+    validated against it is not told that it was measured in f32."""
+    from experiments.validate import calibration_mismatch
+    from sim.latency_spec import get_latency_model
+    derived = get_latency_model("default")
+    assert "none" in derived.measured_on.engine
+    why = calibration_mismatch(derived, "/x/SmolLM2-135M-Instruct.Q4_1.gguf", 2, "ggml") or ""
+    assert "numerics f32 (this run" not in why
