@@ -26,7 +26,8 @@ row per `NumpyBackend.execute` call, in order, with
 `step_errors(steps, latency)` prices every logged step with a latency model and compares it with the measured
 time. Because both sides see the *same* step, this error is the timing model's alone: it does not depend on
 whether the simulated run made the same decisions as the real one (a closed-loop run whose arrivals drift apart
-compares different steps request by request). It also shows the machine: the measured/predicted ratio over the
+compares different steps request by request). Its `page_faults` sets apart the steps that took memory new to the
+process and compares them with the other steps of their kinds. It also shows the machine: the measured/predicted ratio over the
 run's duration (`drift`) moves when the machine's speed moved (another process took a core), and
 `others_cores` says whether something else ran.
 """
@@ -57,6 +58,10 @@ COST_COLUMNS = ("n_prefill_tokens", "n_decode_tokens", "n_seqs", "attn_ctx_token
 OTHERS_CORES_WARN = 0.5
 # measured/predicted ratio moving by more than this between tenths of the run: validate warns (machine speed)
 DRIFT_WARN = 0.10
+# a step that took at least this many pages (4 KiB: 1 MiB) of memory new to the process is compared apart
+FAULT_STEP_PAGES = 256
+# ... and validate warns when those steps' median error is this much more negative than the other steps'
+FAULT_BIAS_WARN = 0.05
 
 
 def step_kind(cost: StepCost) -> str:
@@ -278,7 +283,40 @@ def step_errors(steps: pd.DataFrame, latency: Any, n_bins: int = 10,
     out["shape_err"] = {"median_abs_err": float(np.median(np.abs(ratio / local - 1.0))), "window_steps": window}
     out["others_cores"] = _mean_max(steps, "others_cores")
     out["steal_cores"] = _mean_max(steps, "steal_cores")
+    out["page_faults"] = _fault_errors(steps, ok, m, p)
     return out
+
+
+def _fault_errors(steps: pd.DataFrame, ok: np.ndarray, m: np.ndarray, p: np.ndarray) -> dict[str, Any] | None:
+    """step_errors' `page_faults`: the compared steps that took at least FAULT_STEP_PAGES pages of memory new to
+    the process (`minor_faults`) against the other steps of the same kinds (the model's bias differs by kind:
+    a prompt step that faults is compared with prompt steps that did not). `excess_s`: their measured time beyond
+    the model's price of them at the speed of the other steps of their kind (Σ measured / Σ predicted; of all
+    the other steps for a kind that has none), floored at 0. None without the column or a count in it (a log
+    written before it was recorded, a platform without getrusage)."""
+    if "minor_faults" not in steps.columns:
+        return None
+    pages = steps["minor_faults"].to_numpy(float)[ok]
+    known = np.isfinite(pages)
+    if not known.any():
+        return None
+    kinds = steps["kind"].to_numpy()[ok]
+    faulting = known & (pages >= FAULT_STEP_PAGES)
+    alike = ~faulting & np.isin(kinds, np.unique(kinds[faulting]))
+    excess = 0.0
+    for kind in np.unique(kinds[faulting]):
+        ref = ~faulting & (kinds == kind)
+        if not ref.any():
+            ref = ~faulting
+        speed = m[ref].sum() / p[ref].sum() if ref.any() and p[ref].sum() > 0 else 1.0
+        here = faulting & (kinds == kind)
+        excess += float(m[here].sum() - speed * p[here].sum())
+    return {"threshold_pages": FAULT_STEP_PAGES, "n_steps": int(faulting.sum()), "n_compared": int(len(m)),
+            "pages": int(pages[faulting].sum()),
+            "faulting": _errors(m[faulting], p[faulting]) if faulting.any() else None,
+            "other": _errors(m[alike], p[alike]) if alike.any() else None,
+            "other_kinds": sorted(str(k) for k in np.unique(kinds[alike])),
+            "excess_s": max(0.0, excess)}
 
 
 def _mean_max(steps: pd.DataFrame, column: str) -> dict[str, float] | None:
@@ -301,11 +339,28 @@ def step_warnings(errors: dict[str, Any]) -> list[str]:
                         f"on average (max {steal['max']:.2f}) during the real run (steal time, /proc/stat): its "
                         f"steps include waits for a CPU that no latency model predicts; rerun when the host is "
                         f"quieter, or compare with --speed-correct track")
+    faults = errors.get("page_faults")
+    if (faults and faults["faulting"] and faults["other"]
+            and faults["faulting"]["median_err"] < faults["other"]["median_err"] - FAULT_BIAS_WARN):
+        warnings.append(f"{_fault_text(faults)}. Such memory can cost far more than the recently used memory "
+                        f"the calibration's steps got (on a virtual machine a page the guest has not touched before "
+                        f"costs ~2 ns a byte, 10-20 times as much), and no latency model here predicts which step "
+                        f"gets it; the requests whose prompts ran in those steps show it in their TTFT "
+                        f"(docs/validation_sim.md §18)")
     if errors.get("drift_range", 0.0) > DRIFT_WARN:
         d = errors["drift"]
         warnings.append(f"the engine's speed moved during the real run: measured/predicted step time went "
                         f"{min(d):.2f}..{max(d):.2f} over its tenths (the machine's speed changed)")
     return warnings
+
+
+def _fault_text(faults: Mapping[str, Any]) -> str:
+    f, o = faults["faulting"], faults["other"]
+    return (f"{faults['n_steps']} of the real run's {faults['n_compared']} steps took memory new to the process (at "
+            f"least {faults['threshold_pages']} page faults each, {faults['pages']:,} in all), and the latency "
+            f"model's median error on them was {100 * f['median_err']:+.1f}% against {100 * o['median_err']:+.1f}% "
+            f"on the other steps of their kinds ({', '.join(faults['other_kinds'])}): {faults['excess_s']:.2f} s "
+            f"beyond the model at those steps' speed")
 
 
 def format_step_errors(errors: dict[str, Any]) -> str:
@@ -331,6 +386,9 @@ def format_step_errors(errors: dict[str, Any]) -> str:
     parts.append(f"  against the machine's speed of the moment (ratio / its rolling median over "
                  f"{errors['shape_err']['window_steps']} steps): median |err| "
                  f"{100 * errors['shape_err']['median_abs_err']:.1f}%")
+    faults = errors.get("page_faults")
+    if faults and faults["faulting"] and faults["other"]:
+        parts.append(f"  {_fault_text(faults)}")
     return "\n".join(parts)
 
 

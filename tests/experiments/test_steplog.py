@@ -12,9 +12,11 @@ from engine.core.types import BatchPlan, Chunk, ForwardCall, KVOp, Task
 from experiments.cli import main
 from experiments.steplog import (
     DRIFT_WARN,
+    FAULT_STEP_PAGES,
     STEAL_CORES_WARN,
     STEPS_FILE,
     StepLog,
+    format_step_errors,
     predict_steps,
     read_steps,
     step_errors,
@@ -182,6 +184,35 @@ def test_a_flat_run_on_a_quiet_machine_gives_no_warning_and_a_drifting_or_shared
     assert any("speed moved" in w for w in step_warnings(slower))
     shared = step_errors(frame([0.1] * 20, others=0.9), ConstantLatency(0.1))
     assert any("0.90 cores" in w for w in step_warnings(shared))
+
+
+def test_steps_that_took_new_memory_are_compared_apart_and_warned_about_when_they_ran_slower():
+    # 40 steps as the model says, but 4 (spread over the run) took 300 pages of memory new to the process each
+    # (over the mark) and ran 30% slower; one more took 40 pages (under it)
+    faulting = [3, 13, 23, 33]
+    measured = [0.13 if i in faulting else 0.1 for i in range(40)]
+    df = frame(measured)
+    df["minor_faults"] = [300.0 if i in faulting else 0.0 for i in range(40)]
+    df.loc[5, "minor_faults"] = FAULT_STEP_PAGES - 1.0
+    err = step_errors(df, ConstantLatency(0.1))
+    pf = err["page_faults"]
+    assert pf["n_steps"] == 4 and pf["pages"] == 1200 and pf["threshold_pages"] == FAULT_STEP_PAGES
+    assert pf["faulting"]["median_err"] == pytest.approx(0.1 / 0.13 - 1) and pf["other"]["median_err"] == 0.0
+    assert pf["excess_s"] == pytest.approx(4 * 0.03)       # beyond the model at the other steps' speed
+    (warning,) = [w for w in step_warnings(err) if "memory new to the process" in w]
+    assert "4 of the real run's 40 steps" in warning and "1,200 in all" in warning and "0.12 s" in warning
+    assert "4 of the real run's 40 steps" in format_step_errors(err)
+    # as fast as the others: recorded, no warning; the other steps' speed is the comparison, not the model's
+    even = frame([0.2] * 40)
+    even["minor_faults"] = [300.0 if i in faulting else 0.0 for i in range(40)]
+    quiet = step_errors(even, ConstantLatency(0.1))
+    assert quiet["page_faults"]["n_steps"] == 4 and quiet["page_faults"]["excess_s"] == pytest.approx(0.0)
+    assert not any("memory new" in w for w in step_warnings(quiet))
+    # a log without the column (written before it was recorded), or without a count in it: nothing to say
+    assert step_errors(frame([0.1] * 40), ConstantLatency(0.1))["page_faults"] is None
+    unknown = frame([0.1] * 40)
+    unknown["minor_faults"] = math.nan
+    assert step_errors(unknown, ConstantLatency(0.1))["page_faults"] is None
 
 
 def test_steps_the_simulator_charges_nothing_are_not_compared():
