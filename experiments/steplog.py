@@ -19,16 +19,16 @@ row per `NumpyBackend.execute` call, in order, with
 - `steal_cores`: of those, the CPU the hypervisor gave to other guests while this one wanted it (/proc/stat's
   `steal`, same windows; NaN where unknown): on a virtual machine, contention no process list shows;
 - `minor_faults`: the pages the kernel supplied to the process during the step (the engine counts them and passes
-  them to its `on_step` observer; all threads; NaN where unknown): a step whose temporaries land in memory new to the process (after a kept
-  prompt-cache save took the heap space they had used) takes thousands, which its replay does not
-  (docs/validation_sim.md §16).
+  them to its `on_step` observer; all threads; NaN where unknown): a step whose blob or temporaries land in
+  memory new to the process (a kept prompt-cache save, or temporaries after a save took the heap space they had
+  used) takes hundreds to thousands, which its replay does not (docs/validation_sim.md §16, §18).
 
 `step_errors(steps, latency)` prices every logged step with a latency model and compares it with the measured
 time. Because both sides see the *same* step, this error is the timing model's alone: it does not depend on
 whether the simulated run made the same decisions as the real one (a closed-loop run whose arrivals drift apart
 compares different steps request by request). Its `page_faults` sets apart the steps that took memory new to the
-process and compares them with the other steps of their kinds. It also shows the machine: the measured/predicted ratio over the
-run's duration (`drift`) moves when the machine's speed moved (another process took a core), and
+process and compares them with the other steps of their kinds. It also shows the machine: the measured/predicted
+ratio over the run's duration (`drift`) moves when the machine's speed moved (another process took a core), and
 `others_cores` says whether something else ran.
 """
 
