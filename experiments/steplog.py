@@ -319,6 +319,61 @@ def _fault_errors(steps: pd.DataFrame, ok: np.ndarray, m: np.ndarray, p: np.ndar
             "excess_s": max(0.0, excess)}
 
 
+def first_token_faults(steps: pd.DataFrame, requests: pd.DataFrame) -> pd.Series:
+    """Per request (indexed by `request`), the page faults of the steps its first token waited for: the steps that
+    started on the run's clock at or after its arrival and before its first token (`clock_s`; a step already
+    running when the request arrived is not its own). NaN for a request without a first token, a log without
+    `minor_faults` or `clock_s`, or a window with a step whose count is unknown."""
+    out = pd.Series(math.nan, index=requests["request"].to_numpy(), dtype="float64", name="ttft_faults_real")
+    if "minor_faults" not in steps.columns or not has_run_clock(steps):
+        return out
+    start = steps["clock_s"].to_numpy(float)
+    faults = steps["minor_faults"].to_numpy(float)
+    eps = 1e-9
+    for req, arrival, first in zip(requests["request"], requests["arrival_s"].to_numpy(float),
+                                   requests["first_token_s"].to_numpy(float)):
+        if not (math.isfinite(arrival) and math.isfinite(first)):
+            continue
+        window = faults[(start >= arrival - eps) & (start < first - eps)]
+        if len(window) and np.isfinite(window).all():
+            out[req] = float(window.sum())
+    return out
+
+
+def ttft_by_faults(per: pd.DataFrame) -> dict[str, Any] | None:
+    """validation.json's `ttft_by_faults`: the per-request TTFT error (`ttft_rel_err`) of the requests whose
+    first-token steps took at least FAULT_STEP_PAGES page faults (`ttft_faults_real`) and of the others: n, median
+    signed and median absolute error of each side (None for a side without requests). None when no request has
+    a count."""
+    if "ttft_faults_real" not in per.columns:
+        return None
+    faults = per["ttft_faults_real"].to_numpy(float)
+    err = per["ttft_rel_err"].to_numpy(float)
+    known = np.isfinite(faults) & np.isfinite(err)
+    if not known.any():
+        return None
+
+    def side(mask: np.ndarray) -> dict[str, Any] | None:
+        e = err[mask]
+        return ({"n": int(mask.sum()), "median_err": float(np.median(e)), "median_abs_err": float(np.median(np.abs(e)))}
+                if mask.any() else None)
+    faulted = known & (faults >= FAULT_STEP_PAGES)
+    return {"threshold_pages": FAULT_STEP_PAGES, "faulted": side(faulted), "other": side(known & ~faulted)}
+
+
+def format_ttft_by_faults(split: Mapping[str, Any] | None) -> str:
+    """One line for the terminal ("" when no request's first token came from steps that took new memory)."""
+    if not split or not split["faulted"]:
+        return ""
+    f, o = split["faulted"], split["other"]
+    line = (f"TTFT per request: the {f['n']} requests whose first token came from steps that took memory new to "
+            f"the process (at least {split['threshold_pages']} page faults) erred {100 * f['median_err']:+.1f}% "
+            f"(median; |err| {100 * f['median_abs_err']:.1f}%)")
+    if o:
+        line += f", the other {o['n']} {100 * o['median_err']:+.1f}% (|err| {100 * o['median_abs_err']:.1f}%)"
+    return line
+
+
 def _mean_max(steps: pd.DataFrame, column: str) -> dict[str, float] | None:
     """{"mean", "max"} of a column's finite values, None when it has none (or the log has no such column)."""
     values = steps[column].to_numpy(float) if column in steps.columns else np.array([])

@@ -78,7 +78,9 @@ from experiments.speed_probe import (
 )
 from experiments.steplog import (
     KNOT_WINDOW_S,
+    first_token_faults,
     format_step_errors,
+    format_ttft_by_faults,
     has_run_clock,
     plot_step_ratio,
     predict_steps,
@@ -86,6 +88,7 @@ from experiments.steplog import (
     step_errors,
     step_knots,
     step_warnings,
+    ttft_by_faults,
 )
 from experiments.workloads import build_workload
 from sim.driver import Simulation
@@ -683,6 +686,8 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
                      plots=not args.no_plots, progress=follow(b), latency=sim_latency)
     sim = load_results(out / "sim")
     per = compare_requests(real.requests, sim.requests)
+    if steps is not None:           # each request's TTFT beside the page faults of the steps its first token took
+        per["ttft_faults_real"] = per["request"].map(first_token_faults(steps, real.requests))
     errors = aggregate_errors(real.requests, sim.requests)
     summary = per_request_summary(per)
     summary.update(
@@ -707,6 +712,7 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
     if steps is not None:
         predicted = predict_steps(steps, sim_latency)
         summary["real_step_errors"] = step_report = step_errors(steps, sim_latency, predicted=predicted)
+        summary["ttft_by_faults"] = ttft_by_faults(per)
         for warning in step_warnings(step_report):
             print(f"slotlab validate: warning: {warning}", file=sys.stderr)
         if not args.no_plots:
@@ -720,6 +726,8 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
         print(format_errors(errors, summary))
         if step_report is not None:
             print(format_step_errors(step_report))
+            if format_ttft_by_faults(summary.get("ttft_by_faults")):
+                print(format_ttft_by_faults(summary["ttft_by_faults"]))
         cal = summary["calibration_error"]
         if cal and "in_sample" in cal:
             held = cal.get("held_out_shape")

@@ -16,11 +16,14 @@ from experiments.steplog import (
     STEAL_CORES_WARN,
     STEPS_FILE,
     StepLog,
+    first_token_faults,
     format_step_errors,
+    format_ttft_by_faults,
     predict_steps,
     read_steps,
     step_errors,
     step_warnings,
+    ttft_by_faults,
 )
 from sim.latency import ConstantLatency
 
@@ -215,6 +218,36 @@ def test_steps_that_took_new_memory_are_compared_apart_and_warned_about_when_the
     assert step_errors(unknown, ConstantLatency(0.1))["page_faults"] is None
 
 
+def test_each_requests_first_token_steps_give_it_their_page_faults():
+    # steps on the run's clock: [0, 0.1) decode, [0.1, 0.3) a prompt step that faulted, [0.3, 0.35) decode, ...
+    steps = pd.DataFrame({"clock_s": [0.0, 0.1, 0.3, 0.35, 0.4], "elapsed_s": [0.1, 0.2, 0.05, 0.05, 0.05],
+                          "minor_faults": [3.0, 900.0, 0.0, 40.0, math.nan]})
+    requests = pd.DataFrame({"request": [0, 1, 2, 3, 4],
+                             "arrival_s": [0.1, 0.05, 0.35, 0.4, 0.2],
+                             "first_token_s": [0.3, 0.3, 0.4, 0.45, math.nan]})   # 4: no first token
+    got = first_token_faults(steps, requests)
+    # 0: the prompt step alone; 1 arrived during the first step, so its first token came from the second alone
+    # (a step that started before the arrival is not the request's); 2: one decode step; 3: a count not known
+    assert list(got[:3]) == [900.0, 900.0, 40.0] and math.isnan(got[3]) and math.isnan(got[4])
+    assert list(got.index) == [0, 1, 2, 3, 4]
+    assert first_token_faults(steps.drop(columns="minor_faults"), requests).isna().all()   # an older log
+
+
+def test_ttft_errors_are_split_by_whether_the_first_token_steps_took_new_memory():
+    per = pd.DataFrame({"ttft_rel_err": [-0.20, -0.10, 0.01, -0.01, 0.03, 0.5],
+                        "ttft_faults_real": [900.0, 300.0, 0.0, 10.0, math.nan, 0.0]})
+    split = ttft_by_faults(per)
+    assert split["threshold_pages"] == FAULT_STEP_PAGES
+    assert split["faulted"]["n"] == 2 and split["faulted"]["median_err"] == pytest.approx(-0.15)
+    assert split["other"]["n"] == 3 and split["other"]["median_err"] == pytest.approx(0.01)
+    assert split["other"]["median_abs_err"] == pytest.approx(0.01)
+    assert "2 requests whose first token came from steps that took memory new to the process" in \
+        format_ttft_by_faults(split)
+    assert ttft_by_faults(per.assign(ttft_faults_real=math.nan)) is None       # no counts: nothing to split
+    none_faulted = ttft_by_faults(per.assign(ttft_faults_real=0.0))
+    assert none_faulted["faulted"] is None and format_ttft_by_faults(none_faulted) == ""
+
+
 def test_steps_the_simulator_charges_nothing_are_not_compared():
     df = frame([0.1, 0.002])
     df.loc[1, "charged"] = False
@@ -271,6 +304,14 @@ def test_validate_reports_the_models_error_on_the_real_steps_and_the_calibration
     assert summary["calibration_error"] is None            # a constant model has no calibration file
     assert (out / FILES["steps"]).exists()
     assert math.isfinite(got["drift_range"])
+    # every request's TTFT beside the page faults of its first-token steps, and the split of TTFT errors by them
+    per, _, _ = read_validation(out)
+    real = pd.read_parquet(out / "real" / "requests.parquet").set_index("request")
+    expected = first_token_faults(steps, real.reset_index())
+    assert list(per["ttft_faults_real"]) == list(expected[per["request"]])
+    assert (per["ttft_faults_real"] >= 0).all()
+    split = summary["ttft_by_faults"]
+    assert sum(side["n"] for side in (split["faulted"], split["other"]) if side) == len(per)
 
 
 def test_each_step_records_the_runs_clock_when_given_one():
