@@ -13,7 +13,8 @@ an oracle: it reads the run's step times) and with track-mix and the real run's 
 Printed and written to OUT/summary.md: per run and correction the aggregate errors (P50 / P90 of TTFT, TPOT,
 E2E), the per-request median |error| of TPOT and E2E, the share of requests decided alike, the latency model's
 bias on the run's steps and the requests' count; then per correction the counts of runs within issue 14's
-targets. Every figure is read back from the runs' validation.json and errors.csv: rerunning with the same --out
+targets; then, per setting, the TTFT errors of the requests whose first-token steps took memory new to the
+process against the others'. Every figure is read back from the runs' validation.json and errors.csv: rerunning with the same --out
 skips the runs already there (delete a run's folder to redo it).
 
 Run it on a quiet machine: it times the engine. The thread settings and the load average at each run's start and
@@ -80,6 +81,11 @@ def read_run(path: Path) -> dict:
     row["n"] = summary.get("n_requests")
     row["load"] = f"{summary['load_average_start'][0]:.2f}->{summary['load_average_end'][0]:.2f}"
     row["threads"] = summary.get("threads")
+    per = pd.read_csv(path / "validation.csv")
+    # each request's TTFT error beside the page faults of its first-token steps (validate's ttft_faults_real; a
+    # validation written before it has none)
+    row["_ttft_faults"] = (list(zip(per["ttft_faults_real"], per["ttft_rel_err"]))
+                           if "ttft_faults_real" in per.columns else None)
     floor = summary.get("repeat_floor") or run_floor(Path(summary["real_dir"]))
     for m in METRICS:   # the ideal simulator's expected count of P50, P90 within the target (0-2), NaN if none
         row[f"floor_{m}"] = (sum(r["within_target"] for r in floor["aggregate"]
@@ -139,6 +145,33 @@ def summary_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def faults_table(rows: list[dict], correction: str = "track-mix") -> str:
+    """Per setting, over its runs with `correction`: the TTFT errors of the requests whose first-token steps took
+    at least FAULT_STEP_PAGES page faults (memory new to the process, docs/validation_sim.md §18) and of the
+    others: n, median signed error and the share beyond ±8%; "" when no run has the counts."""
+    from experiments.steplog import FAULT_STEP_PAGES
+
+    pooled: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        if r["correction"] == correction and r.get("_ttft_faults") is not None:
+            pooled.setdefault(r["run"].split()[0], []).extend(r["_ttft_faults"])
+    if not pooled:
+        return ""
+    pooled["all"] = [x for name in list(pooled) for x in pooled[name]]
+
+    def side(pairs: list[tuple[float, float]], faulted: bool) -> str:
+        errs = pd.Series([e for f, e in pairs if math.isfinite(f) and math.isfinite(e)
+                          and (f >= FAULT_STEP_PAGES) == faulted], dtype="float64")
+        if errs.empty:
+            return "0 · – · –"
+        return f"{len(errs)} · {100 * errs.median():+.1f}% · {100 * (errs.abs() > 0.08).mean():.0f}%"
+    out = [f"| {correction}: setting | TTFT per request, first-token steps without new memory: n · median · beyond "
+           f"±8% | first-token steps with at least {FAULT_STEP_PAGES} page faults: n · median · beyond ±8% |",
+           "|---|---|---|"]
+    out += [f"| {name} | {side(pairs, False)} | {side(pairs, True)} |" for name, pairs in pooled.items()]
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -195,12 +228,14 @@ def main(argv: list[str] | None = None) -> int:
                     run(base + flags + ["--real-run", str(first / "real"), "--speed-correct", mode, *extra,
                                         "--out", str(again)], run_dir / f"{corr}.log")
                 rows.append({"run": f"{name} {seed}", "correction": corr, **read_run(again)})
-    text = (f"{table(rows)}\n\n{summary_table(rows)}\n\nRelative errors sim vs real in %; per request = median "
-            "|error|; steps bias / busy = the latency model's median signed error on the real run's steps / its "
-            "error on their total; repeat floor: validation.json's repeat_floor (the run's own replays' scatter, "
-            "docs/validation_sim.md §13).\n")
+    faults = faults_table(rows)
+    text = (f"{table(rows)}\n\n{summary_table(rows)}\n\n" + (f"{faults}\n\n" if faults else "")
+            + "Relative errors sim vs real in %; per request = median |error|; steps bias / busy = the latency "
+            "model's median signed error on the real run's steps / its error on their total; repeat floor: "
+            "validation.json's repeat_floor (the run's own replays' scatter, docs/validation_sim.md §13); TTFT by "
+            "page faults: each request's first-token steps from the real run's step log (§18).\n")
     (out / "summary.md").write_text(text)
-    pd.DataFrame(rows).to_csv(out / "summary.csv", index=False)
+    pd.DataFrame(rows).drop(columns="_ttft_faults").to_csv(out / "summary.csv", index=False)
     print(text)
     print(f"validate_settings: {out}/summary.md, summary.csv; load average now {os.getloadavg()[0]:.2f}")
     return 0
