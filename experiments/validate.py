@@ -391,7 +391,7 @@ def _validate_argv(values: Mapping[str, Any], model: str, threads: int, temp: fl
     correct += [] if knot_window == KNOT_WINDOW_S else ["--knot-window", f"{knot_window:g}"]
     correct += [] if arrivals == "loop" else ["--arrivals", arrivals]
     every = [] if probe_every == TRACK_EVERY_S else ["--probe-every", f"{probe_every:g}"]
-    num = [] if numerics == "f32" else ["--numerics", numerics]
+    num = ["--numerics", numerics]
     return ["validate", *simulate_argv(values)[2:], "-m", model, "--threads", str(threads), "--temp", str(temp),
             *num, *correct, *every]
 

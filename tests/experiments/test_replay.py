@@ -24,12 +24,12 @@ def test_replay_writes_the_simulate_layout_with_measured_times(tiny, tmp_path):
 
 
 def test_replay_runs_the_numerics_asked_for_and_records_it(tiny, tmp_path):
-    """f32 unless told otherwise (the mode the shipped calibration was measured in); `--numerics ggml` runs and
-    records llama.cpp's arithmetic, with the same requests and lengths."""
+    """ggml (llama.cpp's arithmetic, as serve's) unless told otherwise; `--numerics f32` runs and records the float32
+    reference, with the same requests and lengths."""
     runs = {}
     for numerics in ("f32", "ggml"):
         out = tmp_path / numerics
-        extra = [] if numerics == "f32" else ["--numerics", numerics]
+        extra = [] if numerics == "ggml" else ["--numerics", numerics]
         assert main(["replay", "-m", tiny, "--threads", "1", "--quiet", "--no-plots", "--out", str(out), *extra,
                      *WORKLOAD]) == 0
         assert json.loads((out / "config.json").read_text())["numerics"] == numerics

@@ -188,10 +188,11 @@ def test_real_run_is_reused_without_running_the_engine_again(validated, tiny, tm
 
 
 def test_real_run_of_another_numerics_is_refused(validated, tiny, calib, tmp_path, capsys):
-    """The reused run ran f32 (recorded in its config); a validation of the ggml numerics may not compare with it."""
-    assert run_validate(parse("-m", tiny, "--numerics", "ggml", "--latency", f"parametric:{calib}", "--real-run",
+    """The reused run ran ggml, the default (recorded in its config); a validation of the f32 numerics may not
+    compare with it."""
+    assert run_validate(parse("-m", tiny, "--numerics", "f32", "--latency", f"parametric:{calib}", "--real-run",
                               str(validated[1] / "real"), "--out", str(tmp_path), *WORKLOAD)) == 2
-    assert "ran numerics f32, here: ggml (--numerics)" in capsys.readouterr().err
+    assert "ran numerics ggml, here: f32 (--numerics)" in capsys.readouterr().err
 
 
 def test_real_run_with_other_options_is_refused(validated, tiny, calib, tmp_path, capsys):
