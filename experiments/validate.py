@@ -336,11 +336,14 @@ def run_sim_twin(values: Mapping[str, Any], workload: Any, real_config: Mapping[
 # --- command line ----------------------------------------------------------------------------------------
 
 VALIDATE_EPILOG = """examples:
+  slotlab calibrate --threads 2 --out cal.json
+  slotlab validate --latency parametric:cal.json --speed-correct track-mix --users 10 --turns 3 -np 4 -c 8192
+      a calibration of this machine, then closed-loop chat sessions (prompt-cache reuse) on SmolLM2 and in the
+      simulator, which follows the machine's speed through the run's own steps replayed; validation.csv,
+      errors.csv, validation.json, plots (docs/validation_sim.md, "Where it stands")
   slotlab validate --workload poisson --rate 0.2 --requests 30 --prompt-tokens 50-400 --output-tokens 16-64 \\
-      -np 4 -c 4096 --threads 2 --latency parametric:sim/data/smollm2_numpy_2threads.json --out results/val1
-      30 open-loop requests on SmolLM2 and in the simulator; validation.csv, errors.csv, plots
-  slotlab validate --users 8 --turns 3 --think-time 5 --output-tokens 16-64 -np 4 -c 4096
-      closed-loop chat sessions (prompt-cache reuse); default latency: the measured SmolLM2 calibration
+      -np 4 -c 4096 --threads 2 --out results/val1
+      30 open-loop requests; default latency: the shipped SmolLM2 calibration of the run's numerics
 """
 
 
@@ -358,6 +361,12 @@ def add_validate_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_flags(p, VALIDATE)
     if MEASURED_CALIBRATION.is_file():
         p.set_defaults(latency=f"parametric:{MEASURED_CALIBRATION}")
+        for action in p._actions:           # the shared flag's help names simulate's default; say validate's
+            if "--latency" in action.option_strings:
+                action.help = (action.help or "").replace(
+                    "(default: default)", f"(default: the shipped calibration of the run's numerics, "
+                    f"parametric:sim/data/{MEASURED_CALIBRATION_GGML.name} for ggml, "
+                    f"parametric:sim/data/{MEASURED_CALIBRATION.name} for f32 and q)")
     p.set_defaults(func=run_validate)
     return p
 

@@ -296,3 +296,10 @@ def test_a_calibration_not_measured_on_this_engine_is_not_said_to_be_of_other_nu
     assert "none" in derived.measured_on.engine
     why = calibration_mismatch(derived, "/x/SmolLM2-135M-Instruct.Q4_1.gguf", 2, "ggml") or ""
     assert "numerics f32 (this run" not in why
+
+
+def test_validate_help_names_its_default_latency_per_numerics(capsys):
+    from experiments.cli import main
+    assert main(["validate", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "smollm2_ggml_2threads.json for ggml" in text and "(default: default)" not in text
