@@ -13,7 +13,7 @@ import argparse
 import inspect
 import os
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -440,12 +440,23 @@ def flags_of(command: str) -> tuple[Flag, ...]:
     return tuple(f for f in FLAGS if command in f.commands)
 
 
-def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
-    """Add `command`'s flags to its parser, in table order, each in its help section."""
+def add_flags(parser: argparse.ArgumentParser, command: str,
+              defaults: Mapping[str, tuple[Any, str]] | None = None) -> None:
+    """Add `command`'s flags to its parser, in table order, each in its help section. `defaults`: dest -> (value,
+    what to call it in the help) for a flag whose default differs in this command from the table's (its help's
+    "(default: X)" then names this command's)."""
     groups: dict[str | None, Any] = {None: parser}
     for f in flags_of(command):
         g = groups.get(f.group) or groups.setdefault(f.group, parser.add_argument_group(f.group))
         text = f.help.replace("{command}", command)
+        if defaults and f.dest in defaults:
+            value, called = defaults[f.dest]
+            shown = f"(default: {f.default})"
+            if shown not in text:
+                raise ValueError(f"add_flags: the help of {f.flags[0]} does not say {shown!r}: cannot name "
+                                 f"{command}'s default in it")
+            f = replace(f, default=value)
+            text = text.replace(shown, f"(default: {called})")
         if f.convert is None:
             g.add_argument(*f.flags, dest=f.dest, action="store_const", const=True, default=f.default, help=text)
             if f.off_flags:

@@ -358,15 +358,12 @@ def add_validate_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "both results directories (real/, sim/) under --out, then validation.csv (per request:\n"
                     "TTFT/TPOT/E2E/queue real, sim, errors; same slot, same n_cached), errors.csv (P50/P90/\n"
                     "P99/mean real vs sim), validation.json and plots.")
-    add_flags(p, VALIDATE)
-    if MEASURED_CALIBRATION.is_file():
-        p.set_defaults(latency=f"parametric:{MEASURED_CALIBRATION}")
-        for action in p._actions:           # the shared flag's help names simulate's default; say validate's
-            if "--latency" in action.option_strings:
-                action.help = (action.help or "").replace(
-                    "(default: default)", f"(default: the shipped calibration of the run's numerics, "
-                    f"parametric:sim/data/{MEASURED_CALIBRATION_GGML.name} for ggml, "
-                    f"parametric:sim/data/{MEASURED_CALIBRATION.name} for f32 and q)")
+    # the default latency: the shipped calibration (run_validate takes the ggml one for a ggml run)
+    add_flags(p, VALIDATE, defaults={"latency": (
+        f"parametric:{MEASURED_CALIBRATION}",
+        f"the shipped calibration of the run's numerics, parametric:sim/data/{MEASURED_CALIBRATION_GGML.name} for "
+        f"ggml, parametric:sim/data/{MEASURED_CALIBRATION.name} for f32 and q")} if MEASURED_CALIBRATION.is_file()
+        else None)
     p.set_defaults(func=run_validate)
     return p
 
@@ -735,8 +732,9 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
         print(format_errors(errors, summary))
         if step_report is not None:
             print(format_step_errors(step_report))
-            if format_ttft_by_faults(summary.get("ttft_by_faults")):
-                print(format_ttft_by_faults(summary["ttft_by_faults"]))
+            by_faults = format_ttft_by_faults(summary.get("ttft_by_faults"))
+            if by_faults:
+                print(by_faults)
         cal = summary["calibration_error"]
         if cal and "in_sample" in cal:
             held = cal.get("held_out_shape")

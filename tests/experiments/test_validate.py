@@ -303,3 +303,16 @@ def test_validate_help_names_its_default_latency_per_numerics(capsys):
     assert main(["validate", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "smollm2_ggml_2threads.json for ggml" in text and "(default: default)" not in text
+
+
+def test_a_command_gives_a_shared_flag_its_own_default_and_its_help_says_so():
+    import argparse
+
+    from experiments.flags import add_flags
+    p = argparse.ArgumentParser()
+    add_flags(p, "validate", defaults={"latency": ("parametric:x.json", "x.json, this command's")})
+    assert p.parse_args([]).latency == "parametric:x.json"
+    assert "(default: x.json, this command's)" in " ".join(p.format_help().split())
+    # a flag whose help does not state its default in the form "(default: X)" cannot be given another one quietly
+    with pytest.raises(ValueError, match="does not say"):
+        add_flags(argparse.ArgumentParser(), "validate", defaults={"threads": (4, "four")})
