@@ -33,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 # the five settings of docs/validation_sim.md §8, as functions of the scale (users or requests multiplied)
@@ -149,7 +150,7 @@ def faults_table(rows: list[dict], correction: str = "track-mix") -> str:
     """Per setting, over its runs with `correction`: the TTFT errors of the requests whose first-token steps took
     at least FAULT_STEP_PAGES page faults (memory new to the process, docs/validation_sim.md §18) and of the
     others: n, median signed error and the share beyond ±8%; "" when no run has the counts."""
-    from experiments.steplog import FAULT_STEP_PAGES
+    from experiments.steplog import FAULT_STEP_PAGES, fault_split
 
     pooled: dict[str, list[tuple[float, float]]] = {}
     for r in rows:
@@ -159,16 +160,20 @@ def faults_table(rows: list[dict], correction: str = "track-mix") -> str:
         return ""
     pooled["all"] = [x for name in list(pooled) for x in pooled[name]]
 
-    def side(pairs: list[tuple[float, float]], faulted: bool) -> str:
-        errs = pd.Series([e for f, e in pairs if math.isfinite(f) and math.isfinite(e)
-                          and (f >= FAULT_STEP_PAGES) == faulted], dtype="float64")
+    def cell(errs: pd.Series) -> str:
         if errs.empty:
             return "0 · – · –"
         return f"{len(errs)} · {100 * errs.median():+.1f}% · {100 * (errs.abs() > 0.08).mean():.0f}%"
+
+    def cells(pairs: list[tuple[float, float]]) -> str:
+        faults = pd.Series([f for f, _ in pairs], dtype="float64")
+        errs = pd.Series([e for _, e in pairs], dtype="float64")
+        faulted, other = fault_split(faults.to_numpy(), np.isfinite(errs.to_numpy()))
+        return f"{cell(errs[other])} | {cell(errs[faulted])}"
     out = [f"| {correction}: setting | TTFT per request, first-token steps without new memory: n · median · beyond "
            f"±8% | first-token steps with at least {FAULT_STEP_PAGES} page faults: n · median · beyond ±8% |",
            "|---|---|---|"]
-    out += [f"| {name} | {side(pairs, False)} | {side(pairs, True)} |" for name, pairs in pooled.items()]
+    out += [f"| {name} | {cells(pairs)} |" for name, pairs in pooled.items()]
     return "\n".join(out)
 
 

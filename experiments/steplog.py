@@ -287,6 +287,15 @@ def step_errors(steps: pd.DataFrame, latency: Any, n_bins: int = 10,
     return out
 
 
+def fault_split(pages: np.ndarray, known: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(took new memory, did not): masks over `pages` (page-fault counts) of the entries whose count is known (and
+    `known`, when given) with at least FAULT_STEP_PAGES faults, and of the others. The one reading of "memory new to
+    the process" for steps (`step_errors`), requests (`ttft_by_faults`) and campaigns (validate_settings.py)."""
+    ok = np.isfinite(pages) if known is None else np.isfinite(pages) & known
+    faulted = ok & (pages >= FAULT_STEP_PAGES)
+    return faulted, ok & ~faulted
+
+
 def _fault_errors(steps: pd.DataFrame, ok: np.ndarray, m: np.ndarray, p: np.ndarray) -> dict[str, Any] | None:
     """step_errors' `page_faults`: the compared steps that took at least FAULT_STEP_PAGES pages of memory new to
     the process (`minor_faults`) against the other steps of the same kinds (the model's bias differs by kind:
@@ -301,13 +310,14 @@ def _fault_errors(steps: pd.DataFrame, ok: np.ndarray, m: np.ndarray, p: np.ndar
     if not known.any():
         return None
     kinds = steps["kind"].to_numpy()[ok]
-    faulting = known & (pages >= FAULT_STEP_PAGES)
-    alike = ~faulting & np.isin(kinds, np.unique(kinds[faulting]))
+    faulting, calm = fault_split(pages)
+    calm |= ~known                          # a step of unknown count is compared as one that did not fault
+    alike = calm & np.isin(kinds, np.unique(kinds[faulting]))
     excess = 0.0
     for kind in np.unique(kinds[faulting]):
-        ref = ~faulting & (kinds == kind)
+        ref = calm & (kinds == kind)
         if not ref.any():
-            ref = ~faulting
+            ref = calm
         speed = m[ref].sum() / p[ref].sum() if ref.any() and p[ref].sum() > 0 else 1.0
         here = faulting & (kinds == kind)
         excess += float(m[here].sum() - speed * p[here].sum())
@@ -347,18 +357,16 @@ def ttft_by_faults(per: pd.DataFrame) -> dict[str, Any] | None:
     a count."""
     if "ttft_faults_real" not in per.columns:
         return None
-    faults = per["ttft_faults_real"].to_numpy(float)
     err = per["ttft_rel_err"].to_numpy(float)
-    known = np.isfinite(faults) & np.isfinite(err)
-    if not known.any():
+    faulted, other = fault_split(per["ttft_faults_real"].to_numpy(float), np.isfinite(err))
+    if not (faulted.any() or other.any()):
         return None
 
     def side(mask: np.ndarray) -> dict[str, Any] | None:
         e = err[mask]
         return ({"n": int(mask.sum()), "median_err": float(np.median(e)), "median_abs_err": float(np.median(np.abs(e)))}
                 if mask.any() else None)
-    faulted = known & (faults >= FAULT_STEP_PAGES)
-    return {"threshold_pages": FAULT_STEP_PAGES, "faulted": side(faulted), "other": side(known & ~faulted)}
+    return {"threshold_pages": FAULT_STEP_PAGES, "faulted": side(faulted), "other": side(other)}
 
 
 def format_ttft_by_faults(split: Mapping[str, Any] | None) -> str:
