@@ -92,9 +92,9 @@ class Model:
     def warm_up(self) -> float:
         """An empty run, as llama.cpp's `common_init_from_params` makes one at load (`--warmup`, on by default): the
         BOS and EOS tokens (those that exist; token 0 otherwise) as one chunk into a scratch KV store, then (this
-        project's addition) one single-token step, so that every compiled path a server uses first (prompt and
-        decode) is compiled on a fresh numba cache, or loaded from it, before the first request. Returns the
-        seconds it took."""
+        project's addition) one single-token step and one context shift's K re-rotation, so that every compiled
+        path a server uses (prompt, decode, shift) is compiled on a fresh numba cache, or loaded from it, before
+        the first request. Returns the seconds it took."""
         t0 = time.perf_counter()
         tok = self._tokenizer
         ids = [i for i in (getattr(tok, "bos_id", None), getattr(tok, "eos_id", None))
@@ -102,6 +102,7 @@ class Model:
         kv = self.new_kv(1, len(ids) + 2)
         self.forward_batch(kv, [BatchChunk(0, ids, 0, True)])
         self.forward_batch(kv, [BatchChunk(0, [ids[-1]], len(ids), True)])
+        kv.seq_add(0, 0, -1, 1)
         return time.perf_counter() - t0
 
     # --- facts a server builds its configuration from --------------------------------------------------

@@ -88,10 +88,27 @@ class Rope:
         x0[...] = r0
         x1[...] = r1
 
-    def rerotate(self, k: np.ndarray, delta: int) -> None:
-        """Keys rotated at p become keys rotated at p + delta: one extra rotation by delta (float32)."""
+    def shift_cos_sin(self, delta: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin [n_rot/2] float32 of the angles of a position delta."""
         angles = delta * self.inv_freq                               # [n_rot/2]
-        self.apply(k, np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32))
+        return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+    def rerotate(self, k: np.ndarray, delta: int) -> None:
+        """Keys rotated at p become keys rotated at p + delta: one extra rotation by delta, in place. `k` [...,
+        head_dim] holds float32 or float16 cells; float16 ones are rotated in float32 and rounded back, as
+        llama.cpp ropes an F16 K (`llama_kv_cache::build_rope_shift`, src/llama-kv-cache.cpp). A 4-d `k` (the KV
+        store's [n_layer, n_head_kv, n, head_dim]) goes one layer at a time: the rotation is elementwise, so
+        the result is the same as in one go, and the temporaries (float32 copies, ggml's float64 fma) are one
+        layer's, not every layer's (24 MB of memory new to the step at 1024 cells of SmolLM2; docs/engine.md,
+        "Context shift")."""
+        cos, sin = self.shift_cos_sin(delta)
+        for part in (k if k.ndim == 4 else (k,)):
+            if part.dtype == np.float32:
+                self.apply(part, cos, sin)
+            else:
+                p32 = part.astype(np.float32)
+                self.apply(p32, cos, sin)
+                part[...] = p32
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:

@@ -205,6 +205,27 @@ def f16_bits_array(x, out):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
+def rerotate_f16(k16, cos, sin, n_rot, neox):
+    """A context shift's K re-rotation in place: fp16 cells (uint16 bits [n_layer, n_head_kv, n, hd], any strides)
+    rotated by one angle set (cos, sin [n_rot/2]) as `GgmlRope.apply` rotates their float32 values, each result
+    rounded back to fp16 (`f16_bits`): what the numpy path's astype(float32), apply, astype(float16) gives."""
+    half = n_rot // 2
+    for layer in range(k16.shape[0]):
+        for h in range(k16.shape[1]):
+            for j in range(k16.shape[2]):
+                row = k16[layer, h, j]
+                for i in range(half):
+                    i0 = i if neox else 2 * i
+                    i1 = i0 + half if neox else i0 + 1
+                    x0 = f16_value(row[i0])
+                    x1 = f16_value(row[i1])
+                    c = cos[i]
+                    s = sin[i]
+                    row[i0] = f16_bits(_fma(x0, c, -(x1 * s)))
+                    row[i1] = f16_bits(_fma(x0, s, x1 * c))
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
 def kv_values(c16, n, out):
     """out [n_head_kv, n, hd] = the float32 values of the fp16 cells c16[:, :n] (uint16 bits [n_head_kv, cap, hd])."""
     for h in range(c16.shape[0]):

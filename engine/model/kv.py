@@ -110,7 +110,8 @@ class KVCacheFull(RuntimeError):
 
 class Rotator(Protocol):
     def rerotate(self, k: np.ndarray, delta: int) -> None:
-        """Rotate post-RoPE keys `k` [..., head_dim] in place as if their positions moved by `delta`."""
+        """Rotate post-RoPE keys `k` [..., head_dim] (float32 or float16 cells) in place as if their positions
+        moved by `delta`."""
 
 
 @dataclass(slots=True)
@@ -224,13 +225,7 @@ class KVStore:
                 continue
             s.pos[lo:hi] += delta
             self._invalidate(s, lo)
-            k = s.k[:, :, lo:hi]                               # [n_layer, n_head_kv, hi-lo, head_dim]
-            if self.dtype == np.float32:
-                self.rotator.rerotate(k, delta)
-            else:
-                k32 = k.astype(np.float32)
-                self.rotator.rerotate(k32, delta)
-                k[...] = k32
+            self.rotator.rerotate(s.k[:, :, lo:hi], delta)    # [n_layer, n_head_kv, hi-lo, head_dim], in place
             n_neg = int(np.count_nonzero(s.pos[lo:hi] < 0))
             if n_neg:                                          # positions are sorted: the negatives lead
                 self._delete(s, lo, lo + n_neg)
@@ -527,9 +522,12 @@ class KVStore:
     def _delete(cls, s: SeqKV, lo: int, hi: int) -> None:
         cls._invalidate(s, lo)
         n_tail = s.n - hi
-        if n_tail:                                             # overlapping slice copies are safe in numpy
-            s.k[:, :, lo:lo + n_tail] = s.k[:, :, hi:s.n]
-            s.v[:, :, lo:lo + n_tail] = s.v[:, :, hi:s.n]
+        if n_tail:
+            # overlapping slice copies are safe in numpy: it copies the source first when the two may overlap,
+            # which for these strided views it always presumes; layer by layer that copy is one layer's cells
+            for layer in range(s.k.shape[0]):
+                s.k[layer, :, lo:lo + n_tail] = s.k[layer, :, hi:s.n]
+                s.v[layer, :, lo:lo + n_tail] = s.v[layer, :, hi:s.n]
             s.pos[lo:lo + n_tail] = s.pos[hi:s.n]
         s.n -= hi - lo
 

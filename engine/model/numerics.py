@@ -201,7 +201,7 @@ class GgmlNumerics(Numerics):
         return ggml.GgmlMatmul(n_threads, compiled=self.compiled)
 
     def rope(self, hp: HParams, freq_factors: np.ndarray | None) -> f32.Rope:
-        return ggml.GgmlRope(hp, freq_factors)
+        return ggml.GgmlRope(hp, freq_factors, compiled=self.compiled)
 
     def __repr__(self) -> str:
         return f"<numerics {self.name!r} ({'numba kernels' if self.compiled else 'numpy reference'})>"

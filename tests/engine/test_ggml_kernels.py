@@ -428,6 +428,34 @@ def test_fp16_cells_are_read_exactly():
     assert np.array_equal(got.view(np.uint32)[finite], w.view(np.uint32)[finite])          # signs of zero too
 
 
+@pytest.mark.parametrize("rope_type,n_rot", [("norm", 64), ("neox", 64), ("neox", 48)])
+@pytest.mark.parametrize("delta", [-1, -7, -512, -100003, 3])
+def test_context_shift_rerotation_of_fp16_cells_matches_numpy(rope_type, n_rot, delta):
+    """`gkernels.rerotate_f16` against the numpy path (fp16 -> float32, `GgmlRope.apply`'s fma rotation, back to
+    fp16): every finite fp16 bit pattern as a K value, strided cells of a 4-d [layer, head, cell, dim] view, both
+    pair layouts and a partial rotation (dims past n_rot untouched), bit for bit (overflows to inf included)."""
+    from engine.model.types import HParams
+    hp = HParams("llama", 100, 4096, 256, 2, 512, 4, 2, 64, n_rot, rope_type, 10000.0, 1.0, 1e-5, False)
+    h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    h = h[np.isfinite(h.view(np.float16))]                         # 63,488 finite patterns
+    cells = np.resize(h, 2 * 2 * 256 * 64).reshape(2, 2, 256, 64)
+    rng = np.random.default_rng(abs(delta))
+    for a in cells.reshape(-1, 64):
+        rng.shuffle(a)                                             # each pattern meets various partners
+    store = np.zeros((2, 2, 300, 64), np.uint16)
+    store[:, :, 20:276] = cells
+    want = store.copy().view(np.float16)
+    with np.errstate(over="ignore"):                              # values past fp16's range become inf
+        G.GgmlRope(hp, compiled=False).rerotate(want[:, :, 20:276], delta)
+    got = store.view(np.float16)
+    G.GgmlRope(hp, compiled=True).rerotate(got[:, :, 20:276], delta)
+    ok = ~np.isnan(want)
+    assert np.array_equal(np.isnan(got), ~ok)
+    assert np.array_equal(got.view(np.uint16)[ok], want.view(np.uint16)[ok])   # signs of zero and infs too
+    assert not store[:, :, :20].any() and not store[:, :, 276:].any()      # cells outside the view
+    assert np.array_equal(got[..., n_rot:].view(np.uint16)[:, :, 20:276], cells[..., n_rot:])
+
+
 # --- the exact Q8_0 x Q8_0 product (output heads) ------------------------------------------------------------------
 
 def _q8_0_head(n_out: int, n_in: int) -> G.QLinear:
