@@ -763,10 +763,11 @@ class GgmlRope(Rope):
         x1[...] = r1
 
     def shift_cos_sin(self, delta: int) -> tuple[np.ndarray, np.ndarray]:
-        if self._shift is None or self._shift[0] != delta:
+        got = self._shift                                  # one read and one write of the tuple: thread-safe
+        if got is None or got[0] != delta:
             cos, sin = self._cos_sin_of(self.angles(np.array([delta])))
-            self._shift = (delta, cos[0], sin[0])
-        return self._shift[1], self._shift[2]
+            got = self._shift = (delta, cos[0], sin[0])
+        return got[1], got[2]
 
     def rerotate(self, k: np.ndarray, delta: int) -> None:
         """`Rope.rerotate`; fp16 cells by the compiled kernel (`gkernels.rerotate_f16`: the same bits, no
