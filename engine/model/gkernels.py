@@ -210,19 +210,24 @@ def rerotate_f16(k16, cos, sin, n_rot, neox):
     rotated by one angle set (cos, sin [n_rot/2]) as `GgmlRope.apply` rotates their float32 values, each result
     rounded back to fp16 (`f16_bits`): what the numpy path's astype(float32), apply, astype(float16) gives."""
     half = n_rot // 2
+    x = np.empty(n_rot, F32)                      # one cell's rotated dims as float32
     for layer in range(k16.shape[0]):
         for h in range(k16.shape[1]):
             for j in range(k16.shape[2]):
                 row = k16[layer, h, j]
+                for d in range(n_rot):
+                    x[d] = f16_value(row[d])
                 for i in range(half):
                     i0 = i if neox else 2 * i
                     i1 = i0 + half if neox else i0 + 1
-                    x0 = f16_value(row[i0])
-                    x1 = f16_value(row[i1])
+                    x0 = x[i0]
+                    x1 = x[i1]
                     c = cos[i]
                     s = sin[i]
-                    row[i0] = f16_bits(_fma(x0, c, -(x1 * s)))
-                    row[i1] = f16_bits(_fma(x0, s, x1 * c))
+                    x[i0] = _fma(x0, c, -(x1 * s))
+                    x[i1] = _fma(x0, s, x1 * c)
+                for d in range(n_rot):
+                    row[d] = f16_bits(x[d])
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
