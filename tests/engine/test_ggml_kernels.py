@@ -428,7 +428,7 @@ def test_fp16_cells_are_read_exactly():
     assert np.array_equal(got.view(np.uint32)[finite], w.view(np.uint32)[finite])          # signs of zero too
 
 
-@pytest.mark.parametrize("rope_type,n_rot", [("norm", 64), ("neox", 64), ("neox", 48)])
+@pytest.mark.parametrize("rope_type,n_rot", [("norm", 64), ("norm", 32), ("neox", 64), ("neox", 48)])
 @pytest.mark.parametrize("delta", [-1, -7, -512, -100003, 3])
 def test_context_shift_rerotation_of_fp16_cells_matches_numpy(rope_type, n_rot, delta):
     """`gkernels.rerotate_f16` against the numpy path (fp16 -> float32, `GgmlRope.apply`'s fma rotation, back to
