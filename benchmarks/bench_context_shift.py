@@ -37,14 +37,7 @@ def whole_range_shift(kv, seq: int, n_discard: int) -> None:
     s.pos[:s.n] -= n_discard
     kv._invalidate(s, 0)
     rot = kv.rotator
-    cos, sin = rot.shift_cos_sin(-n_discard)
-    k = s.k[:, :, :s.n]
-    if k.dtype == np.float32:
-        rot.apply(k, cos, sin)
-    else:
-        k32 = k.astype(np.float32)
-        rot.apply(k32, cos, sin)
-        k[...] = k32
+    rot.rotate_cells(s.k[:, :, :s.n], *rot.shift_cos_sin(-n_discard))     # the numpy path, every layer at once
 
 
 def engine_shift(kv, seq: int, n_discard: int) -> None:

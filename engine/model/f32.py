@@ -103,12 +103,17 @@ class Rope:
         "Context shift")."""
         cos, sin = self.shift_cos_sin(delta)
         for part in (k if k.ndim == 4 else (k,)):
-            if part.dtype == np.float32:
-                self.apply(part, cos, sin)
-            else:
-                p32 = part.astype(np.float32)
-                self.apply(p32, cos, sin)
-                part[...] = p32
+            self.rotate_cells(part, cos, sin)
+
+    def rotate_cells(self, k: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
+        """`apply` to float32 or float16 cells `k` [..., head_dim] in place, all at once (float16 ones through a
+        float32 copy, rounded back)."""
+        if k.dtype == np.float32:
+            self.apply(k, cos, sin)
+            return
+        k32 = k.astype(np.float32)
+        self.apply(k32, cos, sin)
+        k[...] = k32
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
