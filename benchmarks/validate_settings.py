@@ -189,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
                          "pins the real run's arrivals), comma-separated; '' for none (default off,steps)")
     ap.add_argument("--numerics", default="ggml", help="engine numerics (default ggml)")
     ap.add_argument("--threads", type=int, default=2, help="engine threads (default 2)")
+    ap.add_argument("--mem-reserve", type=int, default=0, metavar="MIB",
+                    help="each real run's heap reserve, as `slotlab validate --mem-reserve` (default 0; calibrate "
+                         "with the same)")
     ap.add_argument("--out", default="results/validate_settings", help="campaign folder (default %(default)s)")
     ap.add_argument("--knot-window", default=None, metavar="SECONDS",
                     help="validate's --knot-window for every run and re-simulation (default: validate's own, 1 s)")
@@ -207,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     base = [args.slotlab or slotlab(), "validate", "--threads", str(args.threads), "--numerics", args.numerics,
             "--latency", f"parametric:{Path(args.cal).resolve()}", "--quiet", "--no-plots"]
+    if args.mem_reserve:
+        base += ["--mem-reserve", str(args.mem_reserve)]
     if args.knot_window is not None:
         base += ["--knot-window", str(args.knot_window)]
     print(f"validate_settings: {len(seeds)} seeds x {len(args.settings.split(','))} settings, scale {args.scale}, "

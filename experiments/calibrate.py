@@ -39,9 +39,9 @@ from engine.backend import NumpyBackend
 from engine.core.types import BatchPlan, Chunk, ForwardCall, KVOp, Task
 from engine.model import BatchChunk, load
 from engine.model.sampling import SamplingParams
-from experiments.flags import CALIBRATE, add_flags
+from experiments.flags import CALIBRATE, UsageError, add_flags
 from experiments.results import new_results_dir
-from experiments.runs import resolve_model
+from experiments.runs import reserve_heap, resolve_model
 from experiments.speed_probe import (
     TRACK_REPEATS,
     MixCall,
@@ -927,8 +927,10 @@ def cpu_name() -> str:
 
 
 def measured_on(model: Any, *, grid_name: str, n_points: int, repeats: int, load_start: tuple[float, ...],
-                load_end: tuple[float, ...], temp: float, notes: str = "") -> dict[str, Any]:
-    """The calibration file's `measured_on` block: machine, CPU, threads, engine, model, date, conditions."""
+                load_end: tuple[float, ...], temp: float, notes: str = "", mem_reserve_mib: int | None = None
+                ) -> dict[str, Any]:
+    """The calibration file's `measured_on` block: machine, CPU, threads, engine, model, date, conditions, and
+    the heap reserve the engine ran with (`--mem-reserve`; 0 = the allocator's defaults)."""
     def fmt(load: tuple[float, ...]) -> str:
         return "/".join(f"{x:.2f}" for x in load)
 
@@ -946,6 +948,7 @@ def measured_on(model: Any, *, grid_name: str, n_points: int, repeats: int, load
         "model": Path(model.path).name,
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "notes": text + (f"; {notes}" if notes else ""),
+        "mem_reserve_mib": mem_reserve_mib,
     }
 
 
@@ -1253,7 +1256,8 @@ def run_calibrate(args: argparse.Namespace, *, load_reader: LoadReader = os.getl
         path = resolve_model(args.model)
         out = Path(args.out) if args.out else new_results_dir("calibrate") / "calibration.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-    except (ValueError, OSError) as exc:
+        reserve = reserve_heap(args.mem_reserve, CALIBRATE)["mem_reserve_mib"]
+    except (UsageError, ValueError, OSError) as exc:
         print(f"slotlab calibrate: error: {exc}", file=sys.stderr)
         return 2
     model = load(path, n_threads=args.threads, numerics=args.numerics)
@@ -1271,7 +1275,8 @@ def run_calibrate(args: argparse.Namespace, *, load_reader: LoadReader = os.getl
     load_info = load_figures(m, args.load_threshold)
     n_passes = len(m.passes)
     info = measured_on(model, grid_name="quick" if args.quick else "full", n_points=len(grid), repeats=n_passes,
-                       load_start=m.load_before, load_end=m.load_after, temp=args.temp, notes=args.notes)
+                       load_start=m.load_before, load_end=m.load_after, temp=args.temp, notes=args.notes,
+                       mem_reserve_mib=reserve)
     extra = {
         "load_moved": load_info["moved"],
         "load": load_info,

@@ -185,6 +185,10 @@ _R, _S, _C, _G, _K = RUNS, (SERVE,), (COMPARE,), (GENERATE,), (CALIBRATE,)
 DEFAULT_NUMERICS = "ggml"
 _NUMERICS = ("ggml", "f32", "q")     # engine.model.NUMERICS_MODES (not imported here: the CLI starts without it)
 _RV = (REPLAY, VALIDATE)
+# MiB of heap the commands that run the engine reserve and touch before loading the model (engine/model/heap.py;
+# docs/engine.md "Memory"). 0 = the allocator's defaults, as llama-server's; a reserve is opt-in (measured in
+# docs/validation_sim.md §20: it takes the page faults out of the steps, not the aggregates' misses)
+DEFAULT_MEM_RESERVE_MIB = 0
 _CPUS = os.cpu_count() or 1
 
 FLAGS: tuple[Flag, ...] = (
@@ -195,6 +199,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag(NET, ("--api-prefix",), "prefix of every route (default: none)", _S, str, "", "PREFIX"),
     Flag(NET, ("-t", "--threads"), "compute threads for the forward pass (default: -1 = number of CPUs; matmuls "
          "split over N threads, BLAS itself held at 1)", _S, int, -1, "N"),
+    Flag(ENGINE, ("--mem-reserve",), "reserve and touch this many MiB of heap before the model loads, so that no "
+         "forward pass and no prompt-cache save asks the system for memory until the process outgrows it (glibc "
+         "only; the process then never gives memory back; calibrate with the same setting). A difference from "
+         "llama-server, whose allocator keeps its defaults (default: 0 = the same; docs/engine.md, Memory)",
+         (SERVE, REPLAY, VALIDATE, CALIBRATE), int, DEFAULT_MEM_RESERVE_MIB, "MIB"),
     Flag(NET, ("-a", "--alias"), "model name(s) in responses, comma separated", _S, str, "", "NAMES"),
     Flag(NET, ("--numerics",), "engine arithmetic: ggml (default: llama.cpp's CPU arithmetic on the quantized "
          "weights, f16 KV, numba kernels; the same logits as llama.cpp), f32 (the float32 reference: weights "

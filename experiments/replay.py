@@ -19,6 +19,7 @@ from tqdm import tqdm
 from engine.backend import NumpyBackend
 from engine.core import ServerConfig
 from engine.model import load
+from engine.model.heap import heap_mib, reserved_mib
 from engine.model.sampling import SamplingParams
 from engine.model.tokenizer import ATTR_BYTE, ATTR_NORMAL
 from experiments.flags import (
@@ -34,6 +35,7 @@ from experiments.runs import (
     format_summary,
     one_line_summary,
     out_dir,
+    reserve_heap,
     resolve_model,
     run_context,
     server_config,
@@ -105,18 +107,35 @@ def run_replay(values: dict[str, Any], workload, model_path: str, threads: int, 
             steps(plan, elapsed_s, minor_faults)
             probe(plan, elapsed_s, minor_faults)
         sim.backend.on_step = on_step
+    heap_start = heap_mib()
     result = sim.run(workload)
+    heap_end = heap_mib()
     sim.backend.on_step = None
     if probe is not None:
         probe.finish()                         # a last pass, holding the replays since the last one
-    threads = {"threads": sim.backend.n_threads, "threads_desc": model.threads_desc, "numerics": model.numerics}
+    threads = {"threads": sim.backend.n_threads, "threads_desc": model.threads_desc, "numerics": model.numerics,
+               "mem_reserve_mib": reserved_mib()}
+    memory = {"heap_mib_start": heap_start, "heap_mib_end": heap_end}
+    grew = heap_growth_warning(heap_start, heap_end, reserved_mib())
+    if grew:
+        print(f"slotlab: warning: {grew}", file=sys.stderr)
     result.run.update(threads, model=model_path)
     config = {"slotlab_results": 1, **context, "backend": "numpy", "model": model_path, **threads,
               "temperature": temp, "rerun": "slotlab replay " + " ".join(simulate_argv(values)[2:]),
-              "options": values, "server_config": cfg, "seed": values["seed"], "fast_forward": False}
+              "options": values, "server_config": cfg, "seed": values["seed"], "fast_forward": False, **memory}
     summary = write_run(out_dir, result, config, csv=csv, plots=plots, n_slots=cfg.resolve().n_slots)
     steps.write(out_dir)                       # steps.parquet: every executed step, its cost and measured time
     return {**summary, "threads_desc": threads["threads_desc"]}
+
+
+def heap_growth_warning(start: float | None, end: float | None, reserve: int) -> str | None:
+    """A note when the heap grew during a run with a reserve: the steps that took that memory paid for pages new to
+    the process, which no latency model prices (engine/model/heap.py). Under a MiB of growth is glibc's own."""
+    if not reserve or start is None or end is None or end - start < 1.0:
+        return None
+    return (f"the heap grew by {end - start:.0f} MiB during the run, past what --mem-reserve {reserve} had "
+            f"touched ({start:.0f} MiB at the start): the steps that took it paid for memory new to the process; "
+            f"a larger --mem-reserve keeps them out")
 
 
 # --- command line ----------------------------------------------------------------------------------------
@@ -138,6 +157,7 @@ def cmd_replay(args: argparse.Namespace, argv: Sequence[str]) -> int:
         workload, desc = build_workload(values)
         server_config({**values, "kv_bytes_per_token": None})
         out = out_dir(args, REPLAY)
+        reserve_heap(args.mem_reserve, REPLAY)
     context = run_context(argv, desc)
     with tqdm(total=desc.get("n_requests"), unit="req", desc="replay", file=sys.stderr, leave=False,
               disable=args.quiet) as bar:

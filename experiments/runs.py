@@ -10,6 +10,7 @@ import os
 import platform
 import shlex
 import subprocess
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from typing import Any
 
 from engine.core import ServerConfig
 from engine.model import default_model_path
+from engine.model.heap import reserve
 from experiments.flags import SMOLLM2_KV_BYTES_PER_TOKEN, UsageError, config_fields, simulate_argv
 from experiments.results import new_results_dir, write_run
 from policies import make_policies
@@ -92,6 +94,20 @@ def versions() -> dict[str, str]:
     except (OSError, subprocess.SubprocessError):
         out["git_commit"] = "unknown"
     return out
+
+
+def reserve_heap(mib: int, command: str) -> dict[str, Any]:
+    """`--mem-reserve`: reserve and touch the engine's heap before the model loads (engine/model/heap.py). A note
+    on stderr where this C library cannot; a UsageError when the size is negative or the system refuses it.
+    Returns what a run records: the MiB reserved in this process (0 = the allocator's defaults)."""
+    try:
+        r = reserve(mib)
+    except (ValueError, MemoryError) as exc:
+        raise UsageError(str(exc)) from None
+    if mib and not r.applied:
+        print(f"slotlab {command}: note: --mem-reserve {mib}: {r.describe()}; the engine's steps may take memory "
+              f"new to the process, which the latency model cannot price", file=sys.stderr)
+    return {"mem_reserve_mib": r.mib if r.applied else 0}
 
 
 def run_context(argv: Sequence[str], desc: dict[str, Any]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from dataclasses import replace
 
 from engine.core import ServerConfig
 from engine.core.errors import ConfigError
+from engine.model.heap import reserve
 from engine.model.sampling import LLAMA_DEFAULT_SEED, SamplingParams
 from experiments import upstream_flags as U
 from experiments.flags import SERVE, add_flags, config_fields
@@ -171,6 +172,13 @@ def run_serve(args: argparse.Namespace) -> int:
     except ServeError as e:
         print(f"slotlab serve: error: {e}", file=sys.stderr)
         return 1
+    try:            # before any thread of the server allocates (engine/model/heap.py)
+        reserved = reserve(args.mem_reserve)
+    except (ValueError, MemoryError) as e:
+        print(f"slotlab serve: error: {e}", file=sys.stderr)
+        return 1
+    if args.mem_reserve and not reserved.applied:
+        print(f"slotlab serve: note: --mem-reserve {args.mem_reserve}: {reserved.describe()}", file=sys.stderr)
     state = ServerState(options)
     app = create_app(state, load_on_startup=False)
     server = uvicorn.Server(uvicorn_config(app, args.host, args.port, args.log_level, timeout_graceful_shutdown=3))
@@ -184,7 +192,7 @@ def run_serve(args: argparse.Namespace) -> int:
     state.start_loading(on_error)
     print(f"slotlab serve: listening on http://{args.host}:{args.port}{options.api_prefix} "
           f"(model loads in the background; 503 until ready), compute threads {options.n_threads}, "
-          f"numerics {options.numerics}",
+          f"numerics {options.numerics}, heap reserve {reserved.mib} MiB",
           file=sys.stderr, flush=True)
     server.run()
     state.shutdown()

@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from engine.core import PolicyNames, ServerConfig
 from engine.model import load
+from engine.model.heap import reserved_mib
 from engine.model.tokenizer import ATTR_BYTE, ATTR_NORMAL, Tokenizer
 from experiments.flags import (
     OPT_BY_DEST,
@@ -55,7 +56,7 @@ from experiments.calibrate import (
 from experiments.repeat_floor import format_repeat_floor, repeat_floor
 from experiments.replay import run_replay
 from experiments.results import LATENCY_METRICS, STATS, latency_stats, load_results, write_json, write_run
-from experiments.runs import follow, out_dir, resolve_model, run_context, server_config
+from experiments.runs import follow, out_dir, reserve_heap, resolve_model, run_context, server_config
 from experiments.speed_probe import (
     PROBE_FILE,
     SpeedProbe,
@@ -433,10 +434,12 @@ def check_same_run(real: Any, values: Mapping[str, Any], model: str, numerics: s
         raise ValueError(f"{real.path} ran numerics {real.config.get('numerics')}, here: {numerics} (--numerics)")
 
 
-def calibration_mismatch(latency: Any, model: str, threads: int, numerics: str = "f32") -> str | None:
-    """Why `latency`'s calibration does not describe this run (another model file, thread count or numerics), or
-    None. The calibration's numerics are read as `calibrate --refit` reads them (`calibration_numerics`): a file of
-    this engine that names none was measured in f32; one not measured on this engine has none to compare.
+def calibration_mismatch(latency: Any, model: str, threads: int, numerics: str = "f32", *,
+                         mem_reserve_mib: int | None = None) -> str | None:
+    """Why `latency`'s calibration does not describe this run (another model file, thread count or numerics; a
+    heap reserve, `--mem-reserve`, on in one and off in the other when both are known), or None. The
+    calibration's numerics are read as `calibrate --refit` reads them (`calibration_numerics`): a file of this
+    engine that names none was measured in f32; one not measured on this engine has none to compare.
 
     The simulator then predicts another setup's step times, and sim-vs-real errors mostly measure that."""
     measured = getattr(latency, "measured_on", None)
@@ -451,6 +454,10 @@ def calibration_mismatch(latency: Any, model: str, threads: int, numerics: str =
     cal_numerics = calibration_numerics(engine)
     if cal_numerics is not None and cal_numerics != numerics:
         differences.append(f"numerics {cal_numerics} (this run: {numerics})")
+    cal_reserve = getattr(measured, "mem_reserve_mib", None)
+    if cal_reserve is not None and mem_reserve_mib is not None and (cal_reserve > 0) != (mem_reserve_mib > 0):
+        differences.append(f"--mem-reserve {cal_reserve} (this run: {mem_reserve_mib}; a save into memory new to "
+                           f"the process costs several times one into memory it has)")
     layout = getattr(latency, "layout", None)
     if not differences and cal_numerics == "ggml" and layout is not None and not layout.attend_by_token:
         return (f"the latency model's file ({getattr(latency, 'source', None) or 'calibration'}) was fitted before "
@@ -461,7 +468,8 @@ def calibration_mismatch(latency: Any, model: str, threads: int, numerics: str =
         return None
     return (f"the latency model was calibrated with {' and '.join(differences)}; sim-vs-real errors will mostly "
             f"measure that difference. Calibrate this setup with `slotlab calibrate -m {model} --threads {threads} "
-            f"--numerics {numerics} --out cal.json` and pass `--latency parametric:cal.json`")
+            f"--numerics {numerics}{'' if mem_reserve_mib is None else f' --mem-reserve {mem_reserve_mib}'} "
+            f"--out cal.json` and pass `--latency parametric:cal.json`")
 
 
 # --- a recorded trace (slotlab record) as the real run -----------------------------------------------------
@@ -625,11 +633,15 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
         if correct:
             check_speed_correction(values["latency"], cal_probe, model, args.threads, reused, run_probes,
                                    args.speed_correct, args.probe_every, track)
+        if reused is None:
+            reserve_heap(args.mem_reserve, VALIDATE)
         out = out_dir(args, VALIDATE)
     except (UsageError, ValueError, OSError) as exc:
         print(f"slotlab validate: error: {exc}", file=sys.stderr)
         return 2
-    mismatch = calibration_mismatch(latency, model, args.threads, args.numerics)
+    mismatch = calibration_mismatch(latency, model, args.threads, args.numerics,
+                                    mem_reserve_mib=reserved_mib() if reused is None else
+                                    reused.config.get("mem_reserve_mib"))
     if mismatch:
         print(f"slotlab validate: warning: {mismatch}", file=sys.stderr)
     if getattr(latency, "load_moved", None):

@@ -324,6 +324,8 @@ COEFFICIENT_NAMES = (
 # coefficients a calibration file may omit (added after the format's first version): default 0
 OPTIONAL_COEFFICIENTS = {"h_kv_read_s": 0.0}
 MEASURED_ON_FIELDS = ("machine", "cpu", "threads", "engine", "model", "date", "notes")
+# fields a calibration file may omit (added after the format's first version): absent = not recorded
+OPTIONAL_MEASURED_ON = ("mem_reserve_mib",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,6 +339,9 @@ class MeasuredOn:
     model: str
     date: str  # ISO 8601
     notes: str
+    # the engine's heap reserve during the measurement (`--mem-reserve`, engine/model/heap.py): 0 = the
+    # allocator's defaults; None = not recorded (files written before it, which ran with the defaults)
+    mem_reserve_mib: int | None = None
 
     @classmethod
     def from_dict(cls, data: object, where: str = "measured_on") -> MeasuredOn:
@@ -353,10 +358,15 @@ class MeasuredOn:
                                      f"got {value!r}")
             elif not isinstance(value, str):
                 raise ValueError(f"{where}: field 'measured_on.{name}' must be a string, got {value!r}")
-        unknown = sorted(set(data) - set(MEASURED_ON_FIELDS))
+        reserve = data.get("mem_reserve_mib")
+        if reserve is not None and (isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0):
+            raise ValueError(f"{where}: field 'measured_on.mem_reserve_mib' must be an integer >= 0 or null, "
+                             f"got {reserve!r}")
+        known = MEASURED_ON_FIELDS + OPTIONAL_MEASURED_ON
+        unknown = sorted(set(data) - set(known))
         if unknown:
-            raise ValueError(f"{where}: unknown field 'measured_on.{unknown[0]}' (expected {MEASURED_ON_FIELDS})")
-        return cls(**{name: data[name] for name in MEASURED_ON_FIELDS})
+            raise ValueError(f"{where}: unknown field 'measured_on.{unknown[0]}' (expected {known})")
+        return cls(**{name: data[name] for name in MEASURED_ON_FIELDS}, mem_reserve_mib=reserve)
 
 
 @dataclass(frozen=True, slots=True)

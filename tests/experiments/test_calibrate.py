@@ -76,6 +76,7 @@ def test_calibration_file_records_fit_stats_and_where_it_was_measured(calibrated
     on = data["measured_on"]
     assert on["threads"] == 1 and on["model"] == "tiny.gguf" and on["engine"].startswith("slotlab numpy")
     assert "load average" in on["notes"]
+    assert on["mem_reserve_mib"] == 0                    # the allocator's defaults, as llama-server's
 
 
 def test_latency_spec_parametric_loads_the_table_model_and_the_others_stay_selectable(calibrated):

@@ -23,6 +23,34 @@ def test_replay_writes_the_simulate_layout_with_measured_times(tiny, tmp_path):
     assert cfg["threads_desc"] == json.loads((out / "run.json").read_text())["threads_desc"] == "1 compute thread (BLAS 1)"
 
 
+def test_replay_records_the_heap_reserve_and_the_heap_around_the_run(tiny, tmp_path):
+    """By default no reserve (llama-server's allocator); `--mem-reserve N` (in a child: it changes the allocator
+    of the whole process) is recorded with the heap's size before and after the run, which it covers."""
+    import platform
+    import subprocess
+    import sys
+    out = tmp_path / "r"
+    assert main(["replay", "-m", tiny, "--threads", "1", "--quiet", "--no-plots", "--out", str(out), *WORKLOAD]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["mem_reserve_mib"] == 0
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return
+    child = ("import sys; from experiments.cli import main; sys.exit(main(sys.argv[1:]))")
+    res = subprocess.run([sys.executable, "-c", child, "replay", "-m", tiny, "--threads", "1", "--quiet",
+                          "--no-plots", "--mem-reserve", "64", "--out", str(tmp_path / "m"), *WORKLOAD],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert cfg["mem_reserve_mib"] == 64
+    assert cfg["heap_mib_start"] >= 64 and cfg["heap_mib_end"] - cfg["heap_mib_start"] < 1   # no new memory
+    assert "grew" not in res.stderr
+
+
+def test_a_negative_heap_reserve_is_a_usage_error(tiny, tmp_path, capsys):
+    assert main(["replay", "-m", tiny, "--mem-reserve", "-1", "--out", str(tmp_path / "o"), *WORKLOAD]) == 2
+    assert "--mem-reserve: expected a size in MiB >= 0, got -1" in capsys.readouterr().err
+
+
 def test_replay_runs_the_numerics_asked_for_and_records_it(tiny, tmp_path):
     """ggml (llama.cpp's arithmetic, as serve's) unless told otherwise; `--numerics f32` runs and records the float32
     reference, with the same requests and lengths."""

@@ -213,6 +213,28 @@ def test_a_calibration_of_another_model_or_thread_count_is_named():
     assert calibration_mismatch(get_latency_model("constant:0.01"), "/tmp/tiny.gguf", 1) is None
 
 
+def test_a_calibration_with_the_heap_reserve_off_is_named_for_a_run_with_it_on(tmp_path):
+    """Saves into memory new to the process cost several times one into memory it has (docs/validation_sim.md §20),
+    so a calibration measured with `--mem-reserve 0` does not describe a run with a reserve, nor the reverse. Only
+    on against off counts, and a file that did not record it (written before it) is not second-guessed."""
+    import dataclasses
+
+    from experiments.validate import MEASURED_CALIBRATION, calibration_mismatch
+    from sim.latency_spec import get_latency_model
+    shipped = get_latency_model(f"parametric:{MEASURED_CALIBRATION}")
+    model = "/x/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+    def with_reserve(mib):
+        return dataclasses.replace(shipped, measured_on=dataclasses.replace(shipped.measured_on, mem_reserve_mib=mib))
+    assert calibration_mismatch(with_reserve(1024), model, 2, "f32", mem_reserve_mib=2048) is None
+    off = calibration_mismatch(with_reserve(0), model, 2, "f32", mem_reserve_mib=1024)
+    assert "--mem-reserve 0 (this run: 1024" in off and "--mem-reserve 1024 --out cal.json" in off
+    assert "--mem-reserve 1024 (this run: 0" in calibration_mismatch(with_reserve(1024), model, 2, "f32",
+                                                                       mem_reserve_mib=0)
+    assert calibration_mismatch(with_reserve(None), model, 2, "f32", mem_reserve_mib=1024) is None
+    assert calibration_mismatch(with_reserve(0), model, 2, "f32", mem_reserve_mib=None) is None
+
+
 def test_a_calibration_of_another_numerics_is_named():
     """The shipped f32 calibration names no numerics (f32, the mode it was measured in); the ggml one names ggml;
     either, used for a run in the other mode, is named with the command that calibrates the run's mode."""

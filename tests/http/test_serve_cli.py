@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import socket
 import subprocess
 import sys
@@ -62,7 +63,7 @@ def test_alias_and_api_key_file(tiny_path, tmp_path):
 def test_serve_process_answers_then_stops(tiny_path, tmp_path):
     port = free_port()
     p = serve("-m", tiny_path, "--port", str(port), "-np", "2", "-c", "1024", "--metrics", "-t", "1",
-              "--slot-save-path", str(tmp_path), "--log-level", "warning")
+              "--slot-save-path", str(tmp_path), "--log-level", "warning", "--mem-reserve", "32")
     try:
         url = f"http://127.0.0.1:{port}"
         t_end = time.monotonic() + 60
@@ -79,4 +80,14 @@ def test_serve_process_answers_then_stops(tiny_path, tmp_path):
         assert httpx.get(url + "/props").json()["total_slots"] == 2
     finally:
         p.terminate()
-        p.communicate(timeout=30)
+        _, err = p.communicate(timeout=30)
+    # the heap reserved before the server's threads started (engine/model/heap.py; glibc only)
+    glibc = sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
+    assert ("heap reserve 32 MiB" if glibc else "heap reserve 0 MiB") in err
+
+
+def test_a_negative_heap_reserve_exits_1_before_serving(tiny_path):
+    p = serve("-m", tiny_path, "--port", str(free_port()), "--mem-reserve", "-5")
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 1
+    assert "--mem-reserve: expected a size in MiB >= 0, got -5" in err

@@ -138,6 +138,9 @@ BAD_CALIBRATIONS = {
     "missing measured_on": (_without(_good_calibration(), "measured_on"), "'measured_on'"),
     "missing measured_on field": (_without(_good_calibration(), "measured_on.date"), "'measured_on.date'"),
     "bad threads": (_with(_good_calibration(), "measured_on.threads", "two"), "'measured_on.threads'"),
+    "bad heap reserve": (_with(_good_calibration(), "measured_on.mem_reserve_mib", -5), "'measured_on.mem_reserve_mib'"),
+    "boolean heap reserve": (_with(_good_calibration(), "measured_on.mem_reserve_mib", True),
+                             "'measured_on.mem_reserve_mib'"),
     "wrong kind": ({**_good_calibration(), "kind": "roofline"}, "'kind'"),
 }
 
@@ -150,6 +153,14 @@ def test_bad_calibration_file_raises_value_error_naming_file_and_field(tmp_path,
         load_calibration(path)
     assert str(path) in str(excinfo.value)
     assert field in str(excinfo.value)
+
+
+def test_the_heap_reserve_a_calibration_ran_with_is_kept_and_older_files_have_none(tmp_path):
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(_with(_good_calibration(), "measured_on.mem_reserve_mib", 1024)))
+    assert load_calibration(path).measured_on.mem_reserve_mib == 1024
+    path.write_text(json.dumps(_good_calibration()))
+    assert load_calibration(path).measured_on.mem_reserve_mib is None
 
 
 def test_missing_calibration_file_raises_value_error(tmp_path):
