@@ -15,8 +15,11 @@ What `reserve` does, on glibc (the documented `mallopt(3)` parameters):
 - `M_MMAP_MAX` 0: no allocation gets a mapping of its own (glibc maps any block above its mmap threshold, at
   most 32 MiB, afresh and unmaps it on free: new memory on every use);
 - `M_TRIM_THRESHOLD` -1: freed memory is never given back to the system;
-- then it allocates `mib` MiB, writes every page, and frees it: the heap's top now holds `mib` MiB of memory
-  the process owns, which every later allocation takes from until the heap grows past it.
+- then it allocates `mib` MiB, advises it for transparent huge pages (`MADV_HUGEPAGE`, as numpy advises every
+  array of 4 MiB or more, so that the memory the steps then use is on the pages the allocator's defaults would
+  have given them; on 4 KiB pages the same steps ran 7-14% slower), writes every page, and frees it: the heap's
+  top now holds `mib` MiB of memory the process owns, which every later allocation takes from until the heap
+  grows past it.
 
 The process's resident memory then stays at its high-water mark (at least `mib`) until it exits. A reserve is
 a difference from llama-server, whose prompt-cache states are `std::vector`s from the default allocator
@@ -37,7 +40,8 @@ from dataclasses import dataclass
 
 # mallopt(3) parameter numbers (glibc's malloc.h)
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
-PAGE = 4096
+MADV_HUGEPAGE = 14
+PAGE, HUGE = 4096, 2 << 20
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,8 @@ def _glibc() -> ctypes.CDLL | None:
         libc.free.argtypes = [ctypes.c_void_p]
         libc.mallopt.restype = ctypes.c_int
         libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        libc.madvise.restype = ctypes.c_int
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         _libc = libc
     return _libc
 
@@ -97,8 +103,9 @@ def reserved_mib() -> int:
     return _reserved_mib
 
 
-def reserve(mib: int) -> Reservation:
-    """Reserve and touch `mib` MiB of heap (see the module's doc). Call it before the engine's threads start
+def reserve(mib: int, huge_pages: bool = True) -> Reservation:
+    """Reserve and touch `mib` MiB of heap (see the module's doc), advised for huge pages unless `huge_pages` is
+    false. Call it before the engine's threads start
     allocating (the arena setting applies to threads that have not allocated yet). Idempotent: a second call
     touches only what exceeds what this process reserved already. `mib` 0 does nothing. Raises ValueError for
     a negative size and MemoryError when the system refuses the memory; on a C library other than glibc it
@@ -124,6 +131,10 @@ def reserve(mib: int) -> Reservation:
             if not p:
                 raise MemoryError(f"--mem-reserve {mib}: the system refused {mib} MiB of heap")
             try:
+                if huge_pages:      # the 2 MiB-aligned interior; refused (harmless) where THP is "never"
+                    lo = (p + HUGE - 1) // HUGE * HUGE
+                    if p + n - lo >= HUGE:
+                        libc.madvise(lo, (p + n - lo) // HUGE * HUGE, MADV_HUGEPAGE)
                 # one write per page is what makes the kernel supply it; the rest of the page costs nothing more
                 # now and is zero already
                 buf = (ctypes.c_char * n).from_address(p)

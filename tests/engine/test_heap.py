@@ -4,6 +4,7 @@ process already touched. The reserve changes the allocator for the whole process
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -37,6 +38,14 @@ def work():
     out["in_heap"] = bool(heap) and min(lo for lo, _ in heap) <= addr and addr + a.nbytes <= max(hi for _, hi in heap)
     del a
 t = threading.Thread(target=work); t.start(); t.join()
+with open("/proc/self/smaps") as f:       # the flags of the heap's mappings ("hg": advised for huge pages)
+    flags, in_heap = [], False
+    for line in f:
+        if "-" in line.split(" ", 1)[0] and len(line.split()) >= 5:
+            in_heap = line.rstrip().endswith("[heap]")
+        elif in_heap and line.startswith("VmFlags:"):
+            flags.append(line.split()[1:])
+out["huge_advised"] = any("hg" in fl for fl in flags)
 out["again"] = reserve(mib).seconds
 out["heap_after"] = heap_mib()
 print(json.dumps(out))
@@ -60,6 +69,10 @@ def test_with_a_reserve_a_thread_s_large_array_comes_from_the_touched_heap_witho
     assert on["faults"] < 256, on
     assert on["heap_after"] - on["heap_before"] < 1          # the array did not grow the heap: it was reserved
     assert on["again"] < 0.05                                # a second reserve of the same size touches nothing
+    # advised for transparent huge pages, as numpy advises the fresh mappings it would otherwise get (4 KiB pages
+    # made the engine's steps 7-14% slower: docs/validation_sim.md §20); a kernel without THP refuses the advice
+    if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
+        assert on["huge_advised"]
 
 
 @glibc
@@ -67,6 +80,7 @@ def test_without_a_reserve_the_same_array_is_memory_new_to_the_process():
     off = _child(0)                 # the control: what the first test rules out does happen by default
     assert not off["applied"] and off["mib"] == 0
     assert not off["in_heap"]
+    assert not off["huge_advised"]
 
 
 def test_a_negative_reserve_is_refused_and_zero_does_nothing():
