@@ -105,11 +105,11 @@ def reserved_mib() -> int:
 
 def reserve(mib: int, huge_pages: bool = True) -> Reservation:
     """Reserve and touch `mib` MiB of heap (see the module's doc), advised for huge pages unless `huge_pages` is
-    false. Call it before the engine's threads start
-    allocating (the arena setting applies to threads that have not allocated yet). Idempotent: a second call
-    touches only what exceeds what this process reserved already. `mib` 0 does nothing. Raises ValueError for
-    a negative size and MemoryError when the system refuses the memory; on a C library other than glibc it
-    does nothing and says why (`Reservation.applied` false)."""
+    false. Call it before the engine's threads start allocating (the arena setting applies to threads that have
+    not allocated yet). Idempotent: a second call takes new memory only for what exceeds what this process
+    reserved already. `mib` 0 does nothing. Raises ValueError for a negative size and MemoryError when the system
+    refuses the memory; on a C library other than glibc it does nothing and says why (`Reservation.applied`
+    false)."""
     global _reserved_mib
     if mib < 0:
         raise ValueError(f"--mem-reserve: expected a size in MiB >= 0, got {mib}")
@@ -135,8 +135,7 @@ def reserve(mib: int, huge_pages: bool = True) -> Reservation:
                     lo = (p + HUGE - 1) // HUGE * HUGE
                     if p + n - lo >= HUGE:
                         libc.madvise(lo, (p + n - lo) // HUGE * HUGE, MADV_HUGEPAGE)
-                # one write per page is what makes the kernel supply it; the rest of the page costs nothing more
-                # now and is zero already
+                # one write per page is what makes the kernel supply the page; the rest of it costs nothing more
                 buf = (ctypes.c_char * n).from_address(p)
                 mv = memoryview(buf).cast("B")
                 mv[::PAGE] = bytes(n // PAGE)
