@@ -1256,7 +1256,7 @@ def run_calibrate(args: argparse.Namespace, *, load_reader: LoadReader = os.getl
         path = resolve_model(args.model)
         out = Path(args.out) if args.out else new_results_dir("calibrate") / "calibration.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-        reserve = reserve_heap(args.mem_reserve, CALIBRATE)["mem_reserve_mib"]
+        reserve = reserve_heap(args.mem_reserve, CALIBRATE)
     except (UsageError, ValueError, OSError) as exc:
         print(f"slotlab calibrate: error: {exc}", file=sys.stderr)
         return 2

@@ -113,10 +113,11 @@ def run_replay(values: dict[str, Any], workload, model_path: str, threads: int, 
     sim.backend.on_step = None
     if probe is not None:
         probe.finish()                         # a last pass, holding the replays since the last one
+    reserved = reserved_mib()
     threads = {"threads": sim.backend.n_threads, "threads_desc": model.threads_desc, "numerics": model.numerics,
-               "mem_reserve_mib": reserved_mib()}
+               "mem_reserve_mib": reserved}
     memory = {"heap_mib_start": heap_start, "heap_mib_end": heap_end}
-    grew = heap_growth_warning(heap_start, heap_end, reserved_mib())
+    grew = heap_growth_warning(heap_start, heap_end, reserved)
     if grew:
         print(f"slotlab: warning: {grew}", file=sys.stderr)
     result.run.update(threads, model=model_path)

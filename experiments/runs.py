@@ -96,18 +96,18 @@ def versions() -> dict[str, str]:
     return out
 
 
-def reserve_heap(mib: int, command: str) -> dict[str, Any]:
+def reserve_heap(mib: int, command: str) -> int:
     """`--mem-reserve`: reserve and touch the engine's heap before the model loads (engine/model/heap.py). A note
     on stderr where this C library cannot; a UsageError when the size is negative or the system refuses it.
-    Returns what a run records: the MiB reserved in this process (0 = the allocator's defaults)."""
+    Returns the MiB reserved in this process (0 = the allocator's defaults)."""
     try:
         r = reserve(mib)
     except (ValueError, MemoryError) as exc:
         raise UsageError(str(exc)) from None
-    if mib and not r.applied:
-        print(f"slotlab {command}: note: --mem-reserve {mib}: {r.describe()}; the engine's steps may take memory "
-              f"new to the process, which the latency model cannot price", file=sys.stderr)
-    return {"mem_reserve_mib": r.mib if r.applied else 0}
+    note = r.note(mib)
+    if note:
+        print(f"slotlab {command}: note: {note}", file=sys.stderr)
+    return r.mib
 
 
 def run_context(argv: Sequence[str], desc: dict[str, Any]) -> dict[str, Any]:

@@ -177,8 +177,9 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, MemoryError) as e:
         print(f"slotlab serve: error: {e}", file=sys.stderr)
         return 1
-    if args.mem_reserve and not reserved.applied:
-        print(f"slotlab serve: note: --mem-reserve {args.mem_reserve}: {reserved.describe()}", file=sys.stderr)
+    note = reserved.note(args.mem_reserve)
+    if note:
+        print(f"slotlab serve: note: {note}", file=sys.stderr)
     state = ServerState(options)
     app = create_app(state, load_on_startup=False)
     server = uvicorn.Server(uvicorn_config(app, args.host, args.port, args.log_level, timeout_graceful_shutdown=3))

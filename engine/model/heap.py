@@ -58,6 +58,13 @@ class Reservation:
             return f"heap reserved and touched: {self.mib} MiB ({self.seconds:.2f} s)"
         return f"heap not reserved ({self.reason})"
 
+    def note(self, requested: int) -> str | None:
+        """The line a command prints when `requested` MiB were asked for and nothing was reserved, else None."""
+        if not requested or self.applied:
+            return None
+        return (f"--mem-reserve {requested}: {self.describe()}; the engine's steps may take memory new to the "
+                f"process, which the latency model cannot price")
+
 
 _lock = threading.Lock()
 _reserved_mib = 0

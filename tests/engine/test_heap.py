@@ -103,3 +103,11 @@ def test_a_run_whose_heap_grew_past_the_reserve_is_warned_about():
     assert heap_growth_warning(1100.0, 1100.5, 1024) is None     # glibc's own bookkeeping
     assert heap_growth_warning(100.0, 900.0, 0) is None          # no reserve: growth is the default allocator's
     assert heap_growth_warning(None, 900.0, 1024) is None
+
+
+def test_a_reserve_asked_for_and_not_applied_is_noted_and_nothing_else_is():
+    refused = Reservation(0, 0.0, False, "needs glibc's mallopt; this is Darwin")
+    note = refused.note(64)
+    assert note and "--mem-reserve 64" in note and "needs glibc's mallopt; this is Darwin" in note
+    assert refused.note(0) is None                                   # nothing was asked for
+    assert Reservation(64, 0.1, True).note(64) is None               # it was applied
