@@ -100,6 +100,10 @@ from traces.synthetic.chat import ChatWorkload
 
 METRICS = LATENCY_METRICS
 CORRECTIONS = ("probe", "grid", "track", "track-mix", "steps")   # --speed-correct values that change the step times
+# fewer requests than this share decided alike (same slot, same cached prefix): the run's errors are as much the
+# decisions' as the latency model's, and validate says so. Closed loops at 4-16 slots that drifted decided 42-47% alike
+# (np4, evictions; per request up to 7.2%) where the runs that kept together decided 83-100% (docs/validation_sim.md §21)
+DIVERGED_WARN = 0.8
 MEASURED_CALIBRATION = Path(__file__).resolve().parents[1] / "sim" / "data" / "smollm2_numpy_2threads.json"
 # the same grid measured in the ggml numerics (`slotlab calibrate --threads 2 --numerics ggml`): the default latency
 # of `validate --numerics ggml`
@@ -367,6 +371,21 @@ def add_validate_parser(subparsers: Any) -> argparse.ArgumentParser:
         else None)
     p.set_defaults(func=run_validate)
     return p
+
+
+def divergence_warning(match_rate: float, closed_loop: bool, arrivals: str, real_dir: str | Path) -> str | None:
+    """The warning for a run whose simulation decided fewer than DIVERGED_WARN of its requests as the real run did
+    (`decision_match_rate`), None otherwise; for a closed-loop chat simulated in its own loop, how to pin its turns
+    to the real run's arrivals instead."""
+    if not math.isfinite(match_rate) or match_rate >= DIVERGED_WARN:
+        return None
+    text = (f"only {100 * match_rate:.0f}% of the requests were decided alike (same slot and cached prompt prefix) "
+            "in the simulation and the real run: this run's errors mix the latency model's with different decisions")
+    if closed_loop and arrivals == "loop":
+        text += ("; the simulated chat's turns followed its own replies and drifted from the real run's (a turn "
+                 "that arrives earlier or later meets other slots and cache entries): rerun with `--real-run "
+                 f"{real_dir} --arrivals real` to re-simulate this run with every turn pinned to its real arrival")
+    return text
 
 
 def pin_arrivals(workload: Any, real_requests: pd.DataFrame) -> tuple[Any, int]:
@@ -737,6 +756,10 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
             # the probe's knots beside the ratio to the model as it is: not to a model that already follows them
             knots = speed.get("track") if speed.get("correct") not in ("track", "track-mix", "steps") else None
             plot_step_ratio(steps, predicted, out / FILES["steps"], title, probe=knots)
+    closed_loop = isinstance(workload, ChatWorkload) and any(len(sess.turns) > 1 for sess in workload.sessions)
+    diverged = divergence_warning(summary["decision_match_rate"], closed_loop, args.arrivals, real.path)
+    if diverged:
+        print(f"slotlab validate: warning: {diverged}", file=sys.stderr)
     _write_comparison(out, per, errors, summary, real.requests, sim.requests, None if args.no_plots else title)
     if args.quiet:
         _print_quiet(errors, summary, out, "requests")

@@ -83,6 +83,22 @@ def test_closed_loop_chat_joins_every_turn(tiny, calib, tmp_path):
     assert (per["finish_real"] == "limit").all() and (per["n_cached_real"][per["turn"] == 1] > 0).all()
 
 
+def test_a_run_whose_decisions_diverged_is_warned_about_with_how_to_pin_its_arrivals():
+    """Below DIVERGED_WARN of the requests decided alike, the errors are the decisions' as much as the latency
+    model's: validate says so, and for a closed-loop chat in its own loop names `--arrivals real` with the run."""
+    from experiments.validate import DIVERGED_WARN, divergence_warning
+    assert DIVERGED_WARN == 0.8
+    assert divergence_warning(0.8, True, "loop", "/r/real") is None
+    assert divergence_warning(1.0, True, "loop", "/r/real") is None
+    assert divergence_warning(math.nan, True, "loop", "/r/real") is None      # no request compared
+    text = divergence_warning(0.42, True, "loop", "/r/real")
+    assert text.startswith("only 42% of the requests were decided alike")
+    assert "`--real-run /r/real --arrivals real`" in text
+    for closed_loop, arrivals in ((False, "loop"), (True, "real")):        # open loop; turns already pinned
+        text = divergence_warning(0.5, closed_loop, arrivals, "/r/real")
+        assert text.startswith("only 50%") and "--arrivals real" not in text
+
+
 def test_arrivals_real_pins_the_simulated_turns_to_the_real_runs_arrivals(tiny, calib, tmp_path, capsys):
     """`--arrivals real` on an existing closed-loop real run: every later turn is pinned, and arrives in the
     simulation when it did in the real run, unless the simulated previous reply ended later (then right after
