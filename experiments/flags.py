@@ -187,7 +187,7 @@ _NUMERICS = ("ggml", "f32", "q")     # engine.model.NUMERICS_MODES (not imported
 _RV = (REPLAY, VALIDATE)
 # MiB of heap the commands that run the engine reserve and touch before loading the model (engine/model/heap.py;
 # docs/engine.md "Memory"). 0 = the allocator's defaults, as llama-server's; a reserve is opt-in (measured in
-# docs/validation_sim.md §20: it takes the page faults out of the steps, not the aggregates' misses)
+# docs/validation_sim.md §20-§21: it takes the page faults out of the steps, not the aggregates' misses)
 DEFAULT_MEM_RESERVE_MIB = 0
 _CPUS = os.cpu_count() or 1
 
