@@ -10,6 +10,13 @@ re-simulated under other speed corrections (`--real-run`, no engine rerun), and 
 off,steps,track-mix+real` re-simulates the same real run with `off`, with the run's own measured speed (`steps`,
 an oracle: it reads the run's step times) and with track-mix and the real run's arrivals pinned (`+real`).
 
+`--repeat` runs the engine a second time on each setting and seed, right after the first (`slotlab validate
+--noise-floor <first>/real`), and adds two rows per run: the simulator against that second real run
+(`track-mix (repeat)`), and the second real run against the first, compared as the simulator is (`real vs
+real`: the first run's values in the sim's place). Two real runs of one workload on this machine agree on
+the targets only as far as the machine repeats itself between minutes, with their closed loops free to decide
+differently: no simulator can be expected to agree with a real run more closely than a second real run does.
+
 Printed and written to OUT/summary.md: per run and correction the aggregate errors (P50 / P90 of TTFT, TPOT,
 E2E), the per-request median |error| of TPOT and E2E, the share of requests decided alike, the latency model's
 bias on the run's steps and the requests' count; then per correction the counts of runs within issue 14's
@@ -95,6 +102,26 @@ def read_run(path: Path) -> dict:
 
 
 _FLOORS: dict[Path, dict | None] = {}
+
+
+def read_noise(path: Path) -> dict:
+    """The `real vs real` row of `--repeat`: a validation folder's `noise_floor` (this run's real results
+    against another real run of the workload, that run's values in the sim's place) in `read_run`'s columns;
+    the latency model's columns (steps bias, busy, repeat floor) are NaN, since no model enters."""
+    summary = json.loads((path / "validation.json").read_text())
+    floor = summary.get("noise_floor")
+    if not floor:
+        raise SystemExit(f"validate_settings: {path / 'validation.json'} has no noise_floor: was it run with "
+                         "--noise-floor?")
+    agg = {(r["metric"], r["stat"]): r["rel_err"] for r in floor["aggregate"]}
+    per = floor["per_request"]
+    row = {f"{m}_{st}": float(agg.get((m, st), math.nan)) for m in METRICS for st in ("p50", "p90")}
+    row.update(tpot_req=per.get("tpot_median_ape", math.nan), e2e_req=per.get("e2e_median_ape", math.nan),
+               same=per.get("decision_match_rate", math.nan), bias=math.nan, busy=math.nan,
+               n=per.get("n_requests"), threads=summary.get("threads"), _ttft_faults=None,
+               load=f"{summary['load_average_start'][0]:.2f}->{summary['load_average_end'][0]:.2f}",
+               **{f"floor_{m}": math.nan for m in METRICS})
+    return row
 
 
 def run_floor(real: Path) -> dict | None:
@@ -195,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="results/validate_settings", help="campaign folder (default %(default)s)")
     ap.add_argument("--knot-window", default=None, metavar="SECONDS",
                     help="validate's --knot-window for every run and re-simulation (default: validate's own, 1 s)")
+    ap.add_argument("--repeat", action="store_true",
+                    help="run the engine a second time on each setting and seed (validate --noise-floor) and add "
+                         "the simulator against that run and the two real runs against each other")
     ap.add_argument("--slotlab", default=None, metavar="CMD",
                     help="the slotlab command to run (default: the one beside this Python): another checkout's, for "
                          "an A/B of two trees on the same seeds")
@@ -238,12 +268,25 @@ def main(argv: list[str] | None = None) -> int:
                     run(base + flags + ["--real-run", str(first / "real"), "--speed-correct", mode, *extra,
                                         "--out", str(again)], run_dir / f"{corr}.log")
                 rows.append({"run": f"{name} {seed}", "correction": corr, **read_run(again)})
+            if args.repeat:
+                second = run_dir / "repeat"
+                if not (second / "validation.json").is_file():
+                    shutil.rmtree(second, ignore_errors=True)
+                    t0 = time.perf_counter()
+                    run(base + flags + ["--speed-correct", "track-mix", "--noise-floor", str(first / "real"),
+                                        "--out", str(second)], run_dir / "repeat.log")
+                    print(f"  {name} {seed}: second real run + sim in {time.perf_counter() - t0:.0f} s", flush=True)
+                rows.append({"run": f"{name} {seed}", "correction": "track-mix (repeat)", **read_run(second)})
+                rows.append({"run": f"{name} {seed}", "correction": "real vs real", **read_noise(second)})
     faults = faults_table(rows)
     text = (f"{table(rows)}\n\n{summary_table(rows)}\n\n" + (f"{faults}\n\n" if faults else "")
             + "Relative errors sim vs real in %; per request = median |error|; steps bias / busy = the latency "
             "model's median signed error on the real run's steps / its error on their total; repeat floor: "
             "validation.json's repeat_floor (the run's own replays' scatter, docs/validation_sim.md §13); TTFT by "
-            "page faults: each request's first-token steps from the real run's step log (§18).\n")
+            "page faults: each request's first-token steps from the real run's step log (§18)"
+            + ("; real vs real: the second real run of each setting and seed against the first, compared as the "
+               "simulator is (the first's values in the sim's place; no latency model enters)" if args.repeat else "")
+            + ".\n")
     (out / "summary.md").write_text(text)
     pd.DataFrame(rows).drop(columns="_ttft_faults").to_csv(out / "summary.csv", index=False)
     print(text)

@@ -1,9 +1,12 @@
 """The benchmark and validation scripts still import and parse their arguments (they are run by hand, with
-the reference tools, so nothing else would notice a broken import), and bench_engine's summary is right."""
+the reference tools, so nothing else would notice a broken import), bench_engine's summary is right, and
+validate_settings reads a second real run (`--repeat`) as a row of its own."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -39,3 +42,38 @@ def test_bench_engine_summary_prints_each_figure_per_run_and_its_median(capsys):
     assert prefill[2:] == ["500.00", "600.00", "550.00", "|", "550.00"]
     ratio = next(line for line in out if "16 seq" in line).split()
     assert ratio[-4:] == ["1.90", "2.30", "|", "2.10"]
+
+
+def _validate_settings():
+    spec = importlib.util.spec_from_file_location("validate_settings", BENCHMARKS / "validate_settings.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_validate_settings_reads_two_real_runs_as_a_row_and_counts_it_like_the_simulator(tmp_path):
+    mod = _validate_settings()
+    errs = {("ttft", "p50"): 0.02, ("ttft", "p90"): -0.041, ("tpot", "p50"): 0.001, ("tpot", "p90"): -0.029,
+            ("e2e", "p50"): 0.031, ("e2e", "p90"): -0.005, ("e2e", "p99"): 0.2}
+    (tmp_path / "validation.json").write_text(json.dumps({
+        "threads": 2, "load_average_start": [1.5, 1.0, 0.9], "load_average_end": [1.8, 1.2, 1.0],
+        "noise_floor": {"real_dir": "first/real", "what": "...",
+                        "per_request": {"n_requests": 36, "tpot_median_ape": 0.021, "e2e_median_ape": 0.033,
+                                        "decision_match_rate": 0.75},
+                        "aggregate": [{"metric": m, "stat": st, "rel_err": v} for (m, st), v in errs.items()]}}))
+    row = mod.read_noise(tmp_path)
+    assert row["ttft_p90"] == -0.041 and row["e2e_p50"] == 0.031 and "e2e_p99" not in row
+    assert (row["tpot_req"], row["e2e_req"], row["same"], row["n"]) == (0.021, 0.033, 0.75, 36)
+    assert row["load"] == "1.50->1.80" and math.isnan(row["bias"]) and math.isnan(row["floor_ttft"])
+    summary = mod.summary_table([{"run": "np1 1", "correction": "real vs real", **row}])
+    cells = summary.splitlines()[2].split(" | ")
+    # within 3%: TTFT P50, TPOT P50 and P90, E2E P90 (4 of 6); within 5%: all six
+    assert cells[5] == "4/6 · 6/6" and cells[6] == "1/2 · 2/2 · 1/2" and cells[7].rstrip(" |") == "n/a · n/a · n/a"
+    assert "real vs real" in mod.table([{"run": "np1 1", "correction": "real vs real", **row}])
+
+
+def test_validate_settings_says_which_folder_lacks_the_second_run(tmp_path):
+    mod = _validate_settings()
+    (tmp_path / "validation.json").write_text(json.dumps({"threads": 2}))
+    with pytest.raises(SystemExit, match="has no noise_floor: was it run with --noise-floor"):
+        mod.read_noise(tmp_path)
