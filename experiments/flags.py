@@ -358,7 +358,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag(None, ("--noise-floor",), "another real-engine run of the same workload and options (a previous "
          "validate's real/ or a `slotlab replay`): compare it with this run's real one request by request, as "
          "sim and real are compared, and report it beside the simulator's errors: how far two real runs on "
-         "this machine differ, which no latency model can beat (default: none)", (VALIDATE,), str,
+         "this machine differ, which a fixed calibration cannot be expected to beat "
+         "(--speed-correct track-mix, which measures the run's own speed, can: docs/validation_sim.md §22) "
+         "(default: none)", (VALIDATE,), str,
          metavar="DIR"),
     Flag(None, ("--arrivals",), "loop = the simulator's chat turns arrive as the workload says, think time after "
          "the simulated reply (closed loop); real = each turn arrives when it arrived in the real run (or when "
