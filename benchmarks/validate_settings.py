@@ -15,7 +15,9 @@ an oracle: it reads the run's step times) and with track-mix and the real run's 
 (`track-mix (repeat)`), and the second real run against the first, compared as the simulator is (`real vs
 real`: the first run's values in the sim's place). Two real runs of one workload on this machine agree on
 the targets only as far as the machine repeats itself between minutes, with their closed loops free to decide
-differently: no simulator can be expected to agree with a real run more closely than a second real run does.
+differently: a simulator with a fixed calibration cannot be expected to agree with a real run more closely than a
+second real run does; one that measures the run's own speed (track-mix) can (docs/validation_sim.md §22). A first
+run done again (its folder deleted) has its re-simulations and its second run done again too.
 
 Printed and written to OUT/summary.md: per run and correction the aggregate errors (P50 / P90 of TTFT, TPOT,
 E2E), the per-request median |error| of TPOT and E2E, the share of requests decided alike, the latency model's
@@ -255,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
             run_dir.mkdir(parents=True, exist_ok=True)
             if not (first / "validation.json").is_file():
                 shutil.rmtree(first, ignore_errors=True)
+                for stale in (*resims, "repeat"):      # re-simulations of, and the run compared with, the old one
+                    shutil.rmtree(run_dir / stale, ignore_errors=True)
                 t0 = time.perf_counter()
                 run(base + flags + ["--speed-correct", "track-mix", "--out", str(first)], run_dir / "track-mix.log")
                 print(f"  {name} {seed}: real run + sim in {time.perf_counter() - t0:.0f} s", flush=True)
