@@ -74,6 +74,25 @@ def run(cmd: list[str], log: Path) -> None:
         raise SystemExit(f"validate_settings: {' '.join(cmd)} exited {rc}; {log}:\n{tail}")
 
 
+def ensure_run(cmd: list[str], folder: Path, log: Path, label: str | None = None, stale: tuple[Path, ...] = ()) -> None:
+    """Run the slotlab command `cmd` with `--out folder` unless `folder` holds a finished run (its validation.json),
+    after removing what is left of it and the `stale` folders (made from an earlier run of it); with `label`, print
+    its wall time."""
+    if (folder / "validation.json").is_file():
+        return
+    for gone in (folder, *stale):
+        shutil.rmtree(gone, ignore_errors=True)
+    t0 = time.perf_counter()
+    run(cmd + ["--out", str(folder)], log)
+    if label:
+        print(f"  {label} in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def load_span(summary: dict) -> str:
+    """The 1-minute load average at a validation's start and end, as the table shows it."""
+    return f"{summary['load_average_start'][0]:.2f}->{summary['load_average_end'][0]:.2f}"
+
+
 def read_run(path: Path) -> dict:
     """The figures of one validation folder."""
     summary = json.loads((path / "validation.json").read_text())
@@ -89,7 +108,7 @@ def read_run(path: Path) -> dict:
     steps = (summary.get("real_step_errors") or {}).get("all") or {}
     row["bias"], row["busy"] = steps.get("median_err", math.nan), steps.get("busy_err", math.nan)
     row["n"] = summary.get("n_requests")
-    row["load"] = f"{summary['load_average_start'][0]:.2f}->{summary['load_average_end'][0]:.2f}"
+    row["load"] = load_span(summary)
     row["threads"] = summary.get("threads")
     per = pd.read_csv(path / "validation.csv")
     # each request's TTFT error beside the page faults of its first-token steps (validate's ttft_faults_real; a
@@ -121,7 +140,7 @@ def read_noise(path: Path) -> dict:
     row.update(tpot_req=per.get("tpot_median_ape", math.nan), e2e_req=per.get("e2e_median_ape", math.nan),
                same=per.get("decision_match_rate", math.nan), bias=math.nan, busy=math.nan,
                n=per.get("n_requests"), threads=summary.get("threads"), _ttft_faults=None,
-               load=f"{summary['load_average_start'][0]:.2f}->{summary['load_average_end'][0]:.2f}",
+               load=load_span(summary),
                **{f"floor_{m}": math.nan for m in METRICS})
     return row
 
@@ -255,31 +274,21 @@ def main(argv: list[str] | None = None) -> int:
             run_dir = out / f"{name}-{seed}"
             first = run_dir / "track-mix"
             run_dir.mkdir(parents=True, exist_ok=True)
-            if not (first / "validation.json").is_file():
-                shutil.rmtree(first, ignore_errors=True)
-                for stale in (*resims, "repeat"):      # re-simulations of, and the run compared with, the old one
-                    shutil.rmtree(run_dir / stale, ignore_errors=True)
-                t0 = time.perf_counter()
-                run(base + flags + ["--speed-correct", "track-mix", "--out", str(first)], run_dir / "track-mix.log")
-                print(f"  {name} {seed}: real run + sim in {time.perf_counter() - t0:.0f} s", flush=True)
+            # a first run done again takes with it the re-simulations of, and the second run compared with, the old one
+            ensure_run(base + flags + ["--speed-correct", "track-mix"], first, run_dir / "track-mix.log",
+                       f"{name} {seed}: real run + sim", stale=tuple(run_dir / c for c in (*resims, "repeat")))
             rows.append({"run": f"{name} {seed}", "correction": "track-mix", **read_run(first)})
             for corr in resims:
                 mode, _, arrivals = corr.partition("+")
                 again = run_dir / corr
-                if not (again / "validation.json").is_file():
-                    shutil.rmtree(again, ignore_errors=True)
-                    extra = ["--arrivals", "real"] if arrivals == "real" else []
-                    run(base + flags + ["--real-run", str(first / "real"), "--speed-correct", mode, *extra,
-                                        "--out", str(again)], run_dir / f"{corr}.log")
+                extra = ["--arrivals", "real"] if arrivals == "real" else []
+                ensure_run(base + flags + ["--real-run", str(first / "real"), "--speed-correct", mode, *extra], again,
+                           run_dir / f"{corr}.log")
                 rows.append({"run": f"{name} {seed}", "correction": corr, **read_run(again)})
             if args.repeat:
                 second = run_dir / "repeat"
-                if not (second / "validation.json").is_file():
-                    shutil.rmtree(second, ignore_errors=True)
-                    t0 = time.perf_counter()
-                    run(base + flags + ["--speed-correct", "track-mix", "--noise-floor", str(first / "real"),
-                                        "--out", str(second)], run_dir / "repeat.log")
-                    print(f"  {name} {seed}: second real run + sim in {time.perf_counter() - t0:.0f} s", flush=True)
+                ensure_run(base + flags + ["--speed-correct", "track-mix", "--noise-floor", str(first / "real")],
+                           second, run_dir / "repeat.log", f"{name} {seed}: second real run + sim")
                 rows.append({"run": f"{name} {seed}", "correction": "track-mix (repeat)", **read_run(second)})
                 rows.append({"run": f"{name} {seed}", "correction": "real vs real", **read_noise(second)})
     faults = faults_table(rows)

@@ -77,3 +77,25 @@ def test_validate_settings_says_which_folder_lacks_the_second_run(tmp_path):
     (tmp_path / "validation.json").write_text(json.dumps({"threads": 2}))
     with pytest.raises(SystemExit, match="has no noise_floor: was it run with --noise-floor"):
         mod.read_noise(tmp_path)
+
+
+def test_validate_settings_runs_a_folder_once_and_a_run_done_again_takes_its_stale_folders_with_it(tmp_path, capsys):
+    mod = _validate_settings()
+    # a stand-in for `slotlab validate --out DIR`: counts its runs and writes DIR/validation.json
+    fake = [sys.executable, "-c", "import pathlib, sys; d = pathlib.Path(sys.argv[-1]); d.mkdir(parents=True); "
+            "(d / 'validation.json').write_text('{}'); c = d.parent / 'count'; "
+            "c.write_text(str(int(c.read_text()) + 1 if c.exists() else 1))"]
+    first, resim, repeat = tmp_path / "track-mix", tmp_path / "steps", tmp_path / "repeat"
+    mod.ensure_run(fake, first, tmp_path / "first.log", "np1 1: real run + sim", stale=(resim, repeat))
+    assert (first / "validation.json").is_file() and (tmp_path / "count").read_text() == "1"
+    assert capsys.readouterr().out.startswith("  np1 1: real run + sim in ")
+    for made in (resim, repeat):
+        made.mkdir()
+        (made / "validation.json").write_text("{}")
+    mod.ensure_run(fake, first, tmp_path / "first.log", "np1 1", stale=(resim, repeat))     # finished: kept
+    assert (tmp_path / "count").read_text() == "1" and resim.is_dir() and repeat.is_dir()
+    assert capsys.readouterr().out == ""
+    (first / "validation.json").unlink()                          # an unfinished run is done again, from scratch
+    mod.ensure_run(fake, first, tmp_path / "first.log", stale=(resim, repeat))
+    assert (tmp_path / "count").read_text() == "2" and not resim.exists() and not repeat.exists()
+    assert capsys.readouterr().out == ""                          # no label: no timing line
