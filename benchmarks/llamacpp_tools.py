@@ -6,7 +6,7 @@ llama.cpp is imported or linked.
 What each tool measures (llama.cpp `tools/llama-bench/llama-bench.cpp`, `tools/batched-bench/batched-bench.cpp`):
 - `llama-bench -p P -n 0`: one P-token prompt decoded as one batch (n_batch 2048, n_ubatch 512), tok/s over `-r`
   repetitions; `-n N -p 0`: N single-token decode steps from an empty context. `-o json` prints one JSON array
-  of tests, each with `n_prompt`, `n_gen`, `n_threads`, `avg_ts`, `stddev_ts`, `samples_ts`.
+  of tests, each with `n_prompt`, `n_gen`, `n_threads`, `avg_ts`, `stddev_ts`, `samples_ts`, `samples_ns`.
 - `llama-batched-bench -npp PP -ntg TG -npl B`: B sequences, each with its own PP-token prompt, then TG steps
   that decode one token for each of the B sequences; `--output-format jsonl` prints one JSON object per (PP, TG,
   B) with `speed_pp`, `speed_tg` (= B*TG / t_tg, the aggregate decode rate) and `speed`.
@@ -59,7 +59,7 @@ def parse_llama_bench(text: str) -> dict[str, dict]:
             "tg" if t.get("n_gen", 0) > 0 and t.get("n_prompt", 0) == 0 else None
         if kind is not None:
             out[kind] = {k: t.get(k) for k in ("n_prompt", "n_gen", "n_threads", "avg_ts", "stddev_ts",
-                                               "samples_ts", "build_commit", "cpu_info", "type_k")}
+                                               "samples_ts", "samples_ns", "build_commit", "cpu_info", "type_k")}
     return out
 
 
@@ -95,6 +95,24 @@ def llama_bench(bin_dir: str | os.PathLike, model: str, threads: int, n_prompt: 
     if missing:
         raise ToolError(f"llama-bench printed no {' / '.join(sorted(missing))} test")
     return {"pp": out["pp"], "tg": tg["tg"]}
+
+
+def llama_bench_samples(bin_dir: str | os.PathLike, model: str, threads: int, n_prompt: int, n_gen: int, reps: int,
+                        n_depth: int = 0, timeout_s: float = 1800.0) -> list[float]:
+    """The seconds of each of `reps` repetitions of one llama-bench test (an n_prompt-token prompt, or n_gen decode
+    steps after n_depth cached tokens), in the order they ran: llama-bench times each repetition on its own
+    (`samples_ns`; the cached depth is restored before the clock starts) after one untimed warm-up."""
+    exe = str(tool_path(bin_dir, BENCH))
+    argv = [exe, "-m", model, "-t", str(threads), "-r", str(reps), "-o", "json", "-p", str(n_prompt), "-n",
+            str(n_gen), "-d", str(n_depth)]
+    tests = parse_llama_bench(_run(argv, timeout_s))
+    kind = "pp" if n_prompt > 0 else "tg"
+    if kind not in tests:
+        raise ToolError(f"llama-bench printed no {kind} test")
+    ns = tests[kind].get("samples_ns")
+    if not isinstance(ns, list) or len(ns) != reps or not all(isinstance(x, (int, float)) and x > 0 for x in ns):
+        raise ToolError(f"llama-bench {kind} test without {reps} positive samples_ns: {str(ns)[:200]}")
+    return [float(x) / 1e9 for x in ns]
 
 
 def batched_bench(bin_dir: str | os.PathLike, model: str, threads: int, n_past: int, n_gen: int,

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -42,6 +43,35 @@ def test_bench_engine_summary_prints_each_figure_per_run_and_its_median(capsys):
     assert prefill[2:] == ["500.00", "600.00", "550.00", "|", "550.00"]
     ratio = next(line for line in out if "16 seq" in line).split()
     assert ratio[-4:] == ["1.90", "2.30", "|", "2.10"]
+
+
+def test_bench_jitter_lag_spread_compares_each_step_with_the_one_k_later():
+    spec = importlib.util.spec_from_file_location("bench_jitter", BENCHMARKS / "bench_jitter.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    f = mod.lag_spread([1.0, 2.0] * 6, lags=(1, 2, 50))
+    assert f["n"] == 12 and f["median_s"] == 1.5
+    assert math.isclose(f["spread"], 1 / 3)                     # every step is a third from the median
+    m1, p1, n1 = f["by_lag"][1]                                  # 1 -> 2: +100%, 2 -> 1: -50%
+    assert n1 == 11 and math.isclose(m1, 1.0) and 0.5 < p1 <= 1.0
+    assert f["by_lag"][2] == (0.0, 0.0, 10)                      # two steps on, the same time
+    assert 50 not in f["by_lag"]                                 # no pair that far apart
+    for bad in ([1.0], [1.0, 0.0]):
+        with pytest.raises(ValueError, match="two positive step times"):
+            mod.lag_spread(bad)
+
+
+def test_bench_jitter_lag_pairs_pair_steps_a_lag_apart_and_of_a_like_context():
+    spec = importlib.util.spec_from_file_location("bench_jitter", BENCHMARKS / "bench_jitter.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    clock = [0.0, 0.01, 0.02, 0.5, 0.51, 3.0]
+    took = [0.010, 0.011, 0.012, 0.020, 0.010, 0.010]
+    ctx = [100, 101, 102, 103, 104, 400]
+    got = mod.lag_pairs(clock, took, ctx, lags_s=(0.01, 0.5, 2.5))
+    assert np.allclose(got[0.01], [0.1, 1 / 11, 0.5])           # 0->0.01, 0.01->0.02, 0.5->0.51
+    assert np.allclose(got[0.5], [1.0, 1 / 11])          # 0->0.5, 0.01->0.51; from 0.02 the next is 3.0: too far
+    assert got[2.5].size == 0                                    # 0.5->3.0 is the right lag, but 4x the context
 
 
 def _validate_settings():

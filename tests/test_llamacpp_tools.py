@@ -66,6 +66,29 @@ def test_llama_bench_runs_pp_and_tg_separately_and_parses_both(tools, tmp_path):
         assert call[call.index("-o") + 1] == "json" and call[call.index("-m") + 1] == "m.gguf"
 
 
+SAMPLED = r"""
+a = sys.argv[1:]
+p, n, r = int(a[a.index("-p") + 1]), int(a[a.index("-n") + 1]), int(a[a.index("-r") + 1])
+ns = [2_000_000 + 1000 * i for i in range(r)]
+print(json.dumps([{"n_prompt": p, "n_gen": n, "n_threads": 2, "avg_ts": 1.0, "stddev_ts": 0.0,
+                   "samples_ns": ns if "short" not in a[a.index("-m") + 1] else ns[:-1]}]))
+"""
+
+
+def test_llama_bench_samples_are_each_repetition_in_seconds_in_order(tools, tmp_path):
+    fake(tmp_path, "llama-bench", SAMPLED)
+    assert tools.llama_bench_samples(tmp_path, "m.gguf", 2, 0, 1, 3, n_depth=256) == [0.002, 0.002001, 0.002002]
+    (call,) = [json.loads(line) for line in (tmp_path / "llama-bench.argv").read_text().splitlines()]
+    assert [call[call.index(f) + 1] for f in ("-p", "-n", "-d", "-r", "-t")] == ["0", "1", "256", "3", "2"]
+    assert len(tools.llama_bench_samples(tmp_path, "m.gguf", 2, 256, 0, 2)) == 2
+
+
+def test_llama_bench_samples_want_one_per_repetition(tools, tmp_path):
+    fake(tmp_path, "llama-bench", SAMPLED)
+    with pytest.raises(tools.ToolError, match="without 3 positive samples_ns"):
+        tools.llama_bench_samples(tmp_path, "short.gguf", 2, 0, 1, 3)
+
+
 def test_batched_bench_rows_by_sequence_count_and_context_large_enough(tools, tmp_path):
     fake(tmp_path, "llama-batched-bench", BATCHED)
     rows = tools.batched_bench(tmp_path, "m.gguf", 2, 64, 24, [1, 4, 16])
