@@ -16,7 +16,7 @@ times their median time.
 
     .venv/bin/python benchmarks/bench_jitter.py --runs RUN_DIR [RUN_DIR ...]
 
-reads real runs instead (the `real/` directories `slotlab validate` writes, or `slotlab replay`'s output): their
+reads real runs instead (`slotlab validate`'s output directories, or their `real/`, or `slotlab replay`'s): their
 one-sequence decode steps paired at lags of 0.02-30 s of the run's clock (pairs whose contexts differ by less than a
 quarter, so the shape is close to the same), the median, 75th and 90th percentile of |t2 / t1 - 1| per lag, and,
 where the run tracked its speed (`speed_track.json`), how far each replay of a step right after it was from the
@@ -86,9 +86,12 @@ def read_runs(dirs: list[str]) -> int:
     pooled: dict[float, list[np.ndarray]] = {}
     replays: dict[str, list[float]] = {"prompt": [], "decode": []}
     for d in dirs:
+        if not (Path(d) / "steps.parquet").is_file() and (Path(d) / "real" / "steps.parquet").is_file():
+            d = str(Path(d) / "real")                  # a `slotlab validate --out` directory: its real run
         path = Path(d) / "steps.parquet"
         if not path.is_file():
-            raise SystemExit(f"bench_jitter: {path}: no step log there (a real run's directory has one)")
+            raise SystemExit(f"bench_jitter: {path}: no step log there (a real run's directory has one: "
+                             f"`slotlab replay`'s output, or `slotlab validate`'s <out>/real)")
         steps = pd.read_parquet(path)
         if "clock_s" not in steps.columns:
             raise SystemExit(f"bench_jitter: {path}: no clock_s column (a step log older than the run's clock)")

@@ -74,6 +74,30 @@ def test_bench_jitter_lag_pairs_pair_steps_a_lag_apart_and_of_a_like_context():
     assert got[2.5].size == 0                                    # 0.5->3.0 is the right lag, but 4x the context
 
 
+def test_bench_jitter_reads_a_validate_folder_through_its_real_run(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("bench_jitter", BENCHMARKS / "bench_jitter.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    pd = pytest.importorskip("pandas")
+    real = tmp_path / "val" / "real"
+    real.mkdir(parents=True)
+    n = 200                                                      # decode steps every 10 ms, alternately 10 and 11 ms
+    pd.DataFrame({"kind": ["decode"] * n, "n_seqs": [1] * n, "clock_s": [0.01 * i for i in range(n)],
+                  "elapsed_s": [0.010 if i % 2 == 0 else 0.011 for i in range(n)],
+                  "attn_ctx_tokens": [300 + i for i in range(n)]}).to_parquet(real / "steps.parquet")
+    mix = [{"prompt": True, "measured_s": 0.104, "step_s": 0.100}, {"prompt": False, "measured_s": 0.0101,
+                                                                       "step_s": 0.0100}]
+    (real / "speed_track.json").write_text(json.dumps({"passes": [{"mix": mix}]}))
+    assert mod.read_runs([str(tmp_path / "val")]) == 0
+    out = capsys.readouterr().out
+    assert "1 runs;" in out
+    (two_on,) = [line for line in out.splitlines() if "lag  0.02 s" in line]
+    assert "median   0.0%" in two_on                            # two steps on: the same time again
+    assert "within 3%: 0% of 1" in out and "within 3%: 100% of 1" in out   # the prompt replay 4% off, the decode 1%
+    with pytest.raises(SystemExit, match="no step log there"):
+        mod.read_runs([str(tmp_path)])
+
+
 def _validate_settings():
     spec = importlib.util.spec_from_file_location("validate_settings", BENCHMARKS / "validate_settings.py")
     mod = importlib.util.module_from_spec(spec)
