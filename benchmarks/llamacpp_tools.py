@@ -102,6 +102,8 @@ def llama_bench_samples(bin_dir: str | os.PathLike, model: str, threads: int, n_
     """The seconds of each of `reps` repetitions of one llama-bench test (an n_prompt-token prompt, or n_gen decode
     steps after n_depth cached tokens), in the order they ran: llama-bench times each repetition on its own
     (`samples_ns`; the cached depth is restored before the clock starts) after one untimed warm-up."""
+    if (n_prompt > 0) == (n_gen > 0):
+        raise ValueError(f"one of n_prompt and n_gen, not both or neither (got {n_prompt}, {n_gen})")
     exe = str(tool_path(bin_dir, BENCH))
     argv = [exe, "-m", model, "-t", str(threads), "-r", str(reps), "-o", "json", "-p", str(n_prompt), "-n",
             str(n_gen), "-d", str(n_depth)]

@@ -87,6 +87,8 @@ def test_llama_bench_samples_want_one_per_repetition(tools, tmp_path):
     fake(tmp_path, "llama-bench", SAMPLED)
     with pytest.raises(tools.ToolError, match="without 3 positive samples_ns"):
         tools.llama_bench_samples(tmp_path, "short.gguf", 2, 0, 1, 3)
+    with pytest.raises(ValueError, match="one of n_prompt and n_gen"):
+        tools.llama_bench_samples(tmp_path, "m.gguf", 2, 64, 1, 3)
 
 
 def test_batched_bench_rows_by_sequence_count_and_context_large_enough(tools, tmp_path):
