@@ -78,32 +78,31 @@ def lag_pairs(clock_s, elapsed_s, ctx, lags_s: tuple[float, ...] = LAGS_S) -> di
 
 
 def read_runs(dirs: list[str]) -> int:
-    """`--runs`: the decode steps' lag pairs and the replays' distance from their steps, pooled over the runs."""
-    import json
-
-    import pandas as pd
+    """`--runs`: the decode steps' lag pairs and the replays' distance from their steps, pooled over the runs; read
+    with the project's readers of a run's step log (`steplog.read_steps`) and speed track (`read_run_track`)."""
+    from experiments.speed_probe import read_run_track
+    from experiments.steplog import STEPS_FILE, read_steps
 
     pooled: dict[float, list[np.ndarray]] = {}
     replays: dict[str, list[float]] = {"prompt": [], "decode": []}
     for d in dirs:
-        if not (Path(d) / "steps.parquet").is_file() and (Path(d) / "real" / "steps.parquet").is_file():
+        if not (Path(d) / STEPS_FILE).is_file() and (Path(d) / "real" / STEPS_FILE).is_file():
             d = str(Path(d) / "real")                  # a `slotlab validate --out` directory: its real run
-        path = Path(d) / "steps.parquet"
-        if not path.is_file():
-            raise SystemExit(f"bench_jitter: {path}: no step log there (a real run's directory has one: "
-                             f"`slotlab replay`'s output, or `slotlab validate`'s <out>/real)")
-        steps = pd.read_parquet(path)
+        try:
+            steps, track = read_steps(d), read_run_track(d)
+        except ValueError as e:                        # not a step log, or a malformed track: which file, what field
+            raise SystemExit(f"bench_jitter: {e}") from e
+        if steps is None:
+            raise SystemExit(f"bench_jitter: {Path(d) / STEPS_FILE}: no step log there (a real run's directory has "
+                             f"one: `slotlab replay`'s output, or `slotlab validate`'s <out>/real)")
         if "clock_s" not in steps.columns:
-            raise SystemExit(f"bench_jitter: {path}: no clock_s column (a step log older than the run's clock)")
+            raise SystemExit(f"bench_jitter: {Path(d) / STEPS_FILE}: no clock_s column (a step log older than the "
+                             f"run's clock)")
         dec = steps[(steps["kind"] == "decode") & (steps["n_seqs"] == 1) & steps["clock_s"].notna()]
         for lag, v in lag_pairs(dec["clock_s"], dec["elapsed_s"], dec["attn_ctx_tokens"].clip(lower=1)).items():
             pooled.setdefault(lag, []).append(v)
-        track = Path(d) / "speed_track.json"
-        if track.is_file():
-            for p in json.loads(track.read_text()).get("passes", []):
-                for m in p.get("mix", []):
-                    if m.get("step_s", 0) > 0 and m.get("measured_s", 0) > 0:
-                        replays["prompt" if m.get("prompt") else "decode"].append(m["measured_s"] / m["step_s"] - 1)
+        for m in (m for p in (track.passes if track is not None else ()) for m in p.mix):
+            replays["prompt" if m.prompt else "decode"].append(m.measured_s / m.step_s - 1)
     print(f"{len(dirs)} runs; one-sequence decode steps paired by the run's clock, |t2 / t1 - 1|:")
     for lag, parts in pooled.items():
         v = np.concatenate(parts)

@@ -79,15 +79,19 @@ def test_bench_jitter_reads_a_validate_folder_through_its_real_run(tmp_path, cap
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     pd = pytest.importorskip("pandas")
+    from experiments.speed_probe import MixSample, SpeedTrack, TrackPass, write_run_track
+    from experiments.steplog import COST_COLUMNS
     real = tmp_path / "val" / "real"
     real.mkdir(parents=True)
     n = 200                                                      # decode steps every 10 ms, alternately 10 and 11 ms
-    pd.DataFrame({"kind": ["decode"] * n, "n_seqs": [1] * n, "clock_s": [0.01 * i for i in range(n)],
-                  "elapsed_s": [0.010 if i % 2 == 0 else 0.011 for i in range(n)],
-                  "attn_ctx_tokens": [300 + i for i in range(n)]}).to_parquet(real / "steps.parquet")
-    mix = [{"prompt": True, "measured_s": 0.104, "step_s": 0.100}, {"prompt": False, "measured_s": 0.0101,
-                                                                       "step_s": 0.0100}]
-    (real / "speed_track.json").write_text(json.dumps({"passes": [{"mix": mix}]}))
+    log = {"t_s": [0.01 * i for i in range(n)], "kind": ["decode"] * n, "charged": [True] * n,
+           **{c: [0] * n for c in COST_COLUMNS}, "calls": ["[]"] * n, "clock_s": [0.01 * i for i in range(n)],
+           "elapsed_s": [0.010 if i % 2 == 0 else 0.011 for i in range(n)]}
+    log.update(n_seqs=[1] * n, attn_ctx_tokens=[300 + i for i in range(n)])
+    pd.DataFrame(log).to_parquet(real / "steps.parquet")
+    mix = (MixSample((((0, 0, 64, True, True),),), True, 0.104, 0.100, 1.0),      # a prompt replay 4% off its step
+           MixSample((((0, 64, 1, True, False),),), False, 0.0101, 0.0100, 1.1))  # a decode replay 1% off
+    write_run_track(real, SpeedTrack(10.0, (TrackPass(1.2, 1.2, {"prompt 64": 0.07}, 1.0, mix),)))
     assert mod.read_runs([str(tmp_path / "val")]) == 0
     out = capsys.readouterr().out
     assert "1 runs;" in out
@@ -96,6 +100,9 @@ def test_bench_jitter_reads_a_validate_folder_through_its_real_run(tmp_path, cap
     assert "within 3%: 0% of 1" in out and "within 3%: 100% of 1" in out   # the prompt replay 4% off, the decode 1%
     with pytest.raises(SystemExit, match="no step log there"):
         mod.read_runs([str(tmp_path)])
+    (real / "speed_track.json").write_text('{"every_s": 10, "passes": [{"clock_s": 1}]}')
+    with pytest.raises(SystemExit, match=r"speed_track.json: field 'passes\[0\].wall_s'"):
+        mod.read_runs([str(real)])
 
 
 def _validate_settings():
