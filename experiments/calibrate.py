@@ -81,8 +81,10 @@ DEFAULT_PASSES = 9                 # interleaved passes over the grid (the media
 MIN_PASSES = 3                     # --max-seconds never cuts below this many
 PROBE_REPEATS = 5                  # interleaved passes over the speed probe's shapes (the median is kept)
 MIX_BUDGET = 0.15                  # the in-run probe replays this fraction of the run's decode step time
-MIX_BUDGET_PROMPT = 0.5            # ... and of its prompt step time (few, long steps: TTFT rests on them; 1 = every
-                                   # prompt step measured no better for 1.5x the replays' time, docs/validation_sim.md §12)
+MIX_BUDGET_PROMPT = 1.0            # ... and of its prompt step time: every prompt step (few, long steps: TTFT rests on
+# them). Half of the time, as before, left the long prompts (a TTFT P90) and each run's first prompt without a replay
+# of their own: thinned to it on the same 30 real runs, the aggregates within 3% went from 138 to 126 of 180 (TTFT 38
+# to 29 of 60) for 2% less wall time (benchmarks/replay_budget.py, docs/validation_sim.md §24)
 MIX_WARM_DECODE = True             # a decode step's replay runs its shape twice back to back and keeps the second:
 # the bench's cells are then as warm as the run's own (over 20 runs, a run's median first execution read 1.1-4.5%
 # slower than its step, the second 0.3-1.8%; docs/validation_sim.md §14). The untimed execution is outside the budget
@@ -714,6 +716,30 @@ def measure_probe(model: Any, sampling: Any, *, repeats: int = PROBE_REPEATS, se
                       f"threading={model.threading}, {model.threads_desc}")
 
 
+class MixCredit:
+    """Which of one path's steps the in-run probe replays: each step offered adds `budget` x its seconds to the
+    credit and is replayed when the credit then covers it (a budget of 1: every step, even where replays run
+    longer); a replay's seconds are spent from the credit. Over a run the replays so take about `budget` of the
+    path's step time, spread over it, and a step longer than the credit gathered since the last replay waits for
+    a later one: at a budget below 1 the run's first step is never replayed, and long steps seldom are.
+    benchmarks/replay_budget.py thins a run's replays to a smaller budget with it."""
+
+    def __init__(self, budget: float) -> None:
+        if not 0 <= budget <= 1:
+            raise ValueError(f"MixCredit: a budget is a fraction of the step time in [0, 1], got {budget!r}")
+        self.budget = float(budget)
+        self.credit = 0.0
+
+    def offer(self, step_s: float) -> bool:
+        """A step of `step_s` seconds ran: whether to replay it."""
+        self.credit += self.budget * step_s
+        return self.budget >= 1 or (self.budget > 0 and self.credit >= step_s)
+
+    def spend(self, seconds: float) -> None:
+        """A replay took `seconds`."""
+        self.credit -= seconds
+
+
 class InRunProbe:
     """The speed probe during a real run, a `NumpyBackend.on_step` observer with two parts:
 
@@ -725,10 +751,9 @@ class InRunProbe:
       re-executed once with its prompt-cache copies (`MixSample`, `replay_shape`; a step without prompt tokens
       twice back to back, the second timed: `warm_decode`, MIX_WARM_DECODE), so that the timed replays take
       `budget` of the run's step time without prompt tokens and `budget_prompt` of its time with, spread evenly
-      over it (a path's step is replayed when the path's credit, its budget x its step time so far less its
-      replays' time, covers the step; a budget of 1 replays every step). The prompt path's budget is larger:
-      its steps are few (a few dozen in a run of minutes) and TTFT rests on them (every one of them, budget 1,
-      measured no better for 1.5x the replays' wall time: docs/validation_sim.md §12). Their
+      over it (`MixCredit`; a budget of 1 replays every step). The prompt path's budget is 1 by default: its
+      steps are few (a few dozen in a run of minutes), TTFT rests on each of them, and a smaller budget leaves
+      the longest ones and the run's first without a replay of their own (docs/validation_sim.md §24). Their
       times over the latency model's times of the same steps are the knots of `--speed-correct track-mix`
       (speed_probe.mix_knots): the machine's speed on the shapes the run spends its time in, at the moments it
       spends it, which the fixed shapes, priced by a model that is off by several percent on them, do not give.
@@ -764,7 +789,7 @@ class InRunProbe:
         self.mix, self.budget = mix, {False: float(budget), True: float(budget_prompt)}
         self.warm_decode = bool(warm_decode)
         self.mix_bench: _MixBench | None = None
-        self._credit = {False: 0.0, True: 0.0}     # per path: budget x step time so far - the replays' time
+        self._credit = self._credits()             # per path (prompt or not): which of its steps to replay
         self._pending: list[MixSample] = []        # replays since the last pass
         self._clock, self._load = clock, load_reader
         self._run_clock: Callable[[], float] = lambda: 0.0
@@ -778,7 +803,7 @@ class InRunProbe:
         if self.mix and backend is not None and self.mix_bench is None:
             self.mix_bench = _MixBench(self.model, backend.n_seq, backend.n_ctx_seq, self.sampling, self._rng,
                                        resident=bool(getattr(backend.kv, "resident", True)))
-        self._credit = {False: 0.0, True: 0.0}
+        self._credit = self._credits()
         self._pending = []
         self._t0 = self._clock()
         self._next = self._t0 + self.every_s
@@ -798,18 +823,20 @@ class InRunProbe:
         if self._pending:
             self._pass(float(self._run_clock()), self._clock())
 
+    def _credits(self) -> dict[bool, MixCredit]:
+        return {path: MixCredit(b) for path, b in self.budget.items()}
+
     def _replay(self, plan: Any, step_s: float, clock_s: float) -> None:
         prompt = plan.n_prompt_tokens > 0
-        budget = self.budget[prompt]
-        self._credit[prompt] += budget * step_s
-        if budget < 1 and self._credit[prompt] < step_s:     # a budget of 1: every step (a replay may run longer)
+        credit = self._credit[prompt]
+        if not credit.offer(step_s):
             return
         calls, ops = replay_shape(plan)
         if self.warm_decode and not prompt:
             self.mix_bench.measure(calls, ops)       # untimed: its cells then as warm as the run's step finds its own
         t = self.mix_bench.measure(calls, ops)
         if t is not None and t.seconds > 0:
-            self._credit[prompt] -= t.seconds
+            credit.spend(t.seconds)
             self._pending.append(MixSample(calls, prompt, float(t.seconds), step_s, clock_s, ops, float(t.copy_s)))
 
     def _pass(self, clock_s: float, now: float) -> None:
