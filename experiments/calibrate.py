@@ -82,9 +82,9 @@ MIN_PASSES = 3                     # --max-seconds never cuts below this many
 PROBE_REPEATS = 5                  # interleaved passes over the speed probe's shapes (the median is kept)
 MIX_BUDGET = 0.15                  # the in-run probe replays this fraction of the run's decode step time
 MIX_BUDGET_PROMPT = 1.0            # ... and of its prompt step time: every prompt step (few, long steps: TTFT rests on
-# them). Half of the time, as before, left the long prompts (a TTFT P90) and each run's first prompt without a replay
-# of their own: thinned to it on the same 30 real runs, the aggregates within 3% went from 138 to 126 of 180 (TTFT 38
-# to 29 of 60) for 2% less wall time (benchmarks/replay_budget.py, docs/validation_sim.md §24)
+# them). Half of it, the budget before, left the long prompts (a TTFT P90) and each run's first prompt without a
+# replay of their own: the same 50 real runs thinned to half met 203 of 300 aggregates within 3% against 218 (TTFT
+# 43 of 100 against 53), for 2% less wall time (benchmarks/replay_budget.py, docs/validation_sim.md §24)
 MIX_WARM_DECODE = True             # a decode step's replay runs its shape twice back to back and keeps the second:
 # the bench's cells are then as warm as the run's own (over 20 runs, a run's median first execution read 1.1-4.5%
 # slower than its step, the second 0.3-1.8%; docs/validation_sim.md §14). The untimed execution is outside the budget
