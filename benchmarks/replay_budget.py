@@ -16,7 +16,8 @@ have moved, enters the comparison.
 Printed: per budget, the aggregates within 3% (P50 and P90 of TTFT, TPOT and E2E: issue 14's targets), the
 median |error| of each, the per-request median |error| of TTFT, TPOT and E2E (the median over runs), and the
 |TTFT error| of each run's first request; then each run's TTFT P50 / P90 errors per budget. Written: OUT/summary.csv
-(one row per run and budget). Figures and what they meant for the default: docs/validation_sim.md §24.
+(one row per run and budget); a rerun with the same --out reuses the re-simulations already there (delete a
+budget's folder to redo it). Figures and what they meant for the default: docs/validation_sim.md §24.
 """
 
 from __future__ import annotations
@@ -104,6 +105,18 @@ def run_dirs(paths: list[str]) -> list[Path]:
     return out
 
 
+def read_summary(run: Path) -> dict:
+    """A validate folder's validation.json; ValueError naming the file when it is not a JSON object."""
+    path = run / "validation.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot read it as JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: top level must be a JSON object")
+    return data
+
+
 def real_run_of(run: Path, summary: dict) -> Path:
     """The real run a validate folder compared with: its own real/, or the one it reused (`--real-run`: validation.json
     `real_dir`, as given then, absolute or relative to the directory it was run from)."""
@@ -118,7 +131,7 @@ def real_run_of(run: Path, summary: dict) -> Path:
 
 def resimulate(slotlab: str, run: Path, budget: float, out: Path) -> Path:
     """Re-simulate `run` with its prompt replays thinned to `budget`; the folder of that re-simulation."""
-    summary = json.loads((run / "validation.json").read_text(encoding="utf-8"))
+    summary = read_summary(run)
     real = real_run_of(run, summary)
     track = read_run_track(real)
     if track is None:
@@ -201,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for run, name in zip(runs, names):
         try:
-            real = real_run_of(run, json.loads((run / "validation.json").read_text(encoding="utf-8")))
+            real = real_run_of(run, read_summary(run))
         except ValueError as e:
             raise SystemExit(f"replay_budget: {e}") from e
         requests = pd.read_parquet(real / "requests.parquet")

@@ -94,6 +94,9 @@ def test_a_run_without_every_prompt_step_replayed_is_refused(setup, rb, tmp_path
         rb.resimulate("slotlab", run, 0.5, tmp_path / "out")
     with pytest.raises(SystemExit, match="neither a `slotlab validate` output folder"):
         rb.run_dirs([str(tmp_path / "out")])
+    (run / "validation.json").write_text('{"command": "slotlab validate"')               # cut short
+    with pytest.raises(SystemExit, match=r"validation.json: cannot read it as JSON"):
+        rb.main([str(run), "--out", str(tmp_path / "out")])
     # a campaign's folder (benchmarks/validate_settings.py --out): each <setting>-<seed>/track-mix in it
     for name in ("np4-7", "np1-7"):
         (tmp_path / "camp" / name / "track-mix").mkdir(parents=True)
