@@ -4,17 +4,16 @@ validate_settings reads a second real run (`--repeat`) as a row of its own."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests.benchmark_scripts import BENCHMARKS, load
+
 SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py"))
 
 
@@ -31,9 +30,7 @@ def test_script_help(script):
 
 
 def test_bench_engine_summary_prints_each_figure_per_run_and_its_median(capsys):
-    spec = importlib.util.spec_from_file_location("bench_engine", BENCHMARKS / "bench_engine.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load("bench_engine")
     mod.print_summary([{"prefill tok/s": 500.0, "16 seq / llama.cpp 1 seq (best)": 1.9},
                        {"prefill tok/s": 600.0, "16 seq / llama.cpp 1 seq (best)": 2.3},
                        {"prefill tok/s": 550.0}])
@@ -46,9 +43,7 @@ def test_bench_engine_summary_prints_each_figure_per_run_and_its_median(capsys):
 
 
 def test_bench_jitter_lag_spread_compares_each_step_with_the_one_k_later():
-    spec = importlib.util.spec_from_file_location("bench_jitter", BENCHMARKS / "bench_jitter.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load("bench_jitter")
     f = mod.lag_spread([1.0, 2.0] * 6, lags=(1, 2, 50))
     assert f["n"] == 12 and f["median_s"] == 1.5
     assert math.isclose(f["spread"], 1 / 3)                     # every step is a third from the median
@@ -62,9 +57,7 @@ def test_bench_jitter_lag_spread_compares_each_step_with_the_one_k_later():
 
 
 def test_bench_jitter_lag_pairs_pair_steps_a_lag_apart_and_of_a_like_context():
-    spec = importlib.util.spec_from_file_location("bench_jitter", BENCHMARKS / "bench_jitter.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load("bench_jitter")
     clock = [0.0, 0.01, 0.02, 0.5, 0.51, 3.0]
     took = [0.010, 0.011, 0.012, 0.020, 0.010, 0.010]
     ctx = [100, 101, 102, 103, 104, 400]
@@ -75,9 +68,7 @@ def test_bench_jitter_lag_pairs_pair_steps_a_lag_apart_and_of_a_like_context():
 
 
 def test_bench_jitter_reads_a_validate_folder_through_its_real_run(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("bench_jitter", BENCHMARKS / "bench_jitter.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load("bench_jitter")
     pd = pytest.importorskip("pandas")
     from experiments.speed_probe import MixSample, SpeedTrack, TrackPass, write_run_track
     from experiments.steplog import COST_COLUMNS
@@ -106,10 +97,7 @@ def test_bench_jitter_reads_a_validate_folder_through_its_real_run(tmp_path, cap
 
 
 def _validate_settings():
-    spec = importlib.util.spec_from_file_location("validate_settings", BENCHMARKS / "validate_settings.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load("validate_settings")
 
 
 def test_validate_settings_reads_two_real_runs_as_a_row_and_counts_it_like_the_simulator(tmp_path):

@@ -4,7 +4,6 @@ errors for a missing tool, a failing one and output that is not the documented f
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import stat
 import sys
@@ -12,15 +11,12 @@ from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests.benchmark_scripts import load
 
 
 @pytest.fixture(scope="module")
 def tools():
-    spec = importlib.util.spec_from_file_location("llamacpp_tools", BENCHMARKS / "llamacpp_tools.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load("llamacpp_tools")
 
 
 def fake(dir_: Path, name: str, body: str) -> Path:

@@ -2,10 +2,8 @@
 made them at a smaller budget, the refusal of a run that did not replay every prompt step, and a re-simulation of
 the tiny model's real run at budgets 1 and 0."""
 
-import importlib.util
 import json
 import shutil
-from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -13,18 +11,14 @@ import pytest
 from engine.model import load
 from experiments.calibrate import GridPoint, InRunProbe, MixCredit, replay_sampling
 from experiments.speed_probe import SpeedTrack, TrackPass, read_run_track, write_run_track
+from tests.benchmark_scripts import load as load_script
 from tests.experiments.test_calibrate import TASKS, FixedReplay, ones
 from tests.experiments.test_validate_speed import setup, validate  # noqa: F401  (setup: the tiny model's real run)
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def rb():
-    spec = importlib.util.spec_from_file_location("replay_budget", BENCHMARKS / "replay_budget.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("replay_budget")
 
 
 def test_mix_credit_replays_a_step_when_its_share_so_far_covers_it():
