@@ -23,7 +23,6 @@ budget's folder to redo it). Figures and what they meant for the default: docs/v
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shlex
 import shutil
@@ -37,8 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from experiments.calibrate import MixCredit  # noqa: E402
+from experiments.results import read_json  # noqa: E402
 from experiments.speed_probe import SpeedTrack, TrackPass, read_run_track, write_run_track  # noqa: E402
 from experiments.steplog import STEPS_FILE, read_steps  # noqa: E402
+from experiments.validate import FILES, read_validation  # noqa: E402
 
 AGG = [(m, s) for m in ("ttft", "tpot", "e2e") for s in ("p50", "p90")]
 # validate options this script sets itself for each re-simulation (the value-taking ones drop their value too)
@@ -94,10 +95,10 @@ def run_dirs(paths: list[str]) -> list[Path]:
     """The validate output folders named, or found one level down as <run>/track-mix (validate_settings' layout)."""
     out = []
     for p in map(Path, paths):
-        if (p / "validation.json").is_file():
+        if (p / FILES["summary"]).is_file():
             out.append(p)
         else:
-            found = sorted(q.parent.parent for q in p.glob("*/track-mix/validation.json"))
+            found = sorted(q.parent.parent for q in p.glob(f"*/track-mix/{FILES['summary']}"))
             if not found:
                 raise SystemExit(f"replay_budget: {p}: neither a `slotlab validate` output folder (no "
                                  f"validation.json) nor a folder of <run>/track-mix ones")
@@ -107,11 +108,8 @@ def run_dirs(paths: list[str]) -> list[Path]:
 
 def read_summary(run: Path) -> dict:
     """A validate folder's validation.json; ValueError naming the file when it is not a JSON object."""
-    path = run / "validation.json"
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: cannot read it as JSON: {e}") from e
+    path = run / FILES["summary"]
+    data = read_json(path, "it as JSON")
     if not isinstance(data, dict):
         raise ValueError(f"{path}: top level must be a JSON object")
     return data
@@ -141,14 +139,14 @@ def resimulate(slotlab: str, run: Path, budget: float, out: Path) -> Path:
         raise ValueError(f"{real}: {n_rep} prompt replays for {n_steps} prompt steps; thinning needs a run that "
                          f"replayed every one (the probe's default prompt budget 1; a run of before it had 0.5)")
     dest = out / f"budget-{budget:g}"
-    if (dest / "errors.csv").is_file():
+    if (dest / FILES["errors"]).is_file():
         return dest
     thinned = out / f"real-budget-{budget:g}"
     if thinned.exists():
         shutil.rmtree(thinned)
     shutil.copytree(real, thinned)
     write_run_track(thinned, thin_track(track, budget))
-    cmd = [slotlab, "validate", *validate_argv(str(summary.get("command", "")), run / "validation.json"),
+    cmd = [slotlab, "validate", *validate_argv(str(summary.get("command", "")), run / FILES["summary"]),
            "--real-run", str(thinned), "--speed-correct", "track-mix", "--out", str(dest), "--quiet", "--no-plots"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
@@ -158,8 +156,8 @@ def resimulate(slotlab: str, run: Path, budget: float, out: Path) -> Path:
 
 def figures(dest: Path, first_request: int) -> dict[str, float]:
     """One re-simulation's aggregate errors, per-request median |errors| and its first request's TTFT error."""
-    err = pd.read_csv(dest / "errors.csv").set_index(["metric", "stat"])["rel_err"]
-    per = pd.read_csv(dest / "validation.csv")
+    per, errors, _ = read_validation(dest)
+    err = errors.set_index(["metric", "stat"])["rel_err"]
     row = {f"{m}_{s}": float(err.get((m, s), math.nan)) for m, s in AGG}
     for m in ("ttft", "tpot", "e2e"):
         row[f"{m}_req"] = float(per[f"{m}_rel_err"].abs().median())

@@ -269,6 +269,14 @@ def _clean_floats(obj: Any) -> Any:
     return obj
 
 
+def read_json(path: str | Path, what: str) -> Any:
+    """The JSON value in `path`; ValueError naming the file and `what` it holds when it cannot be read."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read {what}: {exc}") from exc
+
+
 def write_json(path: Path, data: Any) -> None:
     # dumps/loads once to turn dataclasses etc. into plain JSON values, then NaN/inf -> null (strict JSON)
     text = json.dumps(_clean_floats(json.loads(json.dumps(data, default=_json_default))), indent=2,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from experiments.results import read_json
 from sim.latency_physical import read_calibration_json
 
 PROBE_FILE = "speed_probe.json"    # beside a real run's results (validate's real/): the probes around that run
@@ -165,10 +166,7 @@ def read_run_probes(run_dir: str | Path) -> tuple[SpeedProbe, SpeedProbe] | None
     if not path.is_file():
         return None
     where = str(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{where}: cannot read the speed probes: {exc}") from exc
+    data = read_json(path, "the speed probes")
     if not isinstance(data, dict):
         raise ValueError(f"{where}: top level must be a JSON object")
     return (SpeedProbe.from_dict(data.get("before"), where, "before"),
@@ -557,11 +555,7 @@ def read_run_track(run_dir: str | Path) -> SpeedTrack | None:
     path = Path(run_dir) / TRACK_FILE
     if not path.is_file():
         return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read the speed track: {exc}") from exc
-    return SpeedTrack.from_dict(data, str(path))
+    return SpeedTrack.from_dict(read_json(path, "the speed track"), str(path))
 
 
 def _rolling_median(values: Sequence[float], width: int) -> list[float]:
