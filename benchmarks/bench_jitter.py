@@ -136,25 +136,20 @@ def engine_blocks(args: argparse.Namespace):
     backend = NumpyBackend(model, 2, args.depth + args.prompt + 64, default_sampling=replay_sampling(model, 0.0, 1))
     backend.execute(mix_plan((((0, 0, args.depth, True, True),),), tokens, tasks))     # sequence 0's cached cells
 
-    def decode(reps: int) -> list[float]:
-        out = []
-        for _ in range(reps + 3):                      # 3 untimed, as llama-bench warms up
-            backend.kv.seq_rm(0, args.depth, -1)
-            t0 = time.perf_counter()
-            backend.execute(mix_plan((((0, args.depth, 1, True, True),),), tokens, tasks))
-            out.append(time.perf_counter() - t0)
-        return out[3:]
+    def block(seq: int, pos0: int, n_tokens: int, untimed: int):
+        """`reps` executions of one chunk of `seq` (its cells from pos0 on dropped before each), after `untimed`."""
+        def timed(reps: int) -> list[float]:
+            out = []
+            for _ in range(reps + untimed):
+                backend.kv.seq_rm(seq, pos0, -1)
+                t0 = time.perf_counter()
+                backend.execute(mix_plan((((seq, pos0, n_tokens, True, True),),), tokens, tasks))
+                out.append(time.perf_counter() - t0)
+            return out[untimed:]
+        return timed
 
-    def prompt(reps: int) -> list[float]:
-        out = []
-        for _ in range(reps + 1):
-            backend.kv.seq_rm(1, -1, -1)
-            t0 = time.perf_counter()
-            backend.execute(mix_plan((((1, 0, args.prompt, True, True),),), tokens, tasks))
-            out.append(time.perf_counter() - t0)
-        return out[1:]
-
-    return {"decode": decode, "prompt": prompt, "desc": model.threads_desc}
+    # the decode step 3 times untimed first, as llama-bench warms up; a fresh prompt on sequence 1 once
+    return {"decode": block(0, args.depth, 1, 3), "prompt": block(1, 0, args.prompt, 1), "desc": model.threads_desc}
 
 
 def llama_blocks(args: argparse.Namespace):
