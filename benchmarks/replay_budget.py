@@ -64,14 +64,21 @@ def thin_track(track: SpeedTrack, budget: float) -> SpeedTrack:
     return SpeedTrack(track.every_s, tuple(passes), track.repeats)
 
 
-def every_prompt_step_replayed(real: Path, track: SpeedTrack) -> tuple[int, int]:
-    """(prompt replays, prompt steps) of a real run: a step with prompt tokens is one the probe's prompt path saw."""
+def replayed_track(real: Path) -> SpeedTrack:
+    """A real run's speed track, checked to hold a replay of every step with prompt tokens (each one the probe's
+    prompt path saw): only such a track can be thinned to what a smaller budget would have kept."""
+    track = read_run_track(real)
+    if track is None:
+        raise ValueError(f"{real}: no speed track (speed_track.json): the run was made without the in-run probe")
     steps = read_steps(real)
     if steps is None:
         raise ValueError(f"{real / STEPS_FILE}: no step log there (a real run's directory has one)")
     n_steps = int((steps["n_prefill_tokens"] > 0).sum())
-    n_replays = sum(1 for p in track.passes for m in p.mix if m.prompt)
-    return n_replays, n_steps
+    n_rep = sum(1 for p in track.passes for m in p.mix if m.prompt)
+    if n_rep < n_steps:
+        raise ValueError(f"{real}: {n_rep} prompt replays for {n_steps} prompt steps; thinning needs a run that "
+                         f"replayed every one (the probe's default prompt budget 1; a run of before it had 0.5)")
+    return track
 
 
 def validate_argv(command: str, where: Path) -> list[str]:
@@ -127,17 +134,10 @@ def real_run_of(run: Path, summary: dict) -> Path:
                      f"here (a `--real-run` folder names its real run as given then: run from that directory)")
 
 
-def resimulate(slotlab: str, run: Path, budget: float, out: Path) -> Path:
-    """Re-simulate `run` with its prompt replays thinned to `budget`; the folder of that re-simulation."""
-    summary = read_summary(run)
-    real = real_run_of(run, summary)
-    track = read_run_track(real)
-    if track is None:
-        raise ValueError(f"{real}: no speed track (speed_track.json): the run was made without the in-run probe")
-    n_rep, n_steps = every_prompt_step_replayed(real, track)
-    if n_rep < n_steps:
-        raise ValueError(f"{real}: {n_rep} prompt replays for {n_steps} prompt steps; thinning needs a run that "
-                         f"replayed every one (the probe's default prompt budget 1; a run of before it had 0.5)")
+def resimulate(slotlab: str, run: Path, summary: dict, real: Path, track: SpeedTrack, budget: float,
+               out: Path) -> Path:
+    """Re-simulate `run` (its validation.json `summary`, its real run and that run's `replayed_track`) with the prompt
+    replays thinned to `budget`; the folder of that re-simulation."""
     dest = out / f"budget-{budget:g}"
     if (dest / FILES["errors"]).is_file():
         return dest
@@ -211,17 +211,17 @@ def main(argv: list[str] | None = None) -> int:
         names = [str(r) for r in runs]
     rows = []
     for run, name in zip(runs, names):
-        try:
-            real = real_run_of(run, read_summary(run))
-        except ValueError as e:
+        try:                                # each run's files read once, for all the budgets
+            summary = read_summary(run)
+            real = real_run_of(run, summary)
+            track = replayed_track(real)
+            dests = [resimulate(args.slotlab or slotlab(), run, summary, real, track, b,
+                                Path(args.out) / name.replace("/", "_")) for b in budgets]
+        except (ValueError, RuntimeError) as e:
             raise SystemExit(f"replay_budget: {e}") from e
         requests = pd.read_parquet(real / "requests.parquet")
         first = int(requests.sort_values("arrival_s", kind="stable")["request"].iloc[0])
-        for b in budgets:
-            try:
-                dest = resimulate(args.slotlab or slotlab(), run, b, Path(args.out) / name.replace("/", "_"))
-            except (ValueError, RuntimeError) as e:
-                raise SystemExit(f"replay_budget: {e}") from e
+        for b, dest in zip(budgets, dests):
             rows.append({"run": name, "budget": b, **figures(dest, first)})
             print(f"  {name}: budget {b:g} re-simulated", flush=True)
     df = pd.DataFrame(rows)

@@ -85,7 +85,7 @@ def test_a_run_without_every_prompt_step_replayed_is_refused(setup, rb, tmp_path
         TrackPass(p.clock_s, p.wall_s, p.shapes_s, p.load1, tuple(m for m in p.mix if m is not dropped))
         for p in track.passes), track.repeats))
     with pytest.raises(ValueError, match=rf"{len(prompts) - 1} prompt replays for {len(prompts)} prompt steps"):
-        rb.resimulate("slotlab", run, 0.5, tmp_path / "out")
+        rb.replayed_track(run / "real")
     with pytest.raises(SystemExit, match="neither a `slotlab validate` output folder"):
         rb.run_dirs([str(tmp_path / "out")])
     (run / "validation.json").write_text('{"command": "slotlab validate"')               # cut short
