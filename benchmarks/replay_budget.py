@@ -1,17 +1,21 @@
-"""What the in-run probe's prompt replays buy, measured on the same real runs: each run's replays thinned to those a
-smaller prompt budget would have made, and the run re-simulated with them.
+"""What the in-run probe's replays buy, measured on the same real runs: each run's replays of one path (the steps
+with prompt tokens, or the decode steps) thinned to those a smaller budget would have made, and the run re-simulated
+with them.
 
-    python benchmarks/replay_budget.py RUN_DIR [RUN_DIR ...] [--budgets 1,0.5,0] [--out OUT]
+    python benchmarks/replay_budget.py RUN_DIR [RUN_DIR ...] [--path prompt|decode] [--budgets 1,0.5,0] [--out OUT]
 
 Each RUN_DIR is a `slotlab validate --speed-correct track-mix` output folder (or a folder of them, e.g. a
 `benchmarks/validate_settings.py --out` folder, whose <setting>-<seed>/track-mix runs are taken) whose real run
-replayed every one of its prompt steps: the in-run probe's default prompt budget, 1 (`MIX_BUDGET_PROMPT`). For
-each budget B of `--budgets`, the run's prompt replays are thinned to the ones the probe's own credit rule
-(`experiments.calibrate.MixCredit`) would have made at B, in the run's order, the decode path's replays left as they
-are (B = 0: no prompt replay), and the run is re-simulated with them: `slotlab validate --real-run` with the run's
-own command line and `--speed-correct track-mix`, into OUT/<run>/budget-<B>. The real run is the same for every
-budget, so the budgets differ by the replays they keep and by nothing else: no second real run, whose host would
-have moved, enters the comparison.
+replayed every one of its steps of that path: for the prompt path (the default) that is the in-run probe's default
+prompt budget, 1 (`MIX_BUDGET_PROMPT`); for the decode path it takes a run made with a decode budget of 1 (the
+default is `MIX_BUDGET`, 0.15: `InRunProbe(budget=1.0)`). For each budget B of `--budgets`, the path's replays are
+thinned to the ones the probe's own credit rule (`experiments.calibrate.MixCredit`) would have made at B, in the
+run's order, the other path's replays left as they are (B = 0: no replay on that path), and the run is
+re-simulated with them: `slotlab validate --real-run` with the run's own command line and `--speed-correct
+track-mix`, into OUT/<run>/budget-<B> (decode: decode-budget-<B>). The real run is the same for every budget, so the
+budgets differ by the replays they keep and by nothing else: no second real run, whose host would have moved,
+enters the comparison. (Only a run that replayed every step of the path can be thinned exactly: at a budget below
+1 the credit rule picks steps a smaller budget's rule may not.)
 
 Printed: per budget, the aggregates within 3% (P50 and P90 of TTFT, TPOT and E2E: issue 14's targets), the
 median |error| of each, the per-request median |error| of TTFT, TPOT and E2E (the median over runs), and the
@@ -47,15 +51,20 @@ OWN_FLAGS = {"--speed-correct": True, "--real-run": True, "--out": True, "--nois
              "--quiet": False, "--no-plots": False}
 
 
-def thin_track(track: SpeedTrack, budget: float) -> SpeedTrack:
-    """The track with its prompt replays thinned to those the probe's credit rule would have made at `budget`,
-    in the run's order (every pass's replays in turn); its decode replays and fixed-shape passes unchanged."""
+PATHS = {"prompt": True, "decode": False}     # --path -> MixSample.prompt of the replays it thins
+DEFAULT_BUDGETS = {"prompt": "1,0.5,0", "decode": "1,0.15"}
+
+
+def thin_track(track: SpeedTrack, budget: float, prompt: bool = True) -> SpeedTrack:
+    """The track with the replays of one path (`prompt`: the steps with prompt tokens; False: the decode steps)
+    thinned to those the probe's credit rule would have made at `budget`, in the run's order (every pass's replays
+    in turn); the other path's replays and the fixed-shape passes unchanged."""
     credit = MixCredit(budget)
     passes = []
     for p in track.passes:
         kept = []
         for m in p.mix:
-            if not m.prompt:
+            if m.prompt != prompt:
                 kept.append(m)
             elif credit.offer(m.step_s):
                 credit.spend(m.measured_s)
@@ -64,20 +73,27 @@ def thin_track(track: SpeedTrack, budget: float) -> SpeedTrack:
     return SpeedTrack(track.every_s, tuple(passes), track.repeats)
 
 
-def replayed_track(real: Path) -> SpeedTrack:
-    """A real run's speed track, checked to hold a replay of every step with prompt tokens (each one the probe's
-    prompt path saw): only such a track can be thinned to what a smaller budget would have kept."""
+def replayed_track(real: Path, prompt: bool = True) -> SpeedTrack:
+    """A real run's speed track, checked to hold a replay of every step of one path (`prompt`: every step with
+    prompt tokens; False: every decode step, a step without prompt tokens that ran a forward pass): only such a
+    track can be thinned to what a smaller budget would have kept."""
     track = read_run_track(real)
     if track is None:
         raise ValueError(f"{real}: no speed track (speed_track.json): the run was made without the in-run probe")
     steps = read_steps(real)
     if steps is None:
         raise ValueError(f"{real / STEPS_FILE}: no step log there (a real run's directory has one)")
-    n_steps = int((steps["n_prefill_tokens"] > 0).sum())
-    n_rep = sum(1 for p in track.passes for m in p.mix if m.prompt)
+    if prompt:
+        n_steps = int((steps["n_prefill_tokens"] > 0).sum())
+    else:
+        n_steps = int(((steps["n_prefill_tokens"] == 0) & (steps["n_forward_calls"] > 0)
+                       & (steps["elapsed_s"] > 0)).sum())
+    n_rep = sum(1 for p in track.passes for m in p.mix if m.prompt == prompt)
     if n_rep < n_steps:
-        raise ValueError(f"{real}: {n_rep} prompt replays for {n_steps} prompt steps; thinning needs a run that "
-                         f"replayed every one (the probe's default prompt budget 1; a run of before it had 0.5)")
+        path, how = (("prompt", "the probe's default prompt budget 1; a run of before it had 0.5") if prompt else
+                     ("decode", "a decode budget of 1, InRunProbe(budget=1.0); the default is 0.15"))
+        raise ValueError(f"{real}: {n_rep} {path} replays for {n_steps} {path} steps; thinning needs a run that "
+                         f"replayed every one ({how})")
     return track
 
 
@@ -135,17 +151,18 @@ def real_run_of(run: Path, summary: dict) -> Path:
 
 
 def resimulate(slotlab: str, run: Path, summary: dict, real: Path, track: SpeedTrack, budget: float,
-               out: Path) -> Path:
-    """Re-simulate `run` (its validation.json `summary`, its real run and that run's `replayed_track`) with the prompt
-    replays thinned to `budget`; the folder of that re-simulation."""
-    dest = out / f"budget-{budget:g}"
+               out: Path, prompt: bool = True) -> Path:
+    """Re-simulate `run` (its validation.json `summary`, its real run and that run's `replayed_track`) with the
+    replays of one path (`prompt`, as `thin_track`) thinned to `budget`; the folder of that re-simulation."""
+    name = f"budget-{budget:g}" if prompt else f"decode-budget-{budget:g}"
+    dest = out / name
     if (dest / FILES["errors"]).is_file():
         return dest
-    thinned = out / f"real-budget-{budget:g}"
+    thinned = out / f"real-{name}"
     if thinned.exists():
         shutil.rmtree(thinned)
     shutil.copytree(real, thinned)
-    write_run_track(thinned, thin_track(track, budget))
+    write_run_track(thinned, thin_track(track, budget, prompt))
     cmd = [slotlab, "validate", *validate_argv(str(summary.get("command", "")), run / FILES["summary"]),
            "--real-run", str(thinned), "--speed-correct", "track-mix", "--out", str(dest), "--quiet", "--no-plots"]
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -166,10 +183,10 @@ def figures(dest: Path, first_request: int) -> dict[str, float]:
     return row
 
 
-def report(df: pd.DataFrame) -> str:
-    lines = [f"{df['run'].nunique()} runs re-simulated with their prompt replays thinned to each budget "
+def report(df: pd.DataFrame, path: str = "prompt") -> str:
+    lines = [f"{df['run'].nunique()} runs re-simulated with their {path} replays thinned to each budget "
              f"(the same real runs throughout)", "",
-             "| prompt budget | aggregates within 3% | TTFT · TPOT · E2E within 3% | median abs error P50 / P90: "
+             f"| {path} budget | aggregates within 3% | TTFT · TPOT · E2E within 3% | median abs error P50 / P90: "
              "TTFT "
              "· TPOT · E2E | per request TTFT / TPOT / E2E | first request TTFT |", "|---|---|---|---|---|---|"]
     for b, g in df.groupby("budget", sort=False):
@@ -192,18 +209,24 @@ def report(df: pd.DataFrame) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("runs", nargs="+", metavar="RUN_DIR", help="slotlab validate output folders (see above)")
-    ap.add_argument("--budgets", default="1,0.5,0",
-                    help="prompt budgets to compare, fractions of the prompt step time in [0, 1] (default 1,0.5,0)")
+    ap.add_argument("--path", choices=tuple(PATHS), default="prompt",
+                    help="whose replays to thin: the steps with prompt tokens (default) or the decode steps (a run "
+                         "made with a decode budget of 1)")
+    ap.add_argument("--budgets", default=None,
+                    help="budgets to compare, fractions of the path's step time in [0, 1] (default: 1,0.5,0 for "
+                         "the prompt path, 1,0.15 for the decode path)")
     ap.add_argument("--out", default="replay_budget", help="where the re-simulations go (default ./replay_budget)")
     ap.add_argument("--slotlab", default=None, metavar="CMD", help="the slotlab command (default: the one beside "
                                                                    "this Python)")
     args = ap.parse_args(argv)
+    spec = args.budgets if args.budgets is not None else DEFAULT_BUDGETS[args.path]
+    prompt = PATHS[args.path]
     try:
-        budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
+        budgets = [float(b) for b in spec.split(",") if b.strip()]
     except ValueError:
-        ap.error(f"--budgets: a comma-separated list of numbers, got {args.budgets!r}")
+        ap.error(f"--budgets: a comma-separated list of numbers, got {spec!r}")
     if not budgets or any(not 0 <= b <= 1 for b in budgets):
-        ap.error(f"--budgets: each a fraction of the prompt step time in [0, 1], got {args.budgets!r}")
+        ap.error(f"--budgets: each a fraction of the {args.path} step time in [0, 1], got {spec!r}")
     from validate_settings import slotlab     # the slotlab beside this Python, as the campaigns run it
     runs = run_dirs(args.runs)
     names = [f"{r.parent.name}/{r.name}" if r.name == "track-mix" else r.name for r in runs]
@@ -214,20 +237,20 @@ def main(argv: list[str] | None = None) -> int:
         try:                                # each run's files read once, for all the budgets
             summary = read_summary(run)
             real = real_run_of(run, summary)
-            track = replayed_track(real)
+            track = replayed_track(real, prompt)
             dests = [resimulate(args.slotlab or slotlab(), run, summary, real, track, b,
-                                Path(args.out) / name.replace("/", "_")) for b in budgets]
+                                Path(args.out) / name.replace("/", "_"), prompt) for b in budgets]
         except (ValueError, RuntimeError) as e:
             raise SystemExit(f"replay_budget: {e}") from e
         requests = pd.read_parquet(real / "requests.parquet")
         first = int(requests.sort_values("arrival_s", kind="stable")["request"].iloc[0])
         for b, dest in zip(budgets, dests):
-            rows.append({"run": name, "budget": b, **figures(dest, first)})
+            rows.append({"run": name, "path": args.path, "budget": b, **figures(dest, first)})
             print(f"  {name}: budget {b:g} re-simulated", flush=True)
     df = pd.DataFrame(rows)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     df.to_csv(Path(args.out) / "summary.csv", index=False)
-    print(report(df))
+    print(report(df, args.path))
     return 0
 
 

@@ -1,6 +1,6 @@
-"""benchmarks/replay_budget.py: a run's prompt replays thinned exactly as the in-run probe's credit rule would have
-made them at a smaller budget, the refusal of a run that did not replay every prompt step, and a re-simulation of
-the tiny model's real run at budgets 1 and 0."""
+"""benchmarks/replay_budget.py: a run's prompt (or decode) replays thinned exactly as the in-run probe's credit rule
+would have made them at a smaller budget, the refusal of a run that did not replay every step of the path, and a
+re-simulation of the tiny model's real run at budgets 1 and 0."""
 
 import json
 import shutil
@@ -42,8 +42,8 @@ def test_thinning_a_budget_one_track_keeps_the_replays_the_probe_makes_at_that_b
     steps = [(decode, 0.01), (prompt, 0.30), (decode, 0.01), (prompt, 0.05), (prompt, 0.12), (decode, 0.01),
              (prompt, 0.60), (prompt, 0.02), (prompt, 0.02), (prompt, 0.25), (decode, 0.01), (prompt, 0.08)] * 3
 
-    def run(budget_prompt):
-        probe = InRunProbe(model, replay_sampling(model, 0.0, 0), 100.0, clock=lambda: 0.0, budget=1.0,
+    def run(budget_prompt, budget=1.0):
+        probe = InRunProbe(model, replay_sampling(model, 0.0, 0), 100.0, clock=lambda: 0.0, budget=budget,
                            budget_prompt=budget_prompt)
         probe.start(lambda: 0.0)
         probe.mix_bench = None
@@ -63,6 +63,19 @@ def test_thinning_a_budget_one_track_keeps_the_replays_the_probe_makes_at_that_b
         assert [(m.prompt, m.step_s) for m in thinned] == [(m.prompt, m.step_s) for m in made], budget
     assert [m for p in rb.thin_track(track, 1.0).passes for m in p.mix] == list(every)
     assert not any(m.prompt for p in rb.thin_track(track, 0.0).passes for m in p.mix)
+    # the decode path: decode steps of uneven lengths (the prompt path's replays kept as they are)
+    steps = [(decode, 0.01), (decode, 0.03), (prompt, 0.2), (decode, 0.012), (decode, 0.05), (decode, 0.008),
+             (decode, 0.02), (prompt, 0.1), (decode, 0.011)] * 4
+    every = run(1.0)
+    assert sum(not m.prompt for m in every) == sum(plan is decode for plan, _ in steps)
+    track = SpeedTrack(10.0, (TrackPass(1.0, 1.0, {"x": 0.1}, 0.0, tuple(every[:13])),
+                              TrackPass(2.0, 2.0, {"x": 0.1}, 0.0, tuple(every[13:]))))
+    for budget in (0.5, 0.15, 0.0):
+        thinned = [m for p in rb.thin_track(track, budget, prompt=False).passes for m in p.mix]
+        made = run(1.0, budget)
+        assert [(m.prompt, m.step_s) for m in thinned] == [(m.prompt, m.step_s) for m in made], budget
+        assert sum(m.prompt for m in thinned) == sum(plan is prompt for plan, _ in steps)
+    assert 0 < sum(not m.prompt for p in rb.thin_track(track, 0.15, prompt=False).passes for m in p.mix) < 10
 
 
 def test_validate_argv_drops_the_options_the_script_sets(rb, tmp_path):
@@ -86,6 +99,10 @@ def test_a_run_without_every_prompt_step_replayed_is_refused(setup, rb, tmp_path
         for p in track.passes), track.repeats))
     with pytest.raises(ValueError, match=rf"{len(prompts) - 1} prompt replays for {len(prompts)} prompt steps"):
         rb.replayed_track(run / "real")
+    # the tiny run replayed a share of its decode steps (the default decode budget): its decode path is refused
+    decodes = sum(1 for p in track.passes for m in p.mix if not m.prompt)
+    with pytest.raises(ValueError, match=rf"{decodes} decode replays for \d+ decode steps.*budget=1.0"):
+        rb.replayed_track(run / "real", prompt=False)
     with pytest.raises(SystemExit, match="neither a `slotlab validate` output folder"):
         rb.run_dirs([str(tmp_path / "out")])
     (run / "validation.json").write_text('{"command": "slotlab validate"')               # cut short
@@ -137,3 +154,29 @@ def test_budgets_re_simulate_the_same_real_run_with_its_replays_thinned(setup, r
     # a folder of a validate that reused its real run finds it through validation.json, from where it ran
     monkeypatch.chdir(tmp_path)
     assert rb.real_run_of(ref, json.loads((ref / "validation.json").read_text())) == run / "real"
+
+
+def test_the_decode_path_thins_a_run_that_replayed_every_decode_step(setup, rb, tmp_path, monkeypatch):  # noqa: F811
+    # a real run of the tiny model with every decode step replayed (the probe's decode budget 1)
+    monkeypatch.setitem(InRunProbe.__init__.__kwdefaults__, "budget", 1.0)
+    run = tmp_path / "run"
+    assert validate(setup, run, "--speed-correct", "track-mix") == 0
+    track = rb.replayed_track(run / "real", prompt=False)
+    decodes = [m for p in track.passes for m in p.mix if not m.prompt]
+    assert len(decodes) > 5
+    out = tmp_path / "rb"
+    assert rb.main([str(run), "--path", "decode", "--budgets", "1,0.5", "--out", str(out)]) == 0
+    df = pd.read_csv(out / "summary.csv")
+    assert list(df["budget"]) == [1.0, 0.5] and set(df["path"]) == {"decode"}
+    # budget 1: the run re-simulated with all its replays, as validate re-simulates it
+    ref = tmp_path / "ref"
+    assert validate(setup, ref, "--real-run", str(run / "real"), "--speed-correct", "track-mix") == 0
+    before = pd.read_parquet(ref / "sim" / "requests.parquet").sort_values("request")
+    again = pd.read_parquet(out / "run" / "decode-budget-1" / "sim" / "requests.parquet").sort_values("request")
+    assert list(again["e2e_s"]) == pytest.approx(list(before["e2e_s"]), rel=1e-12)
+    # budget 0.5: the decode replays the credit rule keeps, every prompt replay kept
+    half = read_run_track(out / "run" / "real-decode-budget-0.5")
+    assert half == rb.thin_track(track, 0.5, prompt=False)
+    kept = [m for p in half.passes for m in p.mix]
+    assert [m for m in kept if m.prompt] == [m for p in track.passes for m in p.mix if m.prompt]
+    assert 0 < sum(not m.prompt for m in kept) < len(decodes)
