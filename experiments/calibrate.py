@@ -80,14 +80,21 @@ DEFAULT_PASSES = 9                 # interleaved passes over the grid (the media
 # docs/validation_sim.md §14)
 MIN_PASSES = 3                     # --max-seconds never cuts below this many
 PROBE_REPEATS = 5                  # interleaved passes over the speed probe's shapes (the median is kept)
-MIX_BUDGET = 0.15                  # the in-run probe replays this fraction of the run's decode step time
+MIX_BUDGET = 1.0                   # the in-run probe replays this fraction of the run's decode step time: every
+# decode step (`validate --replay-decode`). 0.15, the budget before, left each second of the run's decode to the
+# fifteen or so replays in it: the same 50 real runs thinned to 0.15 met 198 of 300 aggregates within 3% against 233
+# (TPOT 75 of 100 against 93; per request TPOT 2.6% mean against 1.4%; benchmarks/replay_budget.py --path decode,
+# docs/validation_sim.md §25), for about 1.3 times a run's wall time (a replay after a replayed step runs once)
 MIX_BUDGET_PROMPT = 1.0            # ... and of its prompt step time: every prompt step (few, long steps: TTFT rests on
 # them). Half of it, the budget before, left the long prompts (a TTFT P90) and each run's first prompt without a
 # replay of their own: the same 50 real runs thinned to half met 203 of 300 aggregates within 3% against 218 (TTFT
-# 43 of 100 against 53), for 2% less wall time (benchmarks/replay_budget.py, docs/validation_sim.md §24)
+# 43 of 100 against 53), for 7% less wall time (benchmarks/replay_budget.py, docs/validation_sim.md §24)
 MIX_WARM_DECODE = True             # a decode step's replay runs its shape twice back to back and keeps the second:
 # the bench's cells are then as warm as the run's own (over 20 runs, a run's median first execution read 1.1-4.5%
-# slower than its step, the second 0.3-1.8%; docs/validation_sim.md §14). The untimed execution is outside the budget
+# slower than its step, the second 0.3-1.8%; docs/validation_sim.md §14). The untimed execution is outside the budget.
+# Not when the run's step before was replayed too (every step, at the default budgets): the bench's cells were then
+# touched a step ago, as the run's own were, and the first execution read a median 0.1% slower than the second
+# (§25), so the warm-up would double the decode replays' wall time for nothing
 GROUPS_DOC = ("decode and mixed shapes by batch size, prompt chunks by length, each copy, shift and split "
               "shape alone")
 
@@ -749,11 +756,15 @@ class InRunProbe:
       knots of `--speed-correct track`;
     - the mix (`mix`, with the run's backend given to `start`): right after one of the run's steps, that step
       re-executed once with its prompt-cache copies (`MixSample`, `replay_shape`; a step without prompt tokens
-      twice back to back, the second timed: `warm_decode`, MIX_WARM_DECODE), so that the timed replays take
+      twice back to back, the second timed, unless the run's step before it was replayed too: `warm_decode`,
+      MIX_WARM_DECODE), so that the timed replays take
       `budget` of the run's step time without prompt tokens and `budget_prompt` of its time with, spread evenly
-      over it (`MixCredit`; a budget of 1 replays every step). The prompt path's budget is 1 by default: its
-      steps are few (a few dozen in a run of minutes), TTFT rests on each of them, and a smaller budget leaves
-      the longest ones and the run's first without a replay of their own (docs/validation_sim.md §24). Their
+      over it (`MixCredit`; a budget of 1 replays every step). Both budgets are 1 by default. The prompt
+      path's steps are few (a few dozen in a run of minutes), TTFT rests on each of them, and a smaller budget
+      leaves the longest ones and the run's first without a replay of their own (docs/validation_sim.md §24).
+      The decode path's steps are many and short, and a smaller budget leaves each second of them to a sample
+      of replays that a host whose speed moves within the second does not repeat (§25); its cost is wall time,
+      the run's decode time once more at a budget of 1 (`validate --replay-decode` lowers it). Their
       times over the latency model's times of the same steps are the knots of `--speed-correct track-mix`
       (speed_probe.mix_knots): the machine's speed on the shapes the run spends its time in, at the moments it
       spends it, which the fixed shapes, priced by a model that is off by several percent on them, do not give.
@@ -791,6 +802,7 @@ class InRunProbe:
         self.mix_bench: _MixBench | None = None
         self._credit = self._credits()             # per path (prompt or not): which of its steps to replay
         self._pending: list[MixSample] = []        # replays since the last pass
+        self._after_replay = False                 # whether the run's step before this one was replayed
         self._clock, self._load = clock, load_reader
         self._run_clock: Callable[[], float] = lambda: 0.0
         self._t0 = self._next = 0.0
@@ -805,6 +817,7 @@ class InRunProbe:
                                        resident=bool(getattr(backend.kv, "resident", True)))
         self._credit = self._credits()
         self._pending = []
+        self._after_replay = False
         self._t0 = self._clock()
         self._next = self._t0 + self.every_s
 
@@ -830,11 +843,13 @@ class InRunProbe:
         prompt = plan.n_prompt_tokens > 0
         credit = self._credit[prompt]
         if not credit.offer(step_s):
+            self._after_replay = False
             return
         calls, ops = replay_shape(plan)
-        if self.warm_decode and not prompt:
+        if self.warm_decode and not prompt and not self._after_replay:
             self.mix_bench.measure(calls, ops)       # untimed: its cells then as warm as the run's step finds its own
         t = self.mix_bench.measure(calls, ops)
+        self._after_replay = t is not None
         if t is not None and t.seconds > 0:
             credit.spend(t.seconds)
             self._pending.append(MixSample(calls, prompt, float(t.seconds), step_s, clock_s, ops, float(t.copy_s)))
@@ -848,6 +863,7 @@ class InRunProbe:
         shapes = {label: statistics.median(v) for label, v in samples.items()}
         self.passes.append(TrackPass(clock_s, now - self._t0, shapes, float(self._load()[0]), tuple(self._pending)))
         self._pending = []
+        self._after_replay = False                 # the pass's shapes ran on the other bench since
         self._next = self._clock() + self.every_s
 
     def track(self) -> SpeedTrack:

@@ -375,7 +375,7 @@ FLAGS: tuple[Flag, ...] = (
          "by a factor that follows the run's clock, through the probe's three fixed shapes before, during "
          "(--probe-every) and after the run, over the latency model's times of the same shapes (a machine whose "
          "speed moves during the run, §8); track-mix = the same from the run's own steps, a sample of them "
-         "re-executed right after themselves (15%% of the decode and 50%% of the prompt step time), over the "
+         "re-executed right after themselves (every step by default: --replay-decode), over the "
          "latency model's times of the same steps, the mean per window of --knot-window seconds of the run's "
          "clock, one factor for decode steps and one for steps with prompt tokens (§11, §12); steps = by the real "
          "run's own measured / predicted ratio per window of --knot-window seconds of its clock, per path: an "
@@ -392,6 +392,13 @@ FLAGS: tuple[Flag, ...] = (
          "--speed-correct track-mix, all outside the run's clock (replay's clock advances by the "
          "run's own step times), stored as real/speed_track.json, the knots of --speed-correct track and "
          "track-mix's replays (default: 10; 0 = off)", (VALIDATE,), float, 10.0, "SECONDS"),
+    Flag(None, ("--replay-decode",), "the share of the real run's decode step time the in-run probe replays for "
+         "--speed-correct track-mix, a fraction in [0, 1] (default: 1 = every decode step, for about 1.3 times the "
+         "wall time of a run at 0.15, the default before, and TPOT and E2E that follow the host's speed closer: "
+         "docs/validation_sim.md §25; below 1, a replay runs twice, the second timed, when the step before it "
+         "was not replayed, docs/validation_sim.md §14); every "
+         "prompt step is replayed at any setting; a new real run only (--real-run reuses its replays)",
+         (VALIDATE,), float, 1.0, "FRACTION"),
     # generate and calibrate
     Flag(None, ("-m", "--model"), f"GGUF model (default: {SMOLLM2_WHEEL})", (GENERATE, CALIBRATE), str,
          metavar="GGUF"),

@@ -45,6 +45,7 @@ from experiments.flags import (
     simulate_argv,
 )
 from experiments.calibrate import (
+    MIX_BUDGET,
     InRunProbe,
     calibration_numerics,
     measure_probe,
@@ -412,11 +413,13 @@ def pin_arrivals(workload: Any, real_requests: pd.DataFrame) -> tuple[Any, int]:
 
 def _validate_argv(values: Mapping[str, Any], model: str, threads: int, temp: float,
                    speed_correct: str = "off", probe_every: float = TRACK_EVERY_S, numerics: str = "f32",
-                   arrivals: str = "loop", knot_window: float = KNOT_WINDOW_S) -> list[str]:
+                   arrivals: str = "loop", knot_window: float = KNOT_WINDOW_S,
+                   replay_decode: float = MIX_BUDGET) -> list[str]:
     correct = [] if speed_correct == "off" else ["--speed-correct", speed_correct]
     correct += [] if knot_window == KNOT_WINDOW_S else ["--knot-window", f"{knot_window:g}"]
     correct += [] if arrivals == "loop" else ["--arrivals", arrivals]
     every = [] if probe_every == TRACK_EVERY_S else ["--probe-every", f"{probe_every:g}"]
+    every += [] if replay_decode == MIX_BUDGET else ["--replay-decode", f"{replay_decode:g}"]
     num = ["--numerics", numerics]
     return ["validate", *simulate_argv(values)[2:], "-m", model, "--threads", str(threads), "--temp", str(temp),
             *num, *correct, *every]
@@ -626,6 +629,9 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         if not (math.isfinite(args.probe_every) and args.probe_every >= 0):
             raise ValueError(f"--probe-every must be a number of seconds >= 0 (0 = off), got {args.probe_every}")
+        if not 0 <= args.replay_decode <= 1:
+            raise ValueError(f"--replay-decode must be a fraction of the decode step time in [0, 1], got "
+                             f"{args.replay_decode}")
         if not (math.isfinite(args.knot_window) and args.knot_window > 0):
             raise ValueError(f"--knot-window must be a number of seconds > 0, got {args.knot_window}")
         model = resolve_model(args.model)
@@ -667,7 +673,7 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
         print(f"slotlab validate: warning: the machine's load moved while {values['latency']} was calibrated "
               f"(load_moved in the file): its step times mix loads", file=sys.stderr)
     argv = _validate_argv(values, model, args.threads, args.temp, args.speed_correct, args.probe_every,
-                          args.numerics, args.arrivals, args.knot_window)
+                          args.numerics, args.arrivals, args.knot_window, args.replay_decode)
     context = run_context(argv, desc)
     load_start = os.getloadavg()
 
@@ -682,7 +688,7 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
                 return measure_probe(m, replay_sampling(m, args.temp, values["seed"]), seed=values["seed"])
         before = speed_probe(loaded)                  # immediately before and after the real run, same engine
         in_run = (InRunProbe(loaded, replay_sampling(loaded, args.temp, values["seed"]), args.probe_every,
-                             seed=values["seed"]) if args.probe_every > 0 else None)
+                             seed=values["seed"], budget=args.replay_decode) if args.probe_every > 0 else None)
         with bar("real") as b:
             run_replay(values, workload, model, args.threads, args.temp, str(out / "real"), context,
                        csv=args.csv, plots=not args.no_plots, progress=follow(b), loaded=loaded, probe=in_run,

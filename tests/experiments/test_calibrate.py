@@ -677,6 +677,32 @@ def test_a_decode_replay_keeps_its_warm_second_execution_and_is_charged_for_it_a
         assert m.measured_s == kept and probe._credit[False].credit == pytest.approx(0.02 - kept)
 
 
+
+def test_a_decode_replay_right_after_a_replayed_step_runs_once(tiny):
+    from experiments.calibrate import InRunProbe, build_plan as plan_of
+    model = load(tiny, n_threads=1)
+    decode = plan_of(GridPoint("decode", decode=(40, 60)), ones, TASKS)
+    wall = [0.0]
+    probe = InRunProbe(model, replay_sampling(model, 0.0, 0), 100.0, budget=1.0, clock=lambda: wall[0])
+    probe.start(lambda: 0.0)
+    probe.mix_bench = bench = ColdThenWarm(0.013, 0.010)
+    for _ in range(3):                   # every step replayed: the first warmed up, the others after a replay
+        probe(decode, 0.02)
+    assert len(bench.calls) == 4 and [m.measured_s for m in probe._pending] == [0.010, 0.013, 0.010]
+    wall[0] = 100.0                      # a pass of the fixed shapes (on the other bench) after this step
+    probe(decode, 0.02)
+    assert len(probe.passes) == 1 and len(bench.calls) == 5
+    probe(decode, 0.02)                  # the first replay after the pass is warmed up again
+    assert len(bench.calls) == 7
+    # a share of the steps: a replay whose step before was not replayed warms up
+    share = InRunProbe(model, replay_sampling(model, 0.0, 0), 100.0, budget=0.25, clock=lambda: 0.0)
+    share.start(lambda: 0.0)
+    share.mix_bench = bench = FixedReplay(0.01)
+    for _ in range(8):                   # credit 0.005 a step: steps 4, 6 and 8 replayed, each after one that was not
+        share(decode, 0.02)
+    assert len(share._pending) == 3 and len(bench.calls) == 6
+
+
 def test_replays_run_on_a_bench_of_the_runs_size_and_go_with_the_next_pass(tiny):
     from engine.backend import NumpyBackend
     from experiments.calibrate import InRunProbe, build_plan as plan_of, replay_shape
@@ -704,7 +730,7 @@ def test_replays_run_on_a_bench_of_the_runs_size_and_go_with_the_next_pass(tiny)
     assert plain.passes == [] and plain.mix_bench is None
 
 
-def test_by_default_every_prompt_step_is_replayed_the_first_too_and_a_share_of_the_others(tiny):
+def test_by_default_every_step_is_replayed_the_first_too(tiny):
     from experiments.calibrate import MIX_BUDGET, MIX_BUDGET_PROMPT, InRunProbe, build_plan as plan_of
     model = load(tiny, n_threads=1)
     probe = InRunProbe(model, replay_sampling(model, 0.0, 0), 100.0, clock=lambda: 0.0)
@@ -718,8 +744,14 @@ def test_by_default_every_prompt_step_is_replayed_the_first_too_and_a_share_of_t
         probe(prompt, 0.1)
     replayed = [m.prompt for m in probe._pending]
     assert MIX_BUDGET_PROMPT == 1 and probe._pending[0].prompt and probe._pending[0].step_s == 0.5
-    assert replayed.count(True) == 101
-    assert replayed.count(False) == pytest.approx(100 * MIX_BUDGET, abs=1)
+    assert MIX_BUDGET == 1 and replayed.count(True) == 101 and replayed.count(False) == 100
+    # a decode budget of 0.15 (the default before docs/validation_sim.md §25): a share of the decode steps
+    share = InRunProbe(model, replay_sampling(model, 0.0, 0), 100.0, clock=lambda: 0.0, budget=0.15)
+    share.start(lambda: 0.0)
+    share.mix_bench = FixedReplay(0.1)
+    for _ in range(100):
+        share(decode, 0.1)
+    assert len(share._pending) == pytest.approx(15, abs=1)
     # at half the prompt time (the default before docs/validation_sim.md §24) the first step waited for a later one
     half = InRunProbe(model, replay_sampling(model, 0.0, 0), 100.0, clock=lambda: 0.0, budget_prompt=0.5)
     half.start(lambda: 0.0)

@@ -99,9 +99,13 @@ def test_a_run_without_every_prompt_step_replayed_is_refused(setup, rb, tmp_path
         for p in track.passes), track.repeats))
     with pytest.raises(ValueError, match=rf"{len(prompts) - 1} prompt replays for {len(prompts)} prompt steps"):
         rb.replayed_track(run / "real")
-    # the tiny run replayed a share of its decode steps (the default decode budget): its decode path is refused
-    decodes = sum(1 for p in track.passes for m in p.mix if not m.prompt)
-    with pytest.raises(ValueError, match=rf"{decodes} decode replays for \d+ decode steps.*budget=1.0"):
+    # one decode replay fewer than decode steps: its decode path is refused
+    decodes = [m for p in track.passes for m in p.mix if not m.prompt]
+    dropped = decodes[-1]
+    write_run_track(run / "real", SpeedTrack(track.every_s, tuple(
+        TrackPass(p.clock_s, p.wall_s, p.shapes_s, p.load1, tuple(m for m in p.mix if m is not dropped))
+        for p in track.passes), track.repeats))
+    with pytest.raises(ValueError, match=rf"{len(decodes) - 1} decode replays for {len(decodes)} decode steps"):
         rb.replayed_track(run / "real", prompt=False)
     with pytest.raises(SystemExit, match="neither a `slotlab validate` output folder"):
         rb.run_dirs([str(tmp_path / "out")])
@@ -156,11 +160,10 @@ def test_budgets_re_simulate_the_same_real_run_with_its_replays_thinned(setup, r
     assert rb.real_run_of(ref, json.loads((ref / "validation.json").read_text())) == run / "real"
 
 
-def test_the_decode_path_thins_a_run_that_replayed_every_decode_step(setup, rb, tmp_path, monkeypatch):  # noqa: F811
-    # a real run of the tiny model with every decode step replayed (the probe's decode budget 1)
-    monkeypatch.setitem(InRunProbe.__init__.__kwdefaults__, "budget", 1.0)
+def test_the_decode_path_thins_a_run_that_replayed_every_decode_step(setup, rb, tmp_path):  # noqa: F811
+    # a real run of the tiny model with every decode step replayed (the probe's decode budget 1, the default)
     run = tmp_path / "run"
-    assert validate(setup, run, "--speed-correct", "track-mix") == 0
+    assert validate(setup, run, "--speed-correct", "track-mix", "--replay-decode", "1") == 0
     track = rb.replayed_track(run / "real", prompt=False)
     decodes = [m for p in track.passes for m in p.mix if not m.prompt]
     assert len(decodes) > 5

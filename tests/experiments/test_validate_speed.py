@@ -389,6 +389,34 @@ def test_probe_every_must_be_a_non_negative_number(setup, tmp_path, capsys, ever
     assert "--probe-every must be a number of seconds >= 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("share", ["1.5", "-0.1", "nan"])
+def test_replay_decode_must_be_a_fraction(setup, tmp_path, capsys, share):
+    assert validate(setup, tmp_path / "v", "--replay-decode", share, speed_probe=injected(1.0, 1.0)) == 2
+    assert "--replay-decode must be a fraction of the decode step time in [0, 1]" in capsys.readouterr().err
+    assert not (tmp_path / "v").exists()
+
+
+def test_by_default_every_decode_step_is_replayed_and_replay_decode_takes_a_share(setup, tmp_path):
+    from experiments.calibrate import MIX_BUDGET
+    from experiments.flags import FLAGS
+    assert MIX_BUDGET == 1.0 and next(f for f in FLAGS if "--replay-decode" in f.flags).default == MIX_BUDGET
+
+    def decode_replays(run):
+        steps = pd.read_parquet(run / "real" / "steps.parquet")
+        n_steps = int(((steps["n_prefill_tokens"] == 0) & (steps["n_forward_calls"] > 0)
+                       & (steps["elapsed_s"] > 0)).sum())
+        track = read_run_track(run / "real")
+        return sum(1 for p in track.passes for m in p.mix if not m.prompt), n_steps
+
+    n_rep, n_steps = decode_replays(setup["out"])
+    assert n_steps > 3 and n_rep == n_steps
+    assert "--replay-decode" not in read_validation(setup["out"])[2]["command"]
+    assert validate(setup, tmp_path / "v", "--replay-decode", "0.15", speed_probe=injected(1.0, 1.0)) == 0
+    n_rep, n_steps = decode_replays(tmp_path / "v")
+    assert n_rep < n_steps                      # below 1 a replay waits for its share to cover it: not the first
+    assert "--replay-decode 0.15" in read_validation(tmp_path / "v")[2]["command"]
+
+
 # --- --speed-correct steps: the real run's own speed (an oracle) --------------------------------------------
 
 
