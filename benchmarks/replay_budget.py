@@ -7,8 +7,8 @@ with them.
 Each RUN_DIR is a `slotlab validate --speed-correct track-mix` output folder (or a folder of them, e.g. a
 `benchmarks/validate_settings.py --out` folder, whose <setting>-<seed>/track-mix runs are taken) whose real run
 replayed every one of its steps of that path: for the prompt path (the default) that is the in-run probe's default
-prompt budget, 1 (`MIX_BUDGET_PROMPT`); for the decode path it takes a run made with a decode budget of 1 (the
-default is `MIX_BUDGET`, 0.15: `InRunProbe(budget=1.0)`). For each budget B of `--budgets`, the path's replays are
+prompt budget, 1 (`MIX_BUDGET_PROMPT`); for the decode path, a run made with a decode budget of 1 (`MIX_BUDGET`,
+`validate --replay-decode 1`, the default since docs/validation_sim.md §25; runs of before it had 0.15). For each budget B of `--budgets`, the path's replays are
 thinned to the ones the probe's own credit rule (`experiments.calibrate.MixCredit`) would have made at B, in the
 run's order, the other path's replays left as they are (B = 0: no replay on that path), and the run is
 re-simulated with them: `slotlab validate --real-run` with the run's own command line and `--speed-correct
@@ -91,7 +91,7 @@ def replayed_track(real: Path, prompt: bool = True) -> SpeedTrack:
     n_rep = sum(1 for p in track.passes for m in p.mix if m.prompt == prompt)
     if n_rep < n_steps:
         path, how = (("prompt", "the probe's default prompt budget 1; a run of before it had 0.5") if prompt else
-                     ("decode", "a decode budget of 1, InRunProbe(budget=1.0); the default is 0.15"))
+                     ("decode", "validate --replay-decode 1, the default; a run of before it had 0.15"))
         raise ValueError(f"{real}: {n_rep} {path} replays for {n_steps} {path} steps; thinning needs a run that "
                          f"replayed every one ({how})")
     return track
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("runs", nargs="+", metavar="RUN_DIR", help="slotlab validate output folders (see above)")
     ap.add_argument("--path", choices=tuple(PATHS), default="prompt",
                     help="whose replays to thin: the steps with prompt tokens (default) or the decode steps (a run "
-                         "made with a decode budget of 1)")
+                         "made with `validate --replay-decode 1`, the default)")
     ap.add_argument("--budgets", default=None,
                     help="budgets to compare, fractions of the path's step time in [0, 1] (default: 1,0.5,0 for "
                          "the prompt path, 1,0.15 for the decode path)")

@@ -93,7 +93,7 @@ MIX_WARM_DECODE = True             # a decode step's replay runs its shape twice
 # the bench's cells are then as warm as the run's own (over 20 runs, a run's median first execution read 1.1-4.5%
 # slower than its step, the second 0.3-1.8%; docs/validation_sim.md §14). The untimed execution is outside the budget.
 # Not when the run's step before was replayed too (every step, at the default budgets): the bench's cells were then
-# touched a step ago, as the run's own were, and the first execution read a median 0.1% slower than the second
+# touched a step ago, as the run's own were, and the first execution read a median 0.3% slower than the second
 # (§25), so the warm-up would double the decode replays' wall time for nothing
 GROUPS_DOC = ("decode and mixed shapes by batch size, prompt chunks by length, each copy, shift and split "
               "shape alone")
