@@ -46,36 +46,38 @@ def test_thinning_a_budget_one_track_keeps_the_replays_the_probe_makes_at_that_b
         probe = InRunProbe(model, replay_sampling(model, 0.0, 0), 100.0, clock=lambda: 0.0, budget=budget,
                            budget_prompt=budget_prompt)
         probe.start(lambda: 0.0)
-        probe.mix_bench = None
         for plan, seconds in steps:
             probe.mix_bench = FixedReplay(1.1 * seconds)
             probe(plan, seconds)
         return probe._pending
 
+    def two_passes(replays, cut):        # the credit runs on across passes, as the probe's does
+        return SpeedTrack(10.0, (TrackPass(1.0, 1.0, {"x": 0.1}, 0.0, tuple(replays[:cut])),
+                                 TrackPass(2.0, 2.0, {"x": 0.1}, 0.0, tuple(replays[cut:]))))
+
+    def thinned(track, budget, path=True):
+        return [m for p in rb.thin_track(track, budget, prompt=path).passes for m in p.mix]
+
+    def shapes(replays):
+        return [(m.prompt, m.step_s) for m in replays]
+
     every = run(1.0)
     assert sum(m.prompt for m in every) == sum(plan is prompt for plan, _ in steps)
-    # split over two passes: the credit runs on across them, as the probe's does
-    track = SpeedTrack(10.0, (TrackPass(1.0, 1.0, {"x": 0.1}, 0.0, tuple(every[:9])),
-                              TrackPass(2.0, 2.0, {"x": 0.1}, 0.0, tuple(every[9:]))))
+    track = two_passes(every, 9)
     for budget in (0.5, 0.25, 0.0):
-        thinned = [m for p in rb.thin_track(track, budget).passes for m in p.mix]
-        made = run(budget)
-        assert [(m.prompt, m.step_s) for m in thinned] == [(m.prompt, m.step_s) for m in made], budget
-    assert [m for p in rb.thin_track(track, 1.0).passes for m in p.mix] == list(every)
-    assert not any(m.prompt for p in rb.thin_track(track, 0.0).passes for m in p.mix)
+        assert shapes(thinned(track, budget)) == shapes(run(budget)), budget
+    assert thinned(track, 1.0) == list(every)
+    assert not any(m.prompt for m in thinned(track, 0.0))
     # the decode path: decode steps of uneven lengths (the prompt path's replays kept as they are)
     steps = [(decode, 0.01), (decode, 0.03), (prompt, 0.2), (decode, 0.012), (decode, 0.05), (decode, 0.008),
              (decode, 0.02), (prompt, 0.1), (decode, 0.011)] * 4
     every = run(1.0)
     assert sum(not m.prompt for m in every) == sum(plan is decode for plan, _ in steps)
-    track = SpeedTrack(10.0, (TrackPass(1.0, 1.0, {"x": 0.1}, 0.0, tuple(every[:13])),
-                              TrackPass(2.0, 2.0, {"x": 0.1}, 0.0, tuple(every[13:]))))
+    track = two_passes(every, 13)
     for budget in (0.5, 0.15, 0.0):
-        thinned = [m for p in rb.thin_track(track, budget, prompt=False).passes for m in p.mix]
-        made = run(1.0, budget)
-        assert [(m.prompt, m.step_s) for m in thinned] == [(m.prompt, m.step_s) for m in made], budget
-        assert sum(m.prompt for m in thinned) == sum(plan is prompt for plan, _ in steps)
-    assert 0 < sum(not m.prompt for p in rb.thin_track(track, 0.15, prompt=False).passes for m in p.mix) < 10
+        assert shapes(thinned(track, budget, False)) == shapes(run(1.0, budget)), budget
+        assert sum(m.prompt for m in thinned(track, budget, False)) == sum(plan is prompt for plan, _ in steps)
+    assert 0 < sum(not m.prompt for m in thinned(track, 0.15, False)) < 10
 
 
 def test_validate_argv_drops_the_options_the_script_sets(rb, tmp_path):
