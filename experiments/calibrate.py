@@ -367,9 +367,14 @@ class _MixBench:
 
     def measure(self, calls: Sequence[MixCall], ops: Sequence[MixOp] = ()) -> MixTime | None:
         """One execution of the step shape, timed: its copies (`ops`), then its forward calls (`MixTime`: the
-        seconds of both, and the copies' part of them); None when it does not fit these cells. A sequence loaded
-        by a copy keeps its float32 shadow stale for the forward calls, which convert it inside the timing as the
-        run's step after a load does."""
+        seconds of both, and the copies' part of them); None when it does not fit these cells.
+
+        A sequence loaded by a copy has a stale float32 shadow (ggml mode), which the run's step after a load
+        converts inside its forward calls. Here it is brought current right after the copies and timed with
+        them (`copy_s`), so that the forward calls' time is what the latency model's forward price is of: the
+        calibration's load shapes time that conversion in their steps, so the model's load price holds it
+        (`load_s_per_byte`); a knot whose replays carried it too would charge it a second time in every step
+        after a load (docs/validation_sim.md §26)."""
         first: dict[int, list[int]] = {}                     # seq -> [pos0 of its first chunk, tokens it appends]
         for call in calls:
             for seq, pos0, n, _samples, _prompt in call:
@@ -383,6 +388,12 @@ class _MixBench:
         loaded = {seq for kind, seq, _n in ops if kind == "load"}
         for seq, (pos0, n_new) in first.items():
             self._hold(seq, pos0, n_new, shadow=seq not in loaded)
+        converting = sorted(loaded & first.keys())  # the conversion a load leaves to the step, timed as a copy's
+        if converting:
+            t0 = time.perf_counter()
+            for seq in converting:
+                self.model.shadow_current(self.backend.kv, seq)
+            copied += time.perf_counter() - t0
         return MixTime(copied + self.backend.execute(mix_plan(calls, self.tokens, self.tasks)).elapsed_s, copied)
 
 
