@@ -400,9 +400,9 @@ class MixSample:
     of those copies within `measured_s` (0 without copies; None in files written before they were timed on
     their own), with, since 2026-12-07, the conversion of a loaded sequence's float32 shadow that the step
     after a load does (the calibration's load price holds it; in earlier files it is in the forward calls'
-    part, docs/validation_sim.md §26). The knots leave the copies' seconds out (`mix_knots`): a save on the bench writes a new blob
-    it frees at once, and whether its pages are fresh decides its time (0.05 or 2 ns a byte on a VM), unlike
-    the run's own saves (docs/validation_sim.md §15)."""
+    part, docs/validation_sim.md §26). The knots leave the copies' seconds out (`mix_knots`): a save on the
+    bench writes a new blob it frees at once, and whether its pages are fresh decides its time (0.05 or 2 ns a
+    byte on a VM), unlike the run's own saves (docs/validation_sim.md §15)."""
 
     calls: tuple[MixCall, ...]
     prompt: bool
