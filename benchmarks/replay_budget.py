@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from experiments.calibrate import MixCredit  # noqa: E402
 from experiments.results import read_json  # noqa: E402
 from experiments.speed_probe import SpeedTrack, TrackPass, read_run_track, write_run_track  # noqa: E402
-from experiments.steplog import STEPS_FILE, read_steps  # noqa: E402
+from experiments.steplog import STEPS_FILE, path_steps, read_steps  # noqa: E402
 from experiments.validate import FILES, read_validation  # noqa: E402
 
 AGG = [(m, s) for m in ("ttft", "tpot", "e2e") for s in ("p50", "p90")]
@@ -83,11 +83,7 @@ def replayed_track(real: Path, prompt: bool = True) -> SpeedTrack:
     steps = read_steps(real)
     if steps is None:
         raise ValueError(f"{real / STEPS_FILE}: no step log there (a real run's directory has one)")
-    if prompt:
-        n_steps = int((steps["n_prefill_tokens"] > 0).sum())
-    else:
-        n_steps = int(((steps["n_prefill_tokens"] == 0) & (steps["n_forward_calls"] > 0)
-                       & (steps["elapsed_s"] > 0)).sum())
+    n_steps = path_steps(steps, prompt)
     n_rep = sum(1 for p in track.passes for m in p.mix if m.prompt == prompt)
     if n_rep < n_steps:
         path, how = (("prompt", "the probe's default prompt budget 1; a run of before it had 0.5") if prompt else

@@ -159,6 +159,14 @@ def read_steps(run_dir: str | Path) -> pd.DataFrame | None:
     return steps
 
 
+def path_steps(steps: pd.DataFrame, prompt: bool) -> int:
+    """How many of the logged steps the in-run probe's path `prompt` offers to replay (`experiments.calibrate.
+    InRunProbe`): the steps with prompt tokens, or (False) the decode steps, those without that ran a forward pass."""
+    if prompt:
+        return int((steps["n_prefill_tokens"] > 0).sum())
+    return int(((steps["n_prefill_tokens"] == 0) & (steps["n_forward_calls"] > 0) & (steps["elapsed_s"] > 0)).sum())
+
+
 def step_costs(steps: pd.DataFrame, with_layout: bool = True) -> list[StepCost]:
     """Each logged step's StepCost (as the simulated backend builds it: without the layout unless asked)."""
     costs = []

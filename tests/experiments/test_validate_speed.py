@@ -402,11 +402,9 @@ def test_by_default_every_decode_step_is_replayed_and_replay_decode_takes_a_shar
     assert MIX_BUDGET == 1.0 and next(f for f in FLAGS if "--replay-decode" in f.flags).default == MIX_BUDGET
 
     def decode_replays(run):
-        steps = pd.read_parquet(run / "real" / "steps.parquet")
-        n_steps = int(((steps["n_prefill_tokens"] == 0) & (steps["n_forward_calls"] > 0)
-                       & (steps["elapsed_s"] > 0)).sum())
+        from experiments.steplog import path_steps, read_steps
         track = read_run_track(run / "real")
-        return sum(1 for p in track.passes for m in p.mix if not m.prompt), n_steps
+        return sum(1 for p in track.passes for m in p.mix if not m.prompt), path_steps(read_steps(run / "real"), False)
 
     n_rep, n_steps = decode_replays(setup["out"])
     assert n_steps > 3 and n_rep == n_steps
