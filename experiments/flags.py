@@ -362,6 +362,12 @@ FLAGS: tuple[Flag, ...] = (
          "(--speed-correct track-mix, which measures the run's own speed, can: docs/validation_sim.md §22) "
          "(default: none)", (VALIDATE,), str,
          metavar="DIR"),
+    Flag(None, ("--floor-draws",), "re-simulations for the repeat floor with the schedule free (validation.json "
+         "repeat_floor.dynamic): the simulation run again N times, every step's time multiplied by a draw of the "
+         "real run's own replay scatter, the core re-deciding what follows, each compared with the undisturbed "
+         "simulation: what a simulator exact to each step's expected time would score on this host, the "
+         "schedule's sensitivity included (docs/validation_sim.md §27); a run with the in-run probe's replays "
+         "only (default: 16; 0 = off)", (VALIDATE,), int, 16, "N"),
     Flag(None, ("--arrivals",), "loop = the simulator's chat turns arrive as the workload says, think time after "
          "the simulated reply (closed loop); real = each turn arrives when it arrived in the real run (or when "
          "its simulated previous reply ends, if later): the loop no longer carries one run's timing error "

@@ -20,23 +20,35 @@ The result is what an ideal simulator (one that knew each step's expected time o
 would score against this run. It is optimistic: the draws are independent per step, while the host's speed moves
 for seconds at a time, and a closed loop's decisions and arrivals do not move with the draws. An aggregate whose
 floor is already near a target says the target is below what this machine repeats (docs/validation_sim.md §13).
+
+The schedule free (`dynamic_floor`, validation.json `repeat_floor.dynamic`, validate `--floor-draws`): a step a
+little longer or shorter also moves what comes after it. A request that arrives a few milliseconds later meets
+the next step instead of this one; a chat turn sent after a reply that ended later meets other slots; a long
+prompt step lands before or after another request's last token and adds its whole length to that request. The
+fixed floor cannot see this. The dynamic floor re-runs the validation's simulation with every step's time
+multiplied by a draw of the same scatter (`sim.latency.JitteredLatency`), the core re-deciding everything that
+follows, and compares each drawn simulation with the undisturbed one as validate compares the simulator with the
+real run. It is what a simulator exact to each step's expected time would score against a real run whose steps
+scatter as this host's do, the schedule's sensitivity included (docs/validation_sim.md §27).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from experiments.results import LATENCY_METRICS, STATS, latency_stats_rows
+from sim.latency import JitteredLatency
 
 FLOOR_DRAWS = 400                 # drawn runs per validation: the within-target fractions to about +-2.5%
 FLOOR_MIN_REPLAYS = 10            # fewer replays in the run (both paths together): no floor
 FLOOR_TARGET = 0.03               # the aggregate target the fractions count against (issue #14: 3%)
 FLOOR_METRICS = tuple(m for m in LATENCY_METRICS if m != "queue")   # a queue time is not a step's: no floor
+DYNAMIC_DRAWS = 16               # validate --floor-draws: re-simulations of the dynamic floor
 _CHUNK_CELLS = 4_000_000          # draws x steps per block of the draws (32 MB of float64)
 
 
@@ -49,6 +61,26 @@ def replay_log_ratios(track: Any) -> dict[bool, np.ndarray]:
                 if m.measured_s > 0 and m.step_s > 0:
                     out[bool(m.prompt)].append(math.log(m.measured_s / m.step_s))
     return {k: np.asarray(v, dtype=float) for k, v in out.items()}
+
+
+def one_execution(track: Any) -> dict[str, Any] | None:
+    """One execution's scatter around its expected time, per path (True: steps with prompt tokens), from a
+    track's replays (module docs, 1.): `centred` the log ratios replay / step less their median, / sqrt 2;
+    `offset` exp(that median); `scatter` the median |centred|; `n` the replays. A path without replays takes the
+    other's. None with fewer than FLOOR_MIN_REPLAYS replays in all."""
+    ratios = replay_log_ratios(track)
+    n = {k: len(v) for k, v in ratios.items()}
+    if n[True] + n[False] < FLOOR_MIN_REPLAYS:
+        return None
+    pooled = np.concatenate([ratios[True], ratios[False]])
+    centred, offset, scatter = {}, {}, {}
+    for path, v in ratios.items():
+        v = v if len(v) else pooled
+        med = float(np.median(v))
+        centred[path] = (v - med) / math.sqrt(2.0)
+        offset[path] = math.exp(med)
+        scatter[path] = float(np.median(np.abs(centred[path])))
+    return {"n": n, "centred": centred, "offset": offset, "scatter": scatter}
 
 
 def interval_deltas(start_s: np.ndarray, elapsed_s: np.ndarray, lo: np.ndarray, hi: np.ndarray,
@@ -77,18 +109,10 @@ def repeat_floor(steps: pd.DataFrame | None, requests: pd.DataFrame, track: Any,
     fewer than FLOOR_MIN_REPLAYS replays. A path without replays of its own takes the other path's scatter."""
     if steps is None or "clock_s" not in steps or not len(steps):
         return None
-    ratios = replay_log_ratios(track)
-    n = {k: len(v) for k, v in ratios.items()}
-    if n[True] + n[False] < FLOOR_MIN_REPLAYS:
+    one = one_execution(track)
+    if one is None:
         return None
-    pooled = np.concatenate([ratios[True], ratios[False]])
-    centred, offset, scatter = {}, {}, {}
-    for path, v in ratios.items():
-        v = v if len(v) else pooled
-        med = float(np.median(v))
-        centred[path] = (v - med) / math.sqrt(2.0)
-        offset[path] = math.exp(med)
-        scatter[path] = float(np.median(np.abs(centred[path])))
+    n, centred, offset, scatter = one["n"], one["centred"], one["offset"], one["scatter"]
     start = steps["clock_s"].to_numpy(float)
     elapsed = steps["elapsed_s"].to_numpy(float)
     keep = np.isfinite(start) & np.isfinite(elapsed) & (elapsed > 0)
@@ -149,6 +173,76 @@ def repeat_floor(steps: pd.DataFrame | None, requests: pd.DataFrame, track: Any,
         "draws": int(draws), "seed": int(seed), "target": float(target),
         "aggregate": aggregate, "per_request": per_request,
     }
+
+
+def dynamic_floor(simulate: Callable[[Any], pd.DataFrame],
+                  score: Callable[[pd.DataFrame], tuple[Mapping[tuple[str, str], float], Mapping[str, Any]]],
+                  latency: Any, track: Any, *, draws: int = DYNAMIC_DRAWS, seed: int = 0,
+                  target: float = FLOOR_TARGET, progress: Callable[[], Any] | None = None) -> dict[str, Any] | None:
+    """validation.json's `repeat_floor.dynamic` (module docs, "The schedule free"): the validation's simulation
+    run `draws` more times, each with every step's time multiplied by a draw of one execution's scatter
+    (`one_execution`, `sim.latency.JitteredLatency` over `latency`), and compared with the undisturbed simulation
+    as validate compares the simulator with the real run.
+
+    `simulate(latency)` runs the validation's simulation (its workload, arrivals and server) with that latency
+    model and returns the requests; `score(requests)` compares them with the undisturbed run's and returns
+    ({(metric, stat): relative error}, validate's per-request summary: `<metric>_median_ape`,
+    `decision_match_rate`). `progress()` is called after each draw. None without enough replays or draws."""
+    one = one_execution(track)
+    if one is None or draws < 1:
+        return None
+    errs: dict[tuple[str, str], list[float]] = {(m, st): [] for m in FLOOR_METRICS for st in STATS}
+    per: dict[str, list[float]] = {m: [] for m in FLOOR_METRICS}
+    alike: list[float] = []
+    for i in range(draws):
+        drawn = simulate(JitteredLatency(latency, one["centred"][True], one["centred"][False], seed=seed + i))
+        agg, summary = score(drawn)
+        for key, values in errs.items():
+            values.append(abs(float(agg.get(key, math.nan))))
+        for m, values in per.items():
+            values.append(float(summary.get(f"{m}_median_ape", math.nan)))
+        alike.append(float(summary.get("decision_match_rate", math.nan)))
+        if progress is not None:
+            progress()
+    aggregate = []
+    for (m, stat), values in errs.items():
+        v = np.asarray(values)
+        v = v[np.isfinite(v)]
+        if not v.size:
+            continue
+        aggregate.append({"metric": m, "stat": stat, "median_abs": float(np.median(v)),
+                          "p90_abs": float(np.percentile(v, 90)), "within_target": float(np.mean(v <= target))})
+
+    def median(values: list[float]) -> float:
+        v = np.asarray(values)
+        v = v[np.isfinite(v)]
+        return float(np.median(v)) if v.size else math.nan
+
+    return {
+        "what": "the simulation run again `draws` times with every step's time multiplied by a draw of one "
+                "execution's scatter (as the fixed floor draws), each time re-deciding what follows from the times "
+                "(batches, slots, cached prefixes, a closed loop's arrivals), and compared with the undisturbed "
+                "simulation as the simulator is with the real run; within_target: the fraction of draws within the "
+                "target",
+        "draws": int(draws), "seed": int(seed), "target": float(target), "aggregate": aggregate,
+        "per_request": {f"{m}_median_ape": median(v) for m, v in per.items()},
+        "decision_match_rate": median(alike),
+    }
+
+
+def format_dynamic_floor(dyn: Mapping[str, Any]) -> str:
+    """The dynamic floor for the terminal: per metric how often P50 / P90 met the target, per request, decisions."""
+    agg = {(r["metric"], r["stat"]): r for r in dyn["aggregate"]}
+    target = 100 * dyn["target"]
+    parts = [f"{m.upper()} {100 * agg[(m, 'p50')]['within_target']:.0f}/{100 * agg[(m, 'p90')]['within_target']:.0f}%"
+             for m in FLOOR_METRICS if (m, "p50") in agg and (m, "p90") in agg]
+    per = dyn["per_request"]
+    return (f"repeat floor, the schedule free ({dyn['draws']} re-simulations with that scatter): P50/P90 within "
+            f"{target:g}% in " + ", ".join(parts) + " of the draws, expected "
+            f"{floor_expected_hits(dyn):.1f} of {2 * len(parts)}; per request median "
+            + ", ".join(f"{m.upper()} {100 * per[f'{m}_median_ape']:.1f}%" for m in FLOOR_METRICS
+                        if math.isfinite(per.get(f"{m}_median_ape", math.nan)))
+            + f"; decided alike {100 * dyn['decision_match_rate']:.0f}%")
 
 
 def floor_expected_hits(floor: Mapping[str, Any], stats: Sequence[str] = ("p50", "p90")) -> float:

@@ -54,9 +54,17 @@ from experiments.calibrate import (
     probe_predictions,
     replay_sampling,
 )
-from experiments.repeat_floor import format_repeat_floor, repeat_floor
+from experiments.repeat_floor import dynamic_floor, format_dynamic_floor, format_repeat_floor, repeat_floor
 from experiments.replay import run_replay
-from experiments.results import LATENCY_METRICS, STATS, latency_stats, load_results, write_json, write_run
+from experiments.results import (
+    LATENCY_METRICS,
+    STATS,
+    latency_stats,
+    load_results,
+    requests_frame,
+    write_json,
+    write_run,
+)
 from experiments.runs import follow, out_dir, reserve_heap, resolve_model, run_context, server_config
 from experiments.speed_probe import (
     PROBE_FILE,
@@ -320,6 +328,17 @@ def token_space_of(model_path: str) -> tuple[int, frozenset[int]]:
     return tok.n_vocab, reserved
 
 
+def twin_simulation(values: Mapping[str, Any], real_config: Mapping[str, Any], token_space: tuple[int, frozenset[int]],
+                    latency: Any, progress: Any = None) -> Simulation:
+    """The simulator set up as the real run's twin: the server configuration the real run resolved, the model's
+    prompt token space (`token_space_of`), replies to their full length (`ignore_eos`), `latency` for the step
+    times."""
+    vocab_size, reserved = token_space
+    return Simulation(server_config_from_json(real_config["server_config"]), latency, seed=values["seed"],
+                      fast_forward=not values["no_fast_forward"], progress=progress, vocab_size=vocab_size,
+                      reserved_tokens=reserved, task_defaults={"ignore_eos": True})
+
+
 def run_sim_twin(values: Mapping[str, Any], workload: Any, real_config: Mapping[str, Any], model_path: str,
                  out_dir: str | Path, context: Mapping[str, Any], *, csv: bool, plots: bool,
                  progress: Any = None, latency: Any = None) -> dict[str, Any]:
@@ -328,15 +347,32 @@ def run_sim_twin(values: Mapping[str, Any], workload: Any, real_config: Mapping[
     if latency is None:
         latency = get_latency_model(values["latency"])
     cfg = server_config_from_json(real_config["server_config"])
-    vocab_size, reserved = token_space_of(model_path)
     fast = not values["no_fast_forward"]
-    sim = Simulation(cfg, latency, seed=values["seed"], fast_forward=fast, progress=progress, vocab_size=vocab_size,
-                     reserved_tokens=reserved, task_defaults={"ignore_eos": True})
-    result = sim.run(workload)
+    result = twin_simulation(values, real_config, token_space_of(model_path), latency, progress).run(workload)
     config = {"slotlab_results": 1, **context, "label": "simulator", "rerun": shlex.join(simulate_argv(values)),
               "options": dict(values), "latency_spec": values["latency"], "server_config": cfg,
               "seed": values["seed"], "fast_forward": fast, "twin_of": "real engine run (same server_config)"}
     return write_run(out_dir, result, config, csv=csv, plots=plots, n_slots=cfg.resolve().n_slots)
+
+
+def run_dynamic_floor(values: Mapping[str, Any], workload: Any, real_config: Mapping[str, Any], model_path: str,
+                      latency: Any, reference: pd.DataFrame, track: Any, draws: int,
+                      progress: Callable[[], Any] | None = None) -> dict[str, Any] | None:
+    """validation.json's `repeat_floor.dynamic` (`experiments.repeat_floor.dynamic_floor`): the twin simulation of
+    `workload` (its arrivals as simulated: pinned ones included) run again `draws` times under `latency` jittered
+    by the real run's replay scatter, each compared with `reference`, the undisturbed simulation's requests, as
+    the simulator is compared with the real run."""
+    space = token_space_of(model_path)
+
+    def simulate(jittered: Any) -> pd.DataFrame:
+        return requests_frame(twin_simulation(values, real_config, space, jittered).run(workload).requests)
+
+    def score(drawn: pd.DataFrame) -> tuple[dict[tuple[str, str], float], dict[str, Any]]:
+        agg = aggregate_errors(reference, drawn)
+        return ({(r.metric, r.stat): r.rel_err for r in agg.itertuples()},
+                per_request_summary(compare_requests(reference, drawn)))
+
+    return dynamic_floor(simulate, score, latency, track, draws=draws, progress=progress)
 
 
 # --- command line ----------------------------------------------------------------------------------------
@@ -632,6 +668,8 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
         if not 0 <= args.replay_decode <= 1:
             raise ValueError(f"--replay-decode must be a fraction of the decode step time in [0, 1], got "
                              f"{args.replay_decode}")
+        if args.floor_draws < 0:
+            raise ValueError(f"--floor-draws must be a number of re-simulations >= 0 (0 = off), got {args.floor_draws}")
         if not (math.isfinite(args.knot_window) and args.knot_window > 0):
             raise ValueError(f"--knot-window must be a number of seconds > 0, got {args.knot_window}")
         model = resolve_model(args.model)
@@ -751,6 +789,11 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
     if floor_run is not None:
         summary["noise_floor"] = noise_floor(real, floor_run)
     summary["repeat_floor"] = repeat_floor(steps, real.requests, track)
+    if summary["repeat_floor"] is not None and args.floor_draws > 0:
+        with tqdm(total=args.floor_draws, unit="draw", desc="validate: repeat floor", file=sys.stderr, leave=False,
+                  disable=args.quiet) as b:
+            summary["repeat_floor"]["dynamic"] = run_dynamic_floor(
+                values, workload, real.config, model, sim_latency, sim.requests, track, args.floor_draws, b.update)
     step_report = None
     if steps is not None:
         predicted = predict_steps(steps, sim_latency)
@@ -788,6 +831,8 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
             print(format_noise_floor(summary["noise_floor"]))
         if summary["repeat_floor"] is not None:
             print(format_repeat_floor(summary["repeat_floor"]))
+            if summary["repeat_floor"].get("dynamic"):
+                print(format_dynamic_floor(summary["repeat_floor"]["dynamic"]))
         print(f"threads {summary['threads']}, load average {load_start[0]:.2f} -> {summary['load_average_end'][0]:.2f}"
               f"; latency {values['latency']}")
         where = "real/" if reused is None else f"real: {real.path}"

@@ -302,8 +302,60 @@ class TrackedLatency(_Wrapper):
                 "prompt_factors": list(self.prompt_factors), "base": base, "source": base.get("source")}
 
 
+class JitteredLatency(_Wrapper):
+    """Another model's step times, each multiplied by exp(x), x drawn with replacement from `prompt_log` for a step
+    that processes prompt tokens and from `decode_log` for one that does not; one independent draw per step.
+
+    A host whose single steps scatter around their expected time: what that scatter alone does to a run's figures,
+    once the simulation re-decides everything that follows from it (batches, slots, cached prefixes, a closed
+    loop's arrivals). `experiments.repeat_floor.dynamic_floor` draws from a real run's own replays. Seeded: the
+    same seed and the same calls give the same times. A fast-forwarded decode stretch draws one value per step
+    too, so it agrees with stepping one by one in distribution, not draw for draw (the one deviation from the
+    LatencyModel contract, by design). The base's layout, calibration record and clock (`bind_clock`, which a
+    TrackedLatency base needs) are forwarded."""
+
+    def __init__(self, base: LatencyModel, prompt_log: Sequence[float], decode_log: Sequence[float],
+                 seed: int = 0) -> None:
+        if not isinstance(base, LatencyModel):
+            raise ValueError(f"JitteredLatency: base must be a latency model, got {type(base).__name__}")
+        p = np.asarray(prompt_log, dtype=float).ravel()
+        d = np.asarray(decode_log, dtype=float).ravel()
+        if not p.size or not d.size:
+            raise ValueError(f"JitteredLatency: needs at least one value per path to draw from (got {p.size} for "
+                             f"prompt steps, {d.size} for decode steps)")
+        if not (np.isfinite(p).all() and np.isfinite(d).all()):
+            raise ValueError("JitteredLatency: the values drawn (log factors) must be finite")
+        self.base = base
+        self.seed = int(seed)
+        self._prompt = np.exp(p)
+        self._decode = np.exp(d)
+        self._rng = np.random.default_rng(self.seed)
+
+    def bind_clock(self, clock: Callable[[], float]) -> None:
+        """Hand the simulated clock on to a base that reads it (TrackedLatency); nothing for one that does not."""
+        bind = getattr(self.base, "bind_clock", None)
+        if bind is not None:
+            bind(clock)
+
+    def step_time_s(self, cost: StepCost) -> float:
+        factors = self._prompt if cost.n_prefill_tokens > 0 else self._decode
+        return float(factors[self._rng.integers(factors.size)]) * self.base.step_time_s(cost)
+
+    def decode_only_times_s(self, n_seqs: int, attn_ctx0: int, k: int,
+                            decode: Sequence[tuple[int, int]] | None = None) -> list[float]:
+        times = np.asarray(self._base_decode_times(n_seqs, attn_ctx0, k, decode), dtype=float)
+        if not times.size:
+            return []
+        return (self._decode[self._rng.integers(self._decode.size, size=times.size)] * times).tolist()
+
+    def describe(self) -> dict:
+        base = self.base.describe()
+        return {"kind": "jittered", "n_prompt": int(self._prompt.size), "n_decode": int(self._decode.size),
+                "seed": self.seed, "base": base, "source": base.get("source")}
+
+
 def unscaled(latency: LatencyModel) -> LatencyModel:
-    """The model under any wrappers (ScaledLatency, TrackedLatency)."""
+    """The model under any wrappers (ScaledLatency, TrackedLatency, JitteredLatency)."""
     while isinstance(latency, _Wrapper):
         latency = latency.base
     return latency

@@ -117,8 +117,38 @@ def test_validate_settings_reads_two_real_runs_as_a_row_and_counts_it_like_the_s
     summary = mod.summary_table([{"run": "np1 1", "correction": "real vs real", **row}])
     cells = summary.splitlines()[2].split(" | ")
     # within 3%: TTFT P50, TPOT P50 and P90, E2E P90 (4 of 6); within 5%: all six
-    assert cells[5] == "4/6 · 6/6" and cells[6] == "1/2 · 2/2 · 1/2" and cells[7].rstrip(" |") == "n/a · n/a · n/a"
+    assert cells[5] == "4/6 · 6/6" and cells[6] == "1/2 · 2/2 · 1/2" and cells[7] == "n/a · n/a · n/a"
+    assert cells[8].rstrip(" |") == "n/a · n/a · n/a"
     assert "real vs real" in mod.table([{"run": "np1 1", "correction": "real vs real", **row}])
+
+
+def test_validate_settings_counts_the_repeat_floor_with_the_schedule_fixed_and_free(tmp_path):
+    mod = _validate_settings()
+
+    def floor(within):
+        return {"aggregate": [{"metric": m, "stat": st, "within_target": within[m] if st != "p99" else 0.5}
+                              for m in ("ttft", "tpot", "e2e") for st in ("p50", "p90", "p99")]}
+
+    fixed = floor({"ttft": 0.7, "tpot": 1.0, "e2e": 0.9})
+    runs = []
+    for i, dynamic in enumerate((floor({"ttft": 0.5, "tpot": 0.75, "e2e": 1.0}), None)):
+        run = tmp_path / str(i)
+        run.mkdir()
+        (run / "errors.csv").write_text("metric,stat,rel_err\n" + "".join(
+            f"{m},{st},0.01\n" for m in ("ttft", "tpot", "e2e") for st in ("p50", "p90")))
+        (run / "validation.csv").write_text("request,ttft_rel_err\n0,0.01\n")
+        (run / "validation.json").write_text(json.dumps({
+            "threads": 2, "load_average_start": [1.0], "load_average_end": [1.0], "tpot_median_ape": 0.01,
+            "e2e_median_ape": 0.01, "decision_match_rate": 1.0,
+            "n_requests": 1, "repeat_floor": {**fixed, **({"dynamic": dynamic} if dynamic else {})}}))
+        runs.append(mod.read_run(run))
+    assert (runs[0]["floor_ttft"], runs[0]["dyn_ttft"], runs[0]["dyn_tpot"]) == (1.4, 1.0, 1.5)
+    assert math.isnan(runs[1]["dyn_e2e"]) and runs[1]["floor_e2e"] == 1.8
+    cells = mod.summary_table([{"run": "np1 1", "correction": "track-mix", **runs[0]}]).splitlines()[2].split(" | ")
+    assert cells[7] == "1.4/2 · 2.0/2 · 1.8/2" and cells[8].rstrip(" |") == "1.0/2 · 1.5/2 · 2.0/2"
+    both = [{"run": f"np1 {i}", "correction": "track-mix", **r} for i, r in enumerate(runs)]
+    cells = mod.summary_table(both).splitlines()[2].split(" | ")
+    assert cells[7] == "2.8/4 · 4.0/4 · 3.6/4" and cells[8].rstrip(" |") == "n/a · n/a · n/a"   # one run without
 
 
 def test_validate_settings_says_which_folder_lacks_the_second_run(tmp_path):

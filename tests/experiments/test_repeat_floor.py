@@ -9,11 +9,16 @@ import pytest
 
 from experiments.repeat_floor import (
     FLOOR_MIN_REPLAYS,
+    dynamic_floor,
     floor_expected_hits,
+    format_dynamic_floor,
     format_repeat_floor,
     interval_deltas,
+    one_execution,
     repeat_floor,
 )
+from experiments.results import requests_frame
+from sim.latency import ConstantLatency
 from experiments.speed_probe import MixSample, SpeedTrack, TrackPass
 
 CALL = (((0, 0, 1, True, False),),)
@@ -152,3 +157,86 @@ def test_the_floor_prints_per_metric_and_per_request():
     text = format_repeat_floor(floor)
     assert text.startswith("repeat floor (10 + 10 replays, one execution's scatter 7.1% prompt / 0.0% decode)")
     assert "TTFT " in text and "TPOT 0.0/0.0% (within 3%: 100/100%)" in text and "per request median TTFT" in text
+
+
+# --- the schedule free (dynamic_floor) -----------------------------------------------------------------------
+
+BASE = ConstantLatency(0.01, 1e-4)
+
+
+def simulated(latency):
+    """Twelve requests 50 ms apart on two slots, prompts of 40-117 tokens: later ones wait for a slot, so a step's
+    time moves which step a request is admitted in."""
+    from engine.core import ServerConfig
+    from sim.driver import Simulation
+    from traces import Trace, TraceRequest
+    reqs = [TraceRequest(i, 0.05 * i, 40 + 7 * i, 8 + i % 5) for i in range(12)]
+    rows = Simulation(ServerConfig(n_ctx=2048, n_parallel=2, cache_prompt=False), latency).run(
+        Trace(reqs, "native", "test")).requests
+    return requests_frame(rows)
+
+
+def scorer(reference):
+    """validate's comparison of a drawn simulation with the undisturbed one."""
+    from experiments.validate import aggregate_errors, compare_requests, per_request_summary
+
+    def score(drawn):
+        agg = aggregate_errors(reference, drawn)
+        return ({(r.metric, r.stat): r.rel_err for r in agg.itertuples()},
+                per_request_summary(compare_requests(reference, drawn)))
+    return score
+
+
+def test_replays_equal_to_their_steps_give_back_the_undisturbed_simulation_every_draw():
+    ref = simulated(BASE)
+    calls = []
+    dyn = dynamic_floor(simulated, scorer(ref), BASE, track([1.05] * 6, [0.98] * 6), draws=3,
+                        progress=lambda: calls.append(1))
+    assert dyn["draws"] == 3 and len(calls) == 3 and dyn["decision_match_rate"] == 1.0
+    assert {(r["metric"], r["stat"]) for r in dyn["aggregate"]} == {(m, st) for m in ("ttft", "tpot", "e2e")
+                                                                   for st in ("p50", "p90", "p99", "mean")}
+    for r in dyn["aggregate"]:
+        assert r["median_abs"] == 0.0 and r["p90_abs"] == 0.0 and r["within_target"] == 1.0
+    assert dyn["per_request"] == {"ttft_median_ape": 0.0, "tpot_median_ape": 0.0, "e2e_median_ape": 0.0}
+    assert floor_expected_hits(dyn) == 6.0
+
+
+def test_a_scattered_host_moves_the_drawn_simulations_and_the_draws_are_seeded():
+    ref = simulated(BASE)
+    t = track([math.exp(0.2), math.exp(-0.2)] * 5, [math.exp(0.2), math.exp(-0.2)] * 5)
+    one = dynamic_floor(simulated, scorer(ref), BASE, t, draws=6, seed=4)
+    assert one == dynamic_floor(simulated, scorer(ref), BASE, t, draws=6, seed=4)
+    assert one != dynamic_floor(simulated, scorer(ref), BASE, t, draws=6, seed=5)
+    assert floor_expected_hits(one) < 6.0
+    assert all(one["per_request"][f"{m}_median_ape"] > 0 for m in ("ttft", "tpot", "e2e"))
+
+
+def test_the_drawn_simulations_get_one_executions_scatter_per_path():
+    seen = []
+
+    def simulate(latency):
+        seen.append(latency)
+        return simulated(latency)
+
+    t = track([math.exp(0.3), math.exp(-0.3)] * 5, [1.0] * 10)
+    dynamic_floor(simulate, scorer(simulated(BASE)), BASE, t, draws=2, seed=7)
+    one = one_execution(t)
+    assert [m.seed for m in seen] == [7, 8] and all(m.base is BASE for m in seen)
+    assert sorted(seen[0]._prompt) == pytest.approx(sorted(np.exp(one["centred"][True])), rel=1e-12)
+    assert set(seen[0]._decode) == {1.0}
+
+
+def test_no_dynamic_floor_without_enough_replays_or_draws():
+    score = scorer(simulated(BASE))
+    assert dynamic_floor(simulated, score, BASE, track([1.0] * (FLOOR_MIN_REPLAYS - 1)), draws=2) is None
+    assert dynamic_floor(simulated, score, BASE, None, draws=2) is None
+    assert dynamic_floor(simulated, score, BASE, track([1.0] * FLOOR_MIN_REPLAYS), draws=0) is None
+
+
+def test_the_dynamic_floor_prints_how_often_each_aggregate_met_the_target():
+    ref = simulated(BASE)
+    dyn = dynamic_floor(simulated, scorer(ref), BASE, track([1.0] * 6, [1.0] * 6), draws=2)
+    text = format_dynamic_floor(dyn)
+    assert text.startswith("repeat floor, the schedule free (2 re-simulations with that scatter): P50/P90 within 3% "
+                           "in TTFT 100/100%, TPOT 100/100%, E2E 100/100% of the draws, expected 6.0 of 6")
+    assert text.endswith("per request median TTFT 0.0%, TPOT 0.0%, E2E 0.0%; decided alike 100%")

@@ -544,3 +544,42 @@ def test_validation_json_has_the_repeat_floor_of_the_runs_replays(setup, tmp_pat
     no_replays = with_track(setup, tmp_path / "x", lambda n: [(0.2, 1.0)])
     assert validate(setup, tmp_path / "none", "--real-run", str(no_replays)) == 0
     assert read_validation(tmp_path / "none")[2]["repeat_floor"] is None
+
+
+def test_the_repeat_floor_with_the_schedule_free_resimulates_the_validation(setup, tmp_path, capsys):
+    """`repeat_floor.dynamic`: --floor-draws re-simulations under the run's replay scatter, each compared with the
+    undisturbed simulation. Replays at exactly their steps' times give the undisturbed run back every time; at
+    +-10% in turn, the drawn runs move; 0 draws, none; a negative count is refused."""
+    from experiments.speed_probe import MixSample
+    steps = pd.read_parquet(setup["out"] / "real" / "steps.parquet")
+    steps = steps[steps["elapsed_s"] > 0]
+    call = (((0, 0, 1, True, False),),)
+
+    def run_with(cycle, name):
+        real = tmp_path / name
+        shutil.copytree(setup["out"] / "real", real)
+        mix = [MixSample(call, bool(p > 0), cycle[i % len(cycle)] * e, e, c + e) for i, (c, e, p) in
+               enumerate(steps[["clock_s", "elapsed_s", "n_prefill_tokens"]].itertuples(index=False))]
+        write_run_track(real, SpeedTrack(5.0, (TrackPass(1.0, 1.0, dict(CAL_S), 0.5, tuple(mix)),)))
+        return real
+
+    same = run_with([1.07], "same")
+    assert validate(setup, tmp_path / "same", "--real-run", str(same), "--speed-correct", "track-mix",
+                    "--floor-draws", "3") == 0
+    dyn = read_validation(tmp_path / "same")[2]["repeat_floor"]["dynamic"]
+    assert dyn["draws"] == 3 and dyn["decision_match_rate"] == 1.0
+    assert all(r["median_abs"] == pytest.approx(0.0, abs=1e-12) and r["within_target"] == 1.0
+               for r in dyn["aggregate"])
+    moving = run_with([1.1, 1.0, 1 / 1.1], "moving")
+    assert validate(setup, tmp_path / "moves", "--real-run", str(moving)) == 0       # the default: 16 draws
+    dyn = read_validation(tmp_path / "moves")[2]["repeat_floor"]["dynamic"]
+    assert dyn["draws"] == 16 and max(r["p90_abs"] for r in dyn["aggregate"]) > 0.01
+    assert validate(setup, tmp_path / "off", "--real-run", str(moving), "--floor-draws", "0") == 0
+    assert "dynamic" not in read_validation(tmp_path / "off")[2]["repeat_floor"]
+    capsys.readouterr()
+    rc = run_validate(parse(*[o for o in setup["options"] if o != "--quiet"], "--latency",
+                            f"parametric:{setup['cal']}", "--out", str(tmp_path / "loud"), "--real-run",
+                            str(moving), "--floor-draws", "2"))
+    assert rc == 0 and "repeat floor, the schedule free (2 re-simulations" in capsys.readouterr().out
+    assert validate(setup, tmp_path / "bad", "--real-run", str(moving), "--floor-draws", "-1") == 2
+    assert "--floor-draws must be a number of re-simulations >= 0" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from sim.latency import (
     DEFAULT_CALIBRATION_PATH,
     ConstantLatency,
+    JitteredLatency,
     LatencyModel,
     MeasuredOn,
     ParametricLatency,
@@ -432,6 +433,76 @@ def test_a_simulation_binds_its_clock_to_a_tracked_model():
     first, second = sorted(rows, key=lambda r: r["request"])
     for col in ("ttft_s", "e2e_s"):
         assert second[col] == pytest.approx(2 * first[col], rel=1e-6), col
+
+
+# --- jittered (each step's time times a drawn factor) -----------------------------------------------
+
+
+def test_jitter_of_zero_leaves_every_time_as_the_base_gives_it():
+    model = JitteredLatency(PARAMETRIC, (0.0,), (0.0,), seed=1)
+    for cost in STEPS:
+        assert model.step_time_s(cost) == PARAMETRIC.step_time_s(cost)
+    assert model.decode_only_times_s(3, 900, 60) == PARAMETRIC.decode_only_times_s(3, 900, 60)
+    assert model.decode_only_times_s(3, 900, 0) == []
+
+
+def test_each_path_draws_from_its_own_values():
+    model = JitteredLatency(PARAMETRIC, (math.log(2.0),), (math.log(0.5),), seed=0)
+    prompt, mixed, decode = STEPS[0], step_cost_from_chunks([(0, 16)], [100, 200]), decode_only_cost(4, 1000)
+    assert model.step_time_s(prompt) == pytest.approx(2.0 * PARAMETRIC.step_time_s(prompt), rel=1e-15)
+    assert model.step_time_s(mixed) == pytest.approx(2.0 * PARAMETRIC.step_time_s(mixed), rel=1e-15)
+    assert model.step_time_s(decode) == pytest.approx(0.5 * PARAMETRIC.step_time_s(decode), rel=1e-15)
+    assert model.decode_only_times_s(4, 1000, 3) == pytest.approx(
+        [0.5 * t for t in PARAMETRIC.decode_only_times_s(4, 1000, 3)], rel=1e-15)
+
+
+def test_jitter_draws_once_per_step_and_is_seeded():
+    values = (-0.1, 0.0, 0.1)
+    allowed = {round(math.exp(v), 9) for v in values}
+
+    def times(seed):
+        model = JitteredLatency(PARAMETRIC, values, values, seed=seed)
+        one = [model.step_time_s(STEPS[0]) for _ in range(60)]
+        return one, model.decode_only_times_s(2, 500, 200)
+
+    one, stretch = times(5)
+    assert (one, stretch) == times(5) and (one, stretch) != times(6)
+    base_one = PARAMETRIC.step_time_s(STEPS[0])
+    assert {round(t / base_one, 9) for t in one} == allowed           # every value drawn, nothing else
+    ratios = {round(t / b, 9) for t, b in zip(stretch, PARAMETRIC.decode_only_times_s(2, 500, 200))}
+    assert ratios == allowed                                          # the stretch draws per step, not once
+
+
+def test_jitter_forwards_the_clock_the_layout_and_the_record(tmp_path):
+    tracked = TrackedLatency(PHYSICAL, (0.0, 10.0), (1.0, 2.0))
+    model = JitteredLatency(tracked, (0.0,), (0.0,), seed=0)
+    model.bind_clock(lambda: 10.0)
+    assert model.step_time_s(STEPS[0]) == 2.0 * PHYSICAL.step_time_s(STEPS[0])
+    assert model.wants_layout is True and unscaled(model) is PHYSICAL
+    decode = [(0, 100), (3, 700)]
+    assert model.decode_only_times_s(2, 802, 5, decode) == tracked.decode_only_times_s(2, 802, 5, decode)
+    JitteredLatency(PARAMETRIC, (0.0,), (0.0,)).bind_clock(lambda: 1.0)     # a base without a clock: nothing to do
+    path = tmp_path / "cal.json"
+    save_calibration(PARAMETRIC, path, MEASURED_ON)
+    base = load_calibration(path)
+    rec = JitteredLatency(base, (0.1, -0.1), (0.0,), seed=3)
+    assert rec.measured_on == MEASURED_ON and rec.source == str(path) and rec.wants_layout is False
+    desc = rec.describe()
+    assert desc["kind"] == "jittered" and desc["n_prompt"] == 2 and desc["n_decode"] == 1 and desc["seed"] == 3
+    assert desc["base"] == base.describe() and desc["source"] == str(path)
+
+
+@pytest.mark.parametrize("prompt, decode, match", [
+    ((), (0.0,), "at least one value per path"),
+    ((0.0,), (), "at least one value per path"),
+    ((0.0, math.nan), (0.0,), "finite"),
+    ((0.0,), (math.inf,), "finite"),
+])
+def test_jitter_rejects_values_it_cannot_draw(prompt, decode, match):
+    with pytest.raises(ValueError, match=match):
+        JitteredLatency(PARAMETRIC, prompt, decode)
+    with pytest.raises(ValueError, match="base must be a latency model"):
+        JitteredLatency(0.01, (0.0,), (0.0,))
 
 
 # --- registry -------------------------------------------------------------------------------------
