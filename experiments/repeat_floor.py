@@ -187,13 +187,16 @@ def dynamic_floor(simulate: Callable[[Any], pd.DataFrame],
     `simulate(latency)` runs the validation's simulation (its workload, arrivals and server) with that latency
     model and returns the requests; `score(requests)` compares them with the undisturbed run's and returns
     ({(metric, stat): relative error}, validate's per-request summary: `<metric>_median_ape`,
-    `decision_match_rate`). `progress()` is called after each draw. None without enough replays or draws."""
+    `decision_match_rate`). `progress()` is called after each draw. `hits`: per draw, how many of the P50s and
+    P90s met the target, and their median and 10th and 90th percentiles: the range a simulator exact to each
+    step's expected time lands in on this host. None without enough replays or draws."""
     one = one_execution(track)
     if one is None or draws < 1:
         return None
     errs: dict[tuple[str, str], list[float]] = {(m, st): [] for m in FLOOR_METRICS for st in STATS}
     per: dict[str, list[float]] = {m: [] for m in FLOOR_METRICS}
     alike: list[float] = []
+    hits: list[int] = []            # per draw: how many P50s and P90s (FLOOR_METRICS) met the target
     for i in range(draws):
         drawn = simulate(JitteredLatency(latency, one["centred"][True], one["centred"][False], seed=seed + i))
         agg, summary = score(drawn)
@@ -202,6 +205,8 @@ def dynamic_floor(simulate: Callable[[Any], pd.DataFrame],
         for m, values in per.items():
             values.append(float(summary.get(f"{m}_median_ape", math.nan)))
         alike.append(float(summary.get("decision_match_rate", math.nan)))
+        hits.append(sum(abs(float(agg.get((m, st), math.nan))) <= target for m in FLOOR_METRICS
+                        for st in ("p50", "p90")))
         if progress is not None:
             progress()
     aggregate = []
@@ -227,6 +232,8 @@ def dynamic_floor(simulate: Callable[[Any], pd.DataFrame],
         "draws": int(draws), "seed": int(seed), "target": float(target), "aggregate": aggregate,
         "per_request": {f"{m}_median_ape": median(v) for m, v in per.items()},
         "decision_match_rate": median(alike),
+        "hits": {"of": 2 * len(FLOOR_METRICS), "per_draw": hits, "median": float(np.median(hits)),
+                 "p10": float(np.percentile(hits, 10)), "p90": float(np.percentile(hits, 90))},
     }
 
 
@@ -242,7 +249,23 @@ def format_dynamic_floor(dyn: Mapping[str, Any]) -> str:
             f"{floor_expected_hits(dyn):.1f} of {2 * len(parts)}; per request median "
             + ", ".join(f"{m.upper()} {100 * per[f'{m}_median_ape']:.1f}%" for m in FLOOR_METRICS
                         if math.isfinite(per.get(f"{m}_median_ape", math.nan)))
-            + f"; decided alike {100 * dyn['decision_match_rate']:.0f}%")
+            + f"; decided alike {100 * dyn['decision_match_rate']:.0f}%" + _hits_text(dyn))
+
+
+def _hits_text(dyn: Mapping[str, Any]) -> str:
+    """The draws' range of P50s and P90s within the target, beside the simulator's own count when validate set it
+    (`simulator_hits`); "" for a floor written before `hits`."""
+    h = dyn.get("hits")
+    if not h:
+        return ""
+    text = (f"; P50s and P90s within target per draw: median {h['median']:g} of {h['of']} "
+            f"(10-90%: {h['p10']:g}-{h['p90']:g})")
+    own = dyn.get("simulator_hits")
+    if own is not None:
+        where = ("within that range" if h["p10"] <= own <= h["p90"] else
+                 "below that range" if own < h["p10"] else "above that range")
+        text += f"; the simulator met {own}, {where}"
+    return text
 
 
 def floor_expected_hits(floor: Mapping[str, Any], stats: Sequence[str] = ("p50", "p90")) -> float:

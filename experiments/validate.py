@@ -355,6 +355,12 @@ def run_sim_twin(values: Mapping[str, Any], workload: Any, real_config: Mapping[
     return write_run(out_dir, result, config, csv=csv, plots=plots, n_slots=cfg.resolve().n_slots)
 
 
+def aggregate_hits(errors: pd.DataFrame, target: float) -> int:
+    """How many P50s and P90s of TTFT, TPOT and E2E in an `aggregate_errors` table are within `target`."""
+    sel = errors[errors["metric"].isin(("ttft", "tpot", "e2e")) & errors["stat"].isin(("p50", "p90"))]
+    return int((sel["rel_err"].abs() <= target).sum())
+
+
 def run_dynamic_floor(values: Mapping[str, Any], workload: Any, real_config: Mapping[str, Any], model_path: str,
                       latency: Any, reference: pd.DataFrame, track: Any, draws: int,
                       progress: Callable[[], Any] | None = None) -> dict[str, Any] | None:
@@ -792,8 +798,10 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
     if summary["repeat_floor"] is not None and args.floor_draws > 0:
         with tqdm(total=args.floor_draws, unit="draw", desc="validate: repeat floor", file=sys.stderr, leave=False,
                   disable=args.quiet) as b:
-            summary["repeat_floor"]["dynamic"] = run_dynamic_floor(
+            dyn = summary["repeat_floor"]["dynamic"] = run_dynamic_floor(
                 values, workload, real.config, model, sim_latency, sim.requests, track, args.floor_draws, b.update)
+        if dyn is not None:       # the simulator's own count, beside the draws' range
+            dyn["simulator_hits"] = aggregate_hits(errors, dyn["target"])
     step_report = None
     if steps is not None:
         predicted = predict_steps(steps, sim_latency)

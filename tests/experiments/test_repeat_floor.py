@@ -199,6 +199,7 @@ def test_replays_equal_to_their_steps_give_back_the_undisturbed_simulation_every
         assert r["median_abs"] == 0.0 and r["p90_abs"] == 0.0 and r["within_target"] == 1.0
     assert dyn["per_request"] == {"ttft_median_ape": 0.0, "tpot_median_ape": 0.0, "e2e_median_ape": 0.0}
     assert floor_expected_hits(dyn) == 6.0
+    assert dyn["hits"] == {"of": 6, "per_draw": [6, 6, 6], "median": 6.0, "p10": 6.0, "p90": 6.0}
 
 
 def test_a_scattered_host_moves_the_drawn_simulations_and_the_draws_are_seeded():
@@ -209,6 +210,11 @@ def test_a_scattered_host_moves_the_drawn_simulations_and_the_draws_are_seeded()
     assert one != dynamic_floor(simulated, scorer(ref), BASE, t, draws=6, seed=5)
     assert floor_expected_hits(one) < 6.0
     assert all(one["per_request"][f"{m}_median_ape"] > 0 for m in ("ttft", "tpot", "e2e"))
+    # each draw's count of P50s and P90s within the target: their mean is the expected count
+    counts = one["hits"]["per_draw"]
+    assert len(counts) == 6 and all(0 <= c <= 6 for c in counts)
+    assert np.mean(counts) == pytest.approx(floor_expected_hits(one), rel=1e-12)
+    assert one["hits"]["p10"] <= one["hits"]["median"] <= one["hits"]["p90"]
 
 
 def test_the_drawn_simulations_get_one_executions_scatter_per_path():
@@ -239,4 +245,9 @@ def test_the_dynamic_floor_prints_how_often_each_aggregate_met_the_target():
     text = format_dynamic_floor(dyn)
     assert text.startswith("repeat floor, the schedule free (2 re-simulations with that scatter): P50/P90 within 3% "
                            "in TTFT 100/100%, TPOT 100/100%, E2E 100/100% of the draws, expected 6.0 of 6")
-    assert text.endswith("per request median TTFT 0.0%, TPOT 0.0%, E2E 0.0%; decided alike 100%")
+    assert text.endswith("per request median TTFT 0.0%, TPOT 0.0%, E2E 0.0%; decided alike 100%; P50s and P90s "
+                         "within target per draw: median 6 of 6 (10-90%: 6-6)")
+    for own, where in ((4, "below"), (6, "within")):
+        assert format_dynamic_floor({**dyn, "simulator_hits": own}).endswith(
+            f"; the simulator met {own}, {where} that range")
+    assert "per draw" not in format_dynamic_floor({k: v for k, v in dyn.items() if k != "hits"})   # written before

@@ -574,12 +574,17 @@ def test_the_repeat_floor_with_the_schedule_free_resimulates_the_validation(setu
     assert validate(setup, tmp_path / "moves", "--real-run", str(moving)) == 0       # the default: 16 draws
     dyn = read_validation(tmp_path / "moves")[2]["repeat_floor"]["dynamic"]
     assert dyn["draws"] == 16 and max(r["p90_abs"] for r in dyn["aggregate"]) > 0.01
+    assert len(dyn["hits"]["per_draw"]) == 16
+    errors = pd.read_csv(tmp_path / "moves" / "errors.csv")       # the simulator's own count, beside the draws'
+    errors = errors[errors["stat"].isin(["p50", "p90"]) & errors["metric"].isin(["ttft", "tpot", "e2e"])]
+    assert dyn["simulator_hits"] == int((errors["rel_err"].abs() <= 0.03).sum())
     assert validate(setup, tmp_path / "off", "--real-run", str(moving), "--floor-draws", "0") == 0
     assert "dynamic" not in read_validation(tmp_path / "off")[2]["repeat_floor"]
     capsys.readouterr()
     rc = run_validate(parse(*[o for o in setup["options"] if o != "--quiet"], "--latency",
                             f"parametric:{setup['cal']}", "--out", str(tmp_path / "loud"), "--real-run",
                             str(moving), "--floor-draws", "2"))
-    assert rc == 0 and "repeat floor, the schedule free (2 re-simulations" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert rc == 0 and "repeat floor, the schedule free (2 re-simulations" in out and "; the simulator met " in out
     assert validate(setup, tmp_path / "bad", "--real-run", str(moving), "--floor-draws", "-1") == 2
     assert "--floor-draws must be a number of re-simulations >= 0" in capsys.readouterr().err
