@@ -205,8 +205,7 @@ def dynamic_floor(simulate: Callable[[Any], pd.DataFrame],
         for m, values in per.items():
             values.append(float(summary.get(f"{m}_median_ape", math.nan)))
         alike.append(float(summary.get("decision_match_rate", math.nan)))
-        hits.append(sum(abs(float(agg.get((m, st), math.nan))) <= target for m in FLOOR_METRICS
-                        for st in ("p50", "p90")))
+        hits.append(hits_within(agg, target))
         if progress is not None:
             progress()
     aggregate = []
@@ -235,6 +234,12 @@ def dynamic_floor(simulate: Callable[[Any], pd.DataFrame],
         "hits": {"of": 2 * len(FLOOR_METRICS), "per_draw": hits, "median": float(np.median(hits)),
                  "p10": float(np.percentile(hits, 10)), "p90": float(np.percentile(hits, 90))},
     }
+
+
+def hits_within(rel_errors: Mapping[tuple[str, str], float], target: float = FLOOR_TARGET) -> int:
+    """How many P50s and P90s of FLOOR_METRICS in {(metric, stat): relative error} are within `target` (a missing or
+    NaN one is not)."""
+    return sum(abs(float(rel_errors.get((m, st), math.nan))) <= target for m in FLOOR_METRICS for st in ("p50", "p90"))
 
 
 def format_dynamic_floor(dyn: Mapping[str, Any]) -> str:

@@ -54,7 +54,13 @@ from experiments.calibrate import (
     probe_predictions,
     replay_sampling,
 )
-from experiments.repeat_floor import dynamic_floor, format_dynamic_floor, format_repeat_floor, repeat_floor
+from experiments.repeat_floor import (
+    dynamic_floor,
+    format_dynamic_floor,
+    format_repeat_floor,
+    hits_within,
+    repeat_floor,
+)
 from experiments.replay import run_replay
 from experiments.results import (
     LATENCY_METRICS,
@@ -355,10 +361,9 @@ def run_sim_twin(values: Mapping[str, Any], workload: Any, real_config: Mapping[
     return write_run(out_dir, result, config, csv=csv, plots=plots, n_slots=cfg.resolve().n_slots)
 
 
-def aggregate_hits(errors: pd.DataFrame, target: float) -> int:
-    """How many P50s and P90s of TTFT, TPOT and E2E in an `aggregate_errors` table are within `target`."""
-    sel = errors[errors["metric"].isin(("ttft", "tpot", "e2e")) & errors["stat"].isin(("p50", "p90"))]
-    return int((sel["rel_err"].abs() <= target).sum())
+def rel_errors(errors: pd.DataFrame) -> dict[tuple[str, str], float]:
+    """An `aggregate_errors` table as {(metric, stat): relative error}."""
+    return {(r.metric, r.stat): r.rel_err for r in errors.itertuples()}
 
 
 def run_dynamic_floor(values: Mapping[str, Any], workload: Any, real_config: Mapping[str, Any], model_path: str,
@@ -374,9 +379,7 @@ def run_dynamic_floor(values: Mapping[str, Any], workload: Any, real_config: Map
         return requests_frame(twin_simulation(values, real_config, space, jittered).run(workload).requests)
 
     def score(drawn: pd.DataFrame) -> tuple[dict[tuple[str, str], float], dict[str, Any]]:
-        agg = aggregate_errors(reference, drawn)
-        return ({(r.metric, r.stat): r.rel_err for r in agg.itertuples()},
-                per_request_summary(compare_requests(reference, drawn)))
+        return rel_errors(aggregate_errors(reference, drawn)), per_request_summary(compare_requests(reference, drawn))
 
     return dynamic_floor(simulate, score, latency, track, draws=draws, progress=progress)
 
@@ -801,7 +804,7 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
             dyn = summary["repeat_floor"]["dynamic"] = run_dynamic_floor(
                 values, workload, real.config, model, sim_latency, sim.requests, track, args.floor_draws, b.update)
         if dyn is not None:       # the simulator's own count, beside the draws' range
-            dyn["simulator_hits"] = aggregate_hits(errors, dyn["target"])
+            dyn["simulator_hits"] = hits_within(rel_errors(errors), dyn["target"])
     step_report = None
     if steps is not None:
         predicted = predict_steps(steps, sim_latency)

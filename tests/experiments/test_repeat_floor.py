@@ -12,6 +12,7 @@ from experiments.repeat_floor import (
     dynamic_floor,
     floor_expected_hits,
     format_dynamic_floor,
+    hits_within,
     format_repeat_floor,
     interval_deltas,
     one_execution,
@@ -251,3 +252,10 @@ def test_the_dynamic_floor_prints_how_often_each_aggregate_met_the_target():
         assert format_dynamic_floor({**dyn, "simulator_hits": own}).endswith(
             f"; the simulator met {own}, {where} that range")
     assert "per draw" not in format_dynamic_floor({k: v for k, v in dyn.items() if k != "hits"})   # written before
+
+
+def test_hits_count_the_p50s_and_p90s_within_the_target_and_not_a_missing_one():
+    errs = {("ttft", "p50"): 0.03, ("ttft", "p90"): -0.031, ("tpot", "p50"): math.nan, ("e2e", "p50"): -0.01,
+            ("e2e", "p90"): 0.0, ("e2e", "p99"): 0.0, ("queue", "p50"): 0.0}
+    assert hits_within(errs) == 3          # TTFT P50, E2E P50 and P90; TPOT P90 missing, P99 and queue not counted
+    assert hits_within(errs, 0.05) == 4
