@@ -254,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="results/validate_settings", help="campaign folder (default %(default)s)")
     ap.add_argument("--knot-window", default=None, metavar="SECONDS",
                     help="validate's --knot-window for every run and re-simulation (default: validate's own, 1 s)")
+    ap.add_argument("--replay-again", action="store_true",
+                    help="validate's --replay-again on each real run: every replay executed twice, so that the repeat "
+                         "floor measures how a replay's scatter splits between the step and the replay "
+                         "(docs/validation_sim.md §28)")
     ap.add_argument("--repeat", action="store_true",
                     help="run the engine a second time on each setting and seed (validate --noise-floor) and add "
                          "the simulator against that run and the two real runs against each other")
@@ -276,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         base += ["--mem-reserve", str(args.mem_reserve)]
     if args.knot_window is not None:
         base += ["--knot-window", str(args.knot_window)]
+    if args.replay_again:             # the real runs' probe; a re-simulation (--real-run) reads what they stored
+        base += ["--replay-again"]
     print(f"validate_settings: {len(seeds)} seeds x {len(args.settings.split(','))} settings, scale {args.scale}, "
           f"threads {args.threads}, numerics {args.numerics}, load average {os.getloadavg()[0]:.2f}", flush=True)
     rows = []

@@ -768,7 +768,9 @@ class InRunProbe:
     - the mix (`mix`, with the run's backend given to `start`): right after one of the run's steps, that step
       re-executed once with its prompt-cache copies (`MixSample`, `replay_shape`; a step without prompt tokens
       twice back to back, the second timed, unless the run's step before it was replayed too: `warm_decode`,
-      MIX_WARM_DECODE), so that the timed replays take
+      MIX_WARM_DECODE; with `again`, each timed replay executed once more right after itself, outside the
+      budget, its time kept apart as `MixSample.again_s` for the repeat floor's split of the scatter,
+      validate `--replay-again`), so that the timed replays take
       `budget` of the run's step time without prompt tokens and `budget_prompt` of its time with, spread evenly
       over it (`MixCredit`; a budget of 1 replays every step). Both budgets are 1 by default. The prompt
       path's steps are few (a few dozen in a run of minutes), TTFT rests on each of them, and a smaller budget
@@ -792,7 +794,7 @@ class InRunProbe:
     def __init__(self, model: Any, sampling: Any, every_s: float, *, repeats: int = TRACK_REPEATS, seed: int = 0,
                  clock: Callable[[], float] = time.perf_counter, load_reader: LoadReader = os.getloadavg,
                  mix: bool = True, budget: float = MIX_BUDGET, budget_prompt: float = MIX_BUDGET_PROMPT,
-                 warm_decode: bool = MIX_WARM_DECODE) -> None:
+                 warm_decode: bool = MIX_WARM_DECODE, again: bool = False) -> None:
         if not every_s > 0:
             raise ValueError(f"InRunProbe: every_s must be > 0, got {every_s!r}")
         if repeats < 1:
@@ -810,6 +812,7 @@ class InRunProbe:
             self.bench.measure(p)
         self.mix, self.budget = mix, {False: float(budget), True: float(budget_prompt)}
         self.warm_decode = bool(warm_decode)
+        self.again = bool(again)
         self.mix_bench: _MixBench | None = None
         self._credit = self._credits()             # per path (prompt or not): which of its steps to replay
         self._pending: list[MixSample] = []        # replays since the last pass
@@ -863,7 +866,10 @@ class InRunProbe:
         self._after_replay = t is not None
         if t is not None and t.seconds > 0:
             credit.spend(t.seconds)
-            self._pending.append(MixSample(calls, prompt, float(t.seconds), step_s, clock_s, ops, float(t.copy_s)))
+            again = self.mix_bench.measure(calls, ops) if self.again else None     # outside the budget
+            again_s = float(again.seconds) if again is not None and again.seconds > 0 else None
+            self._pending.append(MixSample(calls, prompt, float(t.seconds), step_s, clock_s, ops, float(t.copy_s),
+                                           again_s))
 
     def _pass(self, clock_s: float, now: float) -> None:
         samples: dict[str, list[float]] = {p.label: [] for p in self.points}

@@ -405,6 +405,11 @@ FLAGS: tuple[Flag, ...] = (
          "was not replayed, docs/validation_sim.md §14); every "
          "prompt step is replayed at any setting; a new real run only (--real-run reuses its replays)",
          (VALIDATE,), float, 1.0, "FRACTION"),
+    Flag(None, ("--replay-again",), "execute each of the in-run probe's timed replays once more right after "
+         "itself and keep that time apart (real/speed_track.json again_s): the knots do not use it; the repeat "
+         "floor measures from it how a replay's scatter against its step splits between the step's own noise and "
+         "the replay's, instead of taking the split as even (docs/validation_sim.md §28). Costs the replays' wall "
+         "time once more; a new real run only (default: off)", (VALIDATE,), default=False),
     # generate and calibrate
     Flag(None, ("-m", "--model"), f"GGUF model (default: {SMOLLM2_WHEEL})", (GENERATE, CALIBRATE), str,
          metavar="GGUF"),

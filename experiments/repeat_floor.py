@@ -8,8 +8,16 @@ scatter into what it means for the validation's figures:
 
 1. the run's replays give, per path (steps with prompt tokens, steps without), the log ratios replay / step,
    centred on their median (a constant offset between replays and steps is a bias of the bench, reported as
-   `offset`, not scatter) and divided by sqrt(2): a replay and its step are two independent executions of equal
-   spread, so their log ratio has twice the variance of one execution around its expected time;
+   `offset`, not scatter) and scaled to the step's own part of that scatter (`step_share`). A replay and its
+   step are two executions; their log ratio holds the noise of both. Without more, the split is taken as even
+   (two independent executions of equal spread: a share of 1 / sqrt(2)). With each replay executed a second
+   time right after itself (`MixSample.again_s`, validate `--replay-again`), the split is measured: the three
+   executions' pairwise log ratios a = replay / step, c = again / step and b = again / replay have spreads
+   s_a, s_c, s_b (median absolute deviations, robust to the host's interruptions), and with independent noises
+   the step's own variance is (s_a^2 + s_c^2 - s_b^2) / 2, its share sqrt of that over s_a^2, clipped to
+   [0, 1]. On this project's host the replays agreed with each other better than with their step
+   (docs/validation_sim.md §13, §28): the step carries noise of its own that executions after it do not see,
+   and an even split then understates what no simulator can predict;
 2. each of `draws` times, every step of the real run gets a time drawn as its measured time times exp(one such
    value of its path, drawn with replacement), the schedule held fixed; each request's TTFT, TPOT and E2E move by
    the part of each step inside its intervals;
@@ -63,24 +71,66 @@ def replay_log_ratios(track: Any) -> dict[bool, np.ndarray]:
     return {k: np.asarray(v, dtype=float) for k, v in out.items()}
 
 
+def again_log_ratios(track: Any) -> dict[bool, np.ndarray]:
+    """Per path (True: steps with prompt tokens), for every replay executed a second time (`MixSample.again_s`):
+    rows of log(replay / step), log(again / step), log(again / replay)."""
+    out: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
+    if track is not None:
+        for p in track.passes:
+            for m in p.mix:
+                if m.again_s is not None and m.measured_s > 0 and m.step_s > 0 and m.again_s > 0:
+                    out[bool(m.prompt)].append((math.log(m.measured_s / m.step_s), math.log(m.again_s / m.step_s),
+                                                math.log(m.again_s / m.measured_s)))
+    return {k: np.asarray(v, dtype=float).reshape(-1, 3) for k, v in out.items()}
+
+
+def _mad(v: np.ndarray) -> float:
+    return float(np.median(np.abs(v - np.median(v))))
+
+
+def step_share(rows: np.ndarray) -> float:
+    """The step's share of the spread of log(replay / step), from rows of log(replay / step), log(again / step),
+    log(again / replay) (module docs, 1.): sqrt((s_a^2 + s_c^2 - s_b^2) / 2) / s_a, clipped to [0, 1]; 1 when the
+    replays repeat their steps exactly (nothing to split)."""
+    s_a, s_c, s_b = (_mad(rows[:, j]) for j in range(3))
+    if s_a == 0.0:
+        return 1.0
+    own = (s_a * s_a + s_c * s_c - s_b * s_b) / 2.0
+    return float(min(1.0, math.sqrt(max(own, 0.0)) / s_a))
+
+
 def one_execution(track: Any) -> dict[str, Any] | None:
     """One execution's scatter around its expected time, per path (True: steps with prompt tokens), from a
-    track's replays (module docs, 1.): `centred` the log ratios replay / step less their median, / sqrt 2;
-    `offset` exp(that median); `scatter` the median |centred|; `n` the replays. A path without replays takes the
-    other's. None with fewer than FLOOR_MIN_REPLAYS replays in all."""
+    track's replays (module docs, 1.): `centred` the log ratios replay / step less their median, times
+    `step_share` (measured from the replays' second executions where a path has FLOOR_MIN_REPLAYS of them,
+    `split` "measured"; else 1 / sqrt 2, "even"); `offset` exp(that median); `scatter` the median |centred|; `n`
+    the replays, `n_again` those executed twice, `replay_vs_replay` the median |log(again / replay)| (NaN
+    without). A path without replays takes the other's. None with fewer than FLOOR_MIN_REPLAYS replays in all."""
     ratios = replay_log_ratios(track)
+    again = again_log_ratios(track)
     n = {k: len(v) for k, v in ratios.items()}
     if n[True] + n[False] < FLOOR_MIN_REPLAYS:
         return None
     pooled = np.concatenate([ratios[True], ratios[False]])
-    centred, offset, scatter = {}, {}, {}
+    pooled_again = np.concatenate([again[True], again[False]])
+    centred, offset, scatter, share, split, vs = {}, {}, {}, {}, {}, {}
     for path, v in ratios.items():
         v = v if len(v) else pooled
+        rows = again[path] if n[path] else pooled_again
         med = float(np.median(v))
-        centred[path] = (v - med) / math.sqrt(2.0)
+        measured = len(rows) >= FLOOR_MIN_REPLAYS
+        share[path] = step_share(rows) if measured else 1.0 / math.sqrt(2.0)
+        split[path] = "measured" if measured else "even"
+        vs[path] = float(np.median(np.abs(rows[:, 2]))) if len(rows) else math.nan
+        centred[path] = (v - med) * share[path]
         offset[path] = math.exp(med)
         scatter[path] = float(np.median(np.abs(centred[path])))
-    return {"n": n, "centred": centred, "offset": offset, "scatter": scatter}
+    return {"n": n, "centred": centred, "offset": offset, "scatter": scatter, "step_share": share, "split": split,
+            "n_again": {k: len(v) for k, v in again.items()}, "replay_vs_replay": vs}
+
+
+def _json_number(x: float) -> float | None:
+    return None if not math.isfinite(x) else float(x)
 
 
 def interval_deltas(start_s: np.ndarray, elapsed_s: np.ndarray, lo: np.ndarray, hi: np.ndarray,
@@ -113,6 +163,7 @@ def repeat_floor(steps: pd.DataFrame | None, requests: pd.DataFrame, track: Any,
     if one is None:
         return None
     n, centred, offset, scatter = one["n"], one["centred"], one["offset"], one["scatter"]
+    by_name = {"prompt": True, "decode": False}
     start = steps["clock_s"].to_numpy(float)
     elapsed = steps["elapsed_s"].to_numpy(float)
     keep = np.isfinite(start) & np.isfinite(elapsed) & (elapsed > 0)
@@ -164,12 +215,18 @@ def repeat_floor(steps: pd.DataFrame | None, requests: pd.DataFrame, track: Any,
     per_request = {f"{m}_median_ape": float(np.median(np.concatenate(per[m]))) for m in FLOOR_METRICS if m in per}
     return {
         "what": "an ideal simulator's errors against this run: every step redrawn with the scatter of a "
-                "re-execution (the run's own replays, centred, / sqrt 2), the schedule fixed; median_abs, p90_abs: "
-                "the median and 90th percentile over the draws of the |relative error|; within_target: the "
-                "fraction of draws within the target; optimistic (independent draws per step)",
+                "re-execution (the run's own replays, centred, times the step's share of their scatter: "
+                "step_share, measured from second executions where split says so, else 1 / sqrt 2), the schedule "
+                "fixed; median_abs, p90_abs: the median and 90th percentile over the draws of the |relative "
+                "error|; within_target: the fraction of draws within the target; optimistic (independent draws "
+                "per step)",
         "n_replays": {"prompt": n[True], "decode": n[False]},
         "offset": {"prompt": offset[True], "decode": offset[False]},
         "scatter": {"prompt": scatter[True], "decode": scatter[False]},
+        "step_share": {k: one["step_share"][p] for k, p in by_name.items()},
+        "split": {k: one["split"][p] for k, p in by_name.items()},
+        "n_again": {k: one["n_again"][p] for k, p in by_name.items()},
+        "replay_vs_replay": {k: _json_number(one["replay_vs_replay"][p]) for k, p in by_name.items()},
         "draws": int(draws), "seed": int(seed), "target": float(target),
         "aggregate": aggregate, "per_request": per_request,
     }
@@ -291,8 +348,15 @@ def format_repeat_floor(floor: Mapping[str, Any]) -> str:
             parts.append(f"{m.upper()} {100 * p50['p90_abs']:.1f}/{100 * p90['p90_abs']:.1f}% "
                          f"(within {target:g}%: {100 * p50['within_target']:.0f}/{100 * p90['within_target']:.0f}%)")
     per = floor["per_request"]
+    split = floor.get("split", {})
+    share = floor.get("step_share", {})
+    measured = (f", the step's share of a replay's scatter measured from second executions: "
+                + " / ".join(f"{share[k]:.2f} {k}" if split[k] == "measured" else f"even {k}"
+                             for k in ("prompt", "decode"))
+                if "measured" in split.values() else "")
     return (f"repeat floor ({n['prompt']} + {n['decode']} replays, one execution's scatter "
-            f"{100 * floor['scatter']['prompt']:.1f}% prompt / {100 * floor['scatter']['decode']:.1f}% decode): an "
+            f"{100 * floor['scatter']['prompt']:.1f}% prompt / {100 * floor['scatter']['decode']:.1f}% decode"
+            f"{measured}): an "
             f"ideal simulator's P50/P90 |err| in 9 of 10 draws within " + ", ".join(parts)
             + "; per request median " + ", ".join(f"{m.upper()} {100 * per[f'{m}_median_ape']:.1f}%"
                                                   for m in FLOOR_METRICS if f"{m}_median_ape" in per))

@@ -400,7 +400,9 @@ class MixSample:
     of those copies within `measured_s` (0 without copies; None in files written before they were timed on
     their own), with, since 2026-12-07, the conversion of a loaded sequence's float32 shadow that the step
     after a load does (the calibration's load price holds it; in earlier files it is in the forward calls'
-    part, docs/validation_sim.md §26). The knots leave the copies' seconds out (`mix_knots`): a save on the
+    part, docs/validation_sim.md §26); `again_s`: the seconds of a second execution of the same replay right
+    after it (validate `--replay-again`; None without), which the knots do not use and the repeat floor reads to
+    split a replay's scatter between the step and the replay (`experiments.repeat_floor.step_share`). The knots leave the copies' seconds out (`mix_knots`): a save on the
     bench writes a new blob it frees at once, and whether its pages are fresh decides its time (0.05 or 2 ns a
     byte on a VM), unlike the run's own saves (docs/validation_sim.md §15)."""
 
@@ -411,6 +413,7 @@ class MixSample:
     clock_s: float
     ops: tuple[MixOp, ...] = ()
     copy_s: float | None = None
+    again_s: float | None = None
 
     @property
     def forward_s(self) -> float:
@@ -431,6 +434,8 @@ class MixSample:
             out["ops"] = [list(op) for op in self.ops]
         if self.copy_s is not None:
             out["copy_s"] = self.copy_s
+        if self.again_s is not None:
+            out["again_s"] = self.again_s
         return out
 
     @classmethod
@@ -473,8 +478,10 @@ class MixSample:
         if copy_s is not None and not (is_number(copy_s) and 0 <= copy_s < measured):
             raise bad("copy_s", f"must be the seconds of its copies, >= 0 and below measured_s ({measured}), "
                                 f"got {copy_s!r}")
+        again = data.get("again_s")
+        again_s = None if again is None else _positive(again, lambda w: bad("again_s", w))
         return cls(tuple(out), data["prompt"], measured, _positive(data.get("step_s"), lambda w: bad("step_s", w)),
-                   float(clock), tuple(ops), None if copy_s is None else float(copy_s))
+                   float(clock), tuple(ops), None if copy_s is None else float(copy_s), again_s)
 
 
 @dataclass(frozen=True, slots=True)

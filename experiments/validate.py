@@ -459,12 +459,13 @@ def pin_arrivals(workload: Any, real_requests: pd.DataFrame) -> tuple[Any, int]:
 def _validate_argv(values: Mapping[str, Any], model: str, threads: int, temp: float,
                    speed_correct: str = "off", probe_every: float = TRACK_EVERY_S, numerics: str = "f32",
                    arrivals: str = "loop", knot_window: float = KNOT_WINDOW_S,
-                   replay_decode: float = MIX_BUDGET) -> list[str]:
+                   replay_decode: float = MIX_BUDGET, replay_again: bool = False) -> list[str]:
     correct = [] if speed_correct == "off" else ["--speed-correct", speed_correct]
     correct += [] if knot_window == KNOT_WINDOW_S else ["--knot-window", f"{knot_window:g}"]
     correct += [] if arrivals == "loop" else ["--arrivals", arrivals]
     every = [] if probe_every == TRACK_EVERY_S else ["--probe-every", f"{probe_every:g}"]
     every += [] if replay_decode == MIX_BUDGET else ["--replay-decode", f"{replay_decode:g}"]
+    every += ["--replay-again"] if replay_again else []
     num = ["--numerics", numerics]
     return ["validate", *simulate_argv(values)[2:], "-m", model, "--threads", str(threads), "--temp", str(temp),
             *num, *correct, *every]
@@ -720,7 +721,7 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
         print(f"slotlab validate: warning: the machine's load moved while {values['latency']} was calibrated "
               f"(load_moved in the file): its step times mix loads", file=sys.stderr)
     argv = _validate_argv(values, model, args.threads, args.temp, args.speed_correct, args.probe_every,
-                          args.numerics, args.arrivals, args.knot_window, args.replay_decode)
+                          args.numerics, args.arrivals, args.knot_window, args.replay_decode, args.replay_again)
     context = run_context(argv, desc)
     load_start = os.getloadavg()
 
@@ -735,7 +736,8 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
                 return measure_probe(m, replay_sampling(m, args.temp, values["seed"]), seed=values["seed"])
         before = speed_probe(loaded)                  # immediately before and after the real run, same engine
         in_run = (InRunProbe(loaded, replay_sampling(loaded, args.temp, values["seed"]), args.probe_every,
-                             seed=values["seed"], budget=args.replay_decode) if args.probe_every > 0 else None)
+                             seed=values["seed"], budget=args.replay_decode, again=args.replay_again)
+                  if args.probe_every > 0 else None)
         with bar("real") as b:
             run_replay(values, workload, model, args.threads, args.temp, str(out / "real"), context,
                        csv=args.csv, plots=not args.no_plots, progress=follow(b), loaded=loaded, probe=in_run,

@@ -690,6 +690,28 @@ def test_a_decode_replay_keeps_its_warm_second_execution_and_is_charged_for_it_a
 
 
 
+def test_a_replay_executed_again_records_its_second_time_outside_the_budget(tiny):
+    from experiments.calibrate import InRunProbe, build_plan as plan_of, replay_shape
+    model = load(tiny, n_threads=1)
+    decode = plan_of(GridPoint("decode", decode=(40, 60)), ones, TASKS)
+    prompt = plan_of(GridPoint("prefill", prompt=((0, 48),)), ones, TASKS)
+    probe = InRunProbe(model, replay_sampling(model, 0.0, 0), 100.0, budget=1.0, again=True)
+    probe.start(lambda: 0.0)
+    probe.mix_bench = bench = ColdThenWarm(0.013, 0.010)
+    probe(decode, 0.02)                  # warm-up (untimed), the timed replay, then again
+    probe(prompt, 0.1)                   # the timed replay, then again
+    assert bench.calls == [replay_shape(decode)[0]] * 3 + [replay_shape(prompt)[0]] * 2
+    assert [(m.prompt, m.measured_s, m.again_s) for m in probe._pending] == [(False, 0.010, 0.013),
+                                                                               (True, 0.010, 0.013)]
+    # the budget pays for the timed replay alone, as without again
+    assert {path: c.credit for path, c in probe._credit.items()} == pytest.approx({False: 0.01, True: 0.09})
+    plain = InRunProbe(model, replay_sampling(model, 0.0, 0), 100.0, budget=1.0)
+    plain.start(lambda: 0.0)
+    plain.mix_bench = ColdThenWarm(0.013, 0.010)
+    plain(prompt, 0.1)
+    assert [m.again_s for m in plain._pending] == [None]
+
+
 def test_a_decode_replay_right_after_a_replayed_step_runs_once(tiny):
     from experiments.calibrate import InRunProbe, build_plan as plan_of
     model = load(tiny, n_threads=1)

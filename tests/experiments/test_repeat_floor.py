@@ -32,6 +32,13 @@ def track(prompt_ratios=(), decode_ratios=()):
     return SpeedTrack(10.0, (TrackPass(1.0, 1.0, {}, 0.5, mix),))
 
 
+def track_again(prompt_pairs=(), decode_pairs=()):
+    """One pass holding replays executed twice, at these (replay / step, again / step) ratios."""
+    mix = tuple(MixSample(CALL, prompt, 0.01 * r, 0.01, 1.0, again_s=0.01 * a)
+                for prompt, pairs in ((True, prompt_pairs), (False, decode_pairs)) for r, a in pairs)
+    return SpeedTrack(10.0, (TrackPass(1.0, 1.0, {}, 0.5, mix),))
+
+
 def steps_of(rows):
     """rows: (clock_s, elapsed_s, prompt tokens)."""
     return pd.DataFrame([{"clock_s": c, "elapsed_s": e, "n_prefill_tokens": p} for c, e, p in rows])
@@ -124,6 +131,70 @@ def test_a_path_without_replays_takes_the_other_paths_scatter():
     assert floor["n_replays"] == {"prompt": 0, "decode": 12}
     assert floor["scatter"]["prompt"] == pytest.approx(a / math.sqrt(2)) == floor["scatter"]["decode"]
     assert agg(floor, "ttft", "p90")["p90_abs"] > 0.05
+
+
+# --- the step's share of a replay's scatter, measured (replays executed twice, validate --replay-again) ------
+
+
+def test_without_second_executions_the_split_is_even():
+    one = one_execution(track([1.1, 0.9] * 6, [1.05, 0.95] * 6))
+    assert one["step_share"] == {True: 1 / math.sqrt(2), False: 1 / math.sqrt(2)}
+    assert one["split"] == {True: "even", False: "even"} and one["n_again"] == {True: 0, False: 0}
+
+
+def test_replays_that_repeat_each_other_exactly_leave_all_of_the_scatter_to_the_step():
+    """Two executions after the step that agree to the last digit: the step alone drifts, by all of the scatter."""
+    a = 0.05
+    pairs = [(math.exp(a), math.exp(a)), (math.exp(-a), math.exp(-a))] * 6
+    one = one_execution(track_again(pairs, pairs))
+    assert one["step_share"] == {True: 1.0, False: 1.0} and one["split"] == {True: "measured", False: "measured"}
+    assert one["centred"][True] == pytest.approx(np.log([math.exp(a), math.exp(-a)] * 6), rel=1e-12)
+    assert one["scatter"][True] == pytest.approx(a, rel=1e-12)
+    assert one["n_again"] == {True: 12, False: 12} and one["replay_vs_replay"][True] == pytest.approx(0.0, abs=1e-15)
+
+
+def test_a_second_execution_equal_to_the_step_leaves_the_step_no_scatter_of_its_own():
+    """The first replay drifts and the second lands on the step: all of the scatter is the first replay's."""
+    a = 0.05
+    pairs = [(math.exp(a), 1.0), (math.exp(-a), 1.0)] * 6
+    one = one_execution(track_again(pairs, [(1.0, 1.0)] * 12))
+    assert one["step_share"][True] == 0.0 and one["scatter"][True] == 0.0
+    steps, reqs = one_prompt_run()
+    floor = repeat_floor(steps, reqs, track_again(pairs, [(1.0, 1.0)] * 12), draws=50)
+    assert all(r["median_abs"] == pytest.approx(0.0, abs=1e-12) for r in floor["aggregate"])
+    assert floor["step_share"] == {"prompt": 0.0, "decode": 1.0} and floor["split"]["prompt"] == "measured"
+
+
+@pytest.mark.parametrize("sd_step, sd_replay, tol", [(0.03, 0.03, 0.03), (0.03, 0.01, 0.015), (0.01, 0.03, 0.09)])
+def test_the_measured_share_recovers_how_the_scatter_splits(sd_step, sd_replay, tol):
+    """Step, replay and second execution each off their expected time by an independent normal draw: the share is
+    sd_step / sqrt(sd_step^2 + sd_replay^2). From 20,000 replays the estimate's standard deviation over seeds is
+    0.008, 0.004 and 0.023 in these three cases (300 seeds; the third is a small difference of two large spreads);
+    `tol` is about four of them (the seed makes the draw fixed)."""
+    rng = np.random.default_rng(11)
+    step, first, second = (rng.normal(0, sd, 20_000) for sd in (sd_step, sd_replay, sd_replay))
+    pairs = list(zip(np.exp(first - step), np.exp(second - step)))
+    one = one_execution(track_again(pairs, pairs[:40]))
+    assert one["step_share"][True] == pytest.approx(sd_step / math.hypot(sd_step, sd_replay), abs=tol)
+    # one execution's scatter: the share times the replays' (a normal's median |x| is 0.6745 sd; its estimate from
+    # 20,000 draws is within 2%)
+    both = math.hypot(sd_step, sd_replay)
+    assert one["scatter"][True] == pytest.approx(one["step_share"][True] * 0.6745 * both, rel=0.03)
+
+
+def test_a_path_with_too_few_second_executions_keeps_the_even_split():
+    pairs = [(1.05, 1.05), (0.95, 0.95)] * 4                    # 8 < FLOOR_MIN_REPLAYS on the prompt path
+    one = one_execution(track_again(pairs, [(1.05, 1.05), (0.95, 0.95)] * 6))
+    assert one["step_share"] == {True: 1 / math.sqrt(2), False: 1.0}
+    assert one["split"] == {True: "even", False: "measured"} and one["n_again"] == {True: 8, False: 12}
+
+
+def test_the_floor_prints_a_measured_split():
+    steps, reqs = one_prompt_run()
+    pairs = [(1.1, 1.1), (0.9, 0.9)] * 6
+    text = format_repeat_floor(repeat_floor(steps, reqs, track_again(pairs, pairs), draws=20))
+    assert ("one execution's scatter 10.0% prompt / 10.0% decode, the step's share of a replay's scatter measured "
+            "from second executions: 1.00 prompt / 1.00 decode)") in text
 
 
 def test_the_draws_are_seeded():

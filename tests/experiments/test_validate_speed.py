@@ -12,6 +12,7 @@ import shutil
 import pandas as pd
 import pytest
 
+from experiments.repeat_floor import FLOOR_MIN_REPLAYS
 from experiments.speed_probe import (
     PROBE_FILE,
     SPEED_THRESHOLD,
@@ -544,6 +545,26 @@ def test_validation_json_has_the_repeat_floor_of_the_runs_replays(setup, tmp_pat
     no_replays = with_track(setup, tmp_path / "x", lambda n: [(0.2, 1.0)])
     assert validate(setup, tmp_path / "none", "--real-run", str(no_replays)) == 0
     assert read_validation(tmp_path / "none")[2]["repeat_floor"] is None
+
+
+def test_replay_again_times_every_replay_twice_and_the_floor_reads_the_split(setup, tmp_path):
+    """--replay-again: each timed replay executed once more (real/speed_track.json again_s); the command line keeps
+    the flag; the floor reports the replays executed twice per path and its split (measured with enough)."""
+    assert validate(setup, tmp_path / "v", "--replay-again", speed_probe=injected(1.0, 1.0)) == 0
+    mix = [m for p in read_run_track(tmp_path / "v" / "real").passes for m in p.mix]
+    assert mix and all(m.again_s is not None and m.again_s > 0 for m in mix)
+    _, _, data = read_validation(tmp_path / "v")
+    assert "--replay-again" in data["command"]
+    floor = data["repeat_floor"]
+    for path, prompt in (("prompt", True), ("decode", False)):
+        n = sum(1 for m in mix if m.prompt == prompt)
+        assert floor["n_again"][path] == n
+        assert floor["split"][path] == ("measured" if n >= FLOOR_MIN_REPLAYS else "even")
+        assert 0.0 <= floor["step_share"][path] <= 1.0
+    # without the flag, no second executions and an even split
+    assert all(m.again_s is None for p in read_run_track(setup["out"] / "real").passes for m in p.mix)
+    plain = read_validation(setup["out"])[2]["repeat_floor"]
+    assert plain["n_again"] == {"prompt": 0, "decode": 0} and set(plain["split"].values()) == {"even"}
 
 
 def test_the_repeat_floor_with_the_schedule_free_resimulates_the_validation(setup, tmp_path, capsys):
