@@ -867,9 +867,10 @@ class InRunProbe:
         if t is not None and t.seconds > 0:
             credit.spend(t.seconds)
             again = self.mix_bench.measure(calls, ops) if self.again else None     # outside the budget
-            again_s = float(again.seconds) if again is not None and again.seconds > 0 else None
+            kept = again is not None and again.seconds > 0
             self._pending.append(MixSample(calls, prompt, float(t.seconds), step_s, clock_s, ops, float(t.copy_s),
-                                           again_s))
+                                           float(again.seconds) if kept else None,
+                                           float(again.copy_s) if kept else None))
 
     def _pass(self, clock_s: float, now: float) -> None:
         samples: dict[str, list[float]] = {p.label: [] for p in self.points}

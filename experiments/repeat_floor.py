@@ -62,26 +62,38 @@ _CHUNK_CELLS = 4_000_000          # draws x steps per block of the draws (32 MB 
 
 def replay_log_ratios(track: Any) -> dict[bool, np.ndarray]:
     """log(replay / step) of every replay in a `SpeedTrack`, per path (True: steps with prompt tokens)."""
-    out: dict[bool, list[float]] = {True: [], False: []}
-    if track is not None:
-        for p in track.passes:
-            for m in p.mix:
-                if m.measured_s > 0 and m.step_s > 0:
-                    out[bool(m.prompt)].append(math.log(m.measured_s / m.step_s))
-    return {k: np.asarray(v, dtype=float) for k, v in out.items()}
+    return {path: np.concatenate([kind[0] for (p, _), kind in _kinds(track).items() if p == path])
+            for path in (True, False)}
 
 
 def again_log_ratios(track: Any) -> dict[bool, np.ndarray]:
     """Per path (True: steps with prompt tokens), for every replay executed a second time (`MixSample.again_s`):
     rows of log(replay / step), log(again / step), log(again / replay)."""
-    out: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
+    return {path: np.concatenate([kind[1] for (p, _), kind in _kinds(track).items() if p == path])
+            for path in (True, False)}
+
+
+KIND_NAMES = {(True, False): "prompt", (True, True): "prompt_copies", (False, False): "decode",
+              (False, True): "decode_copies"}
+
+
+def _kinds(track: Any) -> dict[tuple[bool, bool], tuple[np.ndarray, np.ndarray]]:
+    """Per kind of replay (its path, whether it replayed prompt-cache copies): its log(replay / step), and for those
+    executed twice the rows of log(replay / step), log(again / step), log(again / replay)."""
+    ratios: dict[tuple[bool, bool], list[float]] = {k: [] for k in KIND_NAMES}
+    rows: dict[tuple[bool, bool], list[tuple[float, float, float]]] = {k: [] for k in KIND_NAMES}
     if track is not None:
         for p in track.passes:
             for m in p.mix:
-                if m.again_s is not None and m.measured_s > 0 and m.step_s > 0 and m.again_s > 0:
-                    out[bool(m.prompt)].append((math.log(m.measured_s / m.step_s), math.log(m.again_s / m.step_s),
-                                                math.log(m.again_s / m.measured_s)))
-    return {k: np.asarray(v, dtype=float).reshape(-1, 3) for k, v in out.items()}
+                if not (m.measured_s > 0 and m.step_s > 0):
+                    continue
+                kind = (bool(m.prompt), bool(m.ops))
+                ratios[kind].append(math.log(m.measured_s / m.step_s))
+                if m.again_s is not None and m.again_s > 0:
+                    rows[kind].append((math.log(m.measured_s / m.step_s), math.log(m.again_s / m.step_s),
+                                       math.log(m.again_s / m.measured_s)))
+    return {k: (np.asarray(ratios[k], dtype=float), np.asarray(rows[k], dtype=float).reshape(-1, 3))
+            for k in KIND_NAMES}
 
 
 def _mad(v: np.ndarray) -> float:
@@ -101,32 +113,57 @@ def step_share(rows: np.ndarray) -> float:
 
 def one_execution(track: Any) -> dict[str, Any] | None:
     """One execution's scatter around its expected time, per path (True: steps with prompt tokens), from a
-    track's replays (module docs, 1.): `centred` the log ratios replay / step less their median, times
-    `step_share` (measured from the replays' second executions where a path has FLOOR_MIN_REPLAYS of them,
-    `split` "measured"; else 1 / sqrt 2, "even"); `offset` exp(that median); `scatter` the median |centred|; `n`
-    the replays, `n_again` those executed twice, `replay_vs_replay` the median |log(again / replay)| (NaN
-    without). A path without replays takes the other's. None with fewer than FLOOR_MIN_REPLAYS replays in all."""
-    ratios = replay_log_ratios(track)
-    again = again_log_ratios(track)
+    track's replays (module docs, 1.): `centred` the log ratios replay / step less their median, times the
+    step's share of their scatter; `offset` exp(that median); `scatter` the median |centred|; `n` the replays.
+
+    Without enough second executions (fewer than FLOOR_MIN_REPLAYS on a path: `split` "even"), the path's
+    replays are centred on the path's median and scaled by 1 / sqrt 2. With them (`split` "measured"), each kind
+    of replay on the path (with prompt-cache copies or without: a copy on the bench writes fresh memory that the
+    run's own copies do not, an offset and a noise of the replay's, docs/validation_sim.md §28) is centred on its
+    own median and scaled by its own measured share (`step_share_kinds`); a kind with fewer than
+    FLOOR_MIN_REPLAYS second executions takes the path's median and the share of the path's rows pooled
+    (`step_share`). `n_again` the replays executed twice, `replay_vs_replay` the median |log(again / replay)|
+    (NaN without). A path without replays takes the other's. None with fewer than FLOOR_MIN_REPLAYS replays in
+    all."""
+    kinds = _kinds(track)
+    ratios = {path: np.concatenate([kinds[(path, c)][0] for c in (False, True)]) for path in (True, False)}
+    again = {path: np.concatenate([kinds[(path, c)][1] for c in (False, True)]) for path in (True, False)}
     n = {k: len(v) for k, v in ratios.items()}
     if n[True] + n[False] < FLOOR_MIN_REPLAYS:
         return None
-    pooled = np.concatenate([ratios[True], ratios[False]])
-    pooled_again = np.concatenate([again[True], again[False]])
-    centred, offset, scatter, share, split, vs = {}, {}, {}, {}, {}, {}
-    for path, v in ratios.items():
-        v = v if len(v) else pooled
-        rows = again[path] if n[path] else pooled_again
+    even = 1.0 / math.sqrt(2.0)
+    centred, offset, scatter, share, split, vs, by_kind = {}, {}, {}, {}, {}, {}, {}
+    for path in (True, False):
+        if not n[path]:
+            continue
+        v, rows = ratios[path], again[path]
         med = float(np.median(v))
         measured = len(rows) >= FLOOR_MIN_REPLAYS
-        share[path] = step_share(rows) if measured else 1.0 / math.sqrt(2.0)
+        share[path] = step_share(rows) if measured else even
         split[path] = "measured" if measured else "even"
         vs[path] = float(np.median(np.abs(rows[:, 2]))) if len(rows) else math.nan
-        centred[path] = (v - med) * share[path]
+        if measured:
+            parts = []
+            for copies in (False, True):
+                kv, krows = kinds[(path, copies)]
+                if not len(kv):
+                    continue
+                own = len(krows) >= FLOOR_MIN_REPLAYS
+                k_share = step_share(krows) if own else share[path]
+                by_kind[KIND_NAMES[(path, copies)]] = k_share
+                parts.append((kv - (float(np.median(kv)) if own else med)) * k_share)
+            centred[path] = np.concatenate(parts)
+        else:
+            centred[path] = (v - med) * even
         offset[path] = math.exp(med)
         scatter[path] = float(np.median(np.abs(centred[path])))
+    for path in (True, False):                 # a path without replays takes the other's
+        if not n[path]:
+            other = not path
+            for d in (centred, offset, scatter, share, split, vs):
+                d[path] = d[other]
     return {"n": n, "centred": centred, "offset": offset, "scatter": scatter, "step_share": share, "split": split,
-            "n_again": {k: len(v) for k, v in again.items()}, "replay_vs_replay": vs}
+            "step_share_kinds": by_kind, "n_again": {k: len(v) for k, v in again.items()}, "replay_vs_replay": vs}
 
 
 def _json_number(x: float) -> float | None:
@@ -225,6 +262,7 @@ def repeat_floor(steps: pd.DataFrame | None, requests: pd.DataFrame, track: Any,
         "scatter": {"prompt": scatter[True], "decode": scatter[False]},
         "step_share": {k: one["step_share"][p] for k, p in by_name.items()},
         "split": {k: one["split"][p] for k, p in by_name.items()},
+        "step_share_kinds": dict(one["step_share_kinds"]),
         "n_again": {k: one["n_again"][p] for k, p in by_name.items()},
         "replay_vs_replay": {k: _json_number(one["replay_vs_replay"][p]) for k, p in by_name.items()},
         "draws": int(draws), "seed": int(seed), "target": float(target),
@@ -350,9 +388,16 @@ def format_repeat_floor(floor: Mapping[str, Any]) -> str:
     per = floor["per_request"]
     split = floor.get("split", {})
     share = floor.get("step_share", {})
+    kinds = floor.get("step_share_kinds", {})
+
+    def path_share(path: str) -> str:
+        if split[path] != "measured":
+            return f"even {path}"
+        own = [f"{v:.2f} {k.replace('_copies', ' with copies')}" for k, v in kinds.items() if k.startswith(path)]
+        return ", ".join(own) if own else f"{share[path]:.2f} {path}"
+
     measured = (f", the step's share of a replay's scatter measured from second executions: "
-                + " / ".join(f"{share[k]:.2f} {k}" if split[k] == "measured" else f"even {k}"
-                             for k in ("prompt", "decode"))
+                + " / ".join(path_share(k) for k in ("prompt", "decode"))
                 if "measured" in split.values() else "")
     return (f"repeat floor ({n['prompt']} + {n['decode']} replays, one execution's scatter "
             f"{100 * floor['scatter']['prompt']:.1f}% prompt / {100 * floor['scatter']['decode']:.1f}% decode"

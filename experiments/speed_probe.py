@@ -402,7 +402,8 @@ class MixSample:
     after a load does (the calibration's load price holds it; in earlier files it is in the forward calls'
     part, docs/validation_sim.md §26); `again_s`: the seconds of a second execution of the same replay right
     after it (validate `--replay-again`; None without), which the knots do not use and the repeat floor reads to
-    split a replay's scatter between the step and the replay (`experiments.repeat_floor.step_share`). The knots leave the copies' seconds out (`mix_knots`): a save on the
+    split a replay's scatter between the step and the replay (`experiments.repeat_floor.step_share`), and
+    `again_copy_s` the seconds of its copies within it. The knots leave the copies' seconds out (`mix_knots`): a save on the
     bench writes a new blob it frees at once, and whether its pages are fresh decides its time (0.05 or 2 ns a
     byte on a VM), unlike the run's own saves (docs/validation_sim.md §15)."""
 
@@ -414,6 +415,7 @@ class MixSample:
     ops: tuple[MixOp, ...] = ()
     copy_s: float | None = None
     again_s: float | None = None
+    again_copy_s: float | None = None
 
     @property
     def forward_s(self) -> float:
@@ -436,6 +438,8 @@ class MixSample:
             out["copy_s"] = self.copy_s
         if self.again_s is not None:
             out["again_s"] = self.again_s
+        if self.again_copy_s is not None:
+            out["again_copy_s"] = self.again_copy_s
         return out
 
     @classmethod
@@ -480,8 +484,13 @@ class MixSample:
                                 f"got {copy_s!r}")
         again = data.get("again_s")
         again_s = None if again is None else _positive(again, lambda w: bad("again_s", w))
+        again_copy = data.get("again_copy_s")
+        if again_copy is not None and not (again_s is not None and is_number(again_copy) and 0 <= again_copy < again_s):
+            raise bad("again_copy_s", f"must be the seconds of the second execution's copies, >= 0 and below "
+                                      f"again_s ({again_s}), got {again_copy!r}")
         return cls(tuple(out), data["prompt"], measured, _positive(data.get("step_s"), lambda w: bad("step_s", w)),
-                   float(clock), tuple(ops), None if copy_s is None else float(copy_s), again_s)
+                   float(clock), tuple(ops), None if copy_s is None else float(copy_s), again_s,
+                   None if again_copy is None else float(again_copy))
 
 
 @dataclass(frozen=True, slots=True)

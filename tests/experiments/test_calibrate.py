@@ -701,15 +701,15 @@ def test_a_replay_executed_again_records_its_second_time_outside_the_budget(tiny
     probe(decode, 0.02)                  # warm-up (untimed), the timed replay, then again
     probe(prompt, 0.1)                   # the timed replay, then again
     assert bench.calls == [replay_shape(decode)[0]] * 3 + [replay_shape(prompt)[0]] * 2
-    assert [(m.prompt, m.measured_s, m.again_s) for m in probe._pending] == [(False, 0.010, 0.013),
-                                                                               (True, 0.010, 0.013)]
+    assert [(m.prompt, m.measured_s, m.again_s, m.again_copy_s) for m in probe._pending] == [
+        (False, 0.010, 0.013, 0.0), (True, 0.010, 0.013, 0.0)]
     # the budget pays for the timed replay alone, as without again
     assert {path: c.credit for path, c in probe._credit.items()} == pytest.approx({False: 0.01, True: 0.09})
     plain = InRunProbe(model, replay_sampling(model, 0.0, 0), 100.0, budget=1.0)
     plain.start(lambda: 0.0)
     plain.mix_bench = ColdThenWarm(0.013, 0.010)
     plain(prompt, 0.1)
-    assert [m.again_s for m in plain._pending] == [None]
+    assert [(m.again_s, m.again_copy_s) for m in plain._pending] == [(None, None)]
 
 
 def test_a_decode_replay_right_after_a_replayed_step_runs_once(tiny):

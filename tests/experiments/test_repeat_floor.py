@@ -182,6 +182,36 @@ def test_the_measured_share_recovers_how_the_scatter_splits(sd_step, sd_replay, 
     assert one["scatter"][True] == pytest.approx(one["step_share"][True] * 0.6745 * both, rel=0.03)
 
 
+def test_prompt_replays_with_copies_get_a_share_and_a_centre_of_their_own():
+    """A replay's prompt-cache copies on the bench write fresh memory the run's own copies do not: those replays
+    run slower than their steps by an offset and scatter by noise of their own (the second execution lands back
+    on the step), while the plain prompt replays repeat each other exactly (all of their scatter the step's).
+    Each kind is centred on its own median and scaled by its own share."""
+    a = 0.04
+    copy = ((("save", 0, 32),))
+    plain = [MixSample(CALL, True, 0.01 * r, 0.01, 1.0, again_s=0.01 * r) for r in (math.exp(a), math.exp(-a)) * 6]
+    copies = [MixSample(CALL, True, 0.01 * math.exp(0.05 + d), 0.01, 1.0, copy, 0.001, 0.01)
+              for d in (a, -a) * 6]
+    decode = [MixSample(CALL, False, 0.01, 0.01, 1.0, again_s=0.01)] * 12
+    t = SpeedTrack(10.0, (TrackPass(1.0, 1.0, {}, 0.5, tuple(plain + copies + decode)),))
+    one = one_execution(t)
+    # (the share is the square root of a difference of spreads: rounding in the logs leaves ~1e-8 of it)
+    assert one["step_share_kinds"] == pytest.approx({"prompt": 1.0, "prompt_copies": 0.0, "decode": 1.0}, abs=1e-6)
+    assert one["n_again"] == {True: 24, False: 12} and one["split"][True] == "measured"
+    # the plain ones keep their scatter, the ones with copies none: centred per kind, not on the path's median
+    assert sorted(one["centred"][True]) == pytest.approx(sorted([a, -a] * 6 + [0.0] * 12), abs=1e-8)
+    steps, reqs = one_prompt_run()
+    floor = repeat_floor(steps, reqs, t, draws=20)
+    assert "measured from second executions: 1.00 prompt, 0.00 prompt with copies / 1.00 decode)" in \
+        format_repeat_floor(floor)
+    assert floor["step_share_kinds"] == pytest.approx({"prompt": 1.0, "prompt_copies": 0.0, "decode": 1.0}, abs=1e-6)
+    # too few of a kind: it takes its path's centre and share (the path's rows pooled)
+    few = SpeedTrack(10.0, (TrackPass(1.0, 1.0, {}, 0.5, tuple(plain + copies[:4] + decode)),))
+    one = one_execution(few)
+    assert one["step_share_kinds"]["prompt_copies"] == one["step_share"][True]
+    assert one["n_again"] == {True: 16, False: 12}
+
+
 def test_a_path_with_too_few_second_executions_keeps_the_even_split():
     pairs = [(1.05, 1.05), (0.95, 0.95)] * 4                    # 8 < FLOOR_MIN_REPLAYS on the prompt path
     one = one_execution(track_again(pairs, [(1.05, 1.05), (0.95, 0.95)] * 6))

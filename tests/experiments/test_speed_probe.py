@@ -466,7 +466,7 @@ def test_a_track_with_replays_round_trips_and_a_track_without_them_still_loads(t
                                                                                                 ["load", 0, 64]]
     assert "copy_s" not in data["passes"][0]["mix"][0] and data["passes"][0]["mix"][1]["copy_s"] == 0.004
     assert "again_s" not in data["passes"][0]["mix"][0]                 # none made (validate without --replay-again)
-    again = dataclasses.replace(track.passes[1].mix[0], again_s=0.0125)
+    again = dataclasses.replace(track.passes[1].mix[0], again_s=0.0125, again_copy_s=0.001)
     with_again = dataclasses.replace(track, passes=(track.passes[0], dataclasses.replace(track.passes[1], mix=(again,))))
     write_run_track(tmp_path, with_again)
     assert read_run_track(tmp_path) == with_again
@@ -498,6 +498,8 @@ def test_a_track_with_replays_round_trips_and_a_track_without_them_still_loads(t
     (lambda m: m.update(again_s=0.0), "'passes[0].mix[1].again_s'"),
     (lambda m: m.update(again_s="0.05"), "'passes[0].mix[1].again_s'"),
     (lambda m: m.update(again_s=float("nan")), "'passes[0].mix[1].again_s'"),
+    (lambda m: m.update(again_s=0.05, again_copy_s=0.05), "'passes[0].mix[1].again_copy_s'"),
+    (lambda m: m.update(again_copy_s=0.001), "'passes[0].mix[1].again_copy_s'"),            # without again_s
 ])
 def test_a_malformed_replay_names_file_and_field(tmp_path, edit, field):
     data = mix_track([[(1.0, False, 0.011), (2.0, True, 0.06)]]).to_dict()
