@@ -60,24 +60,11 @@ DYNAMIC_DRAWS = 16               # validate --floor-draws: re-simulations of the
 _CHUNK_CELLS = 4_000_000          # draws x steps per block of the draws (32 MB of float64)
 
 
-def replay_log_ratios(track: Any) -> dict[bool, np.ndarray]:
-    """log(replay / step) of every replay in a `SpeedTrack`, per path (True: steps with prompt tokens)."""
-    return {path: np.concatenate([kind[0] for (p, _), kind in _kinds(track).items() if p == path])
-            for path in (True, False)}
-
-
-def again_log_ratios(track: Any) -> dict[bool, np.ndarray]:
-    """Per path (True: steps with prompt tokens), for every replay executed a second time (`MixSample.again_s`):
-    rows of log(replay / step), log(again / step), log(again / replay)."""
-    return {path: np.concatenate([kind[1] for (p, _), kind in _kinds(track).items() if p == path])
-            for path in (True, False)}
-
-
 KIND_NAMES = {(True, False): "prompt", (True, True): "prompt_copies", (False, False): "decode",
               (False, True): "decode_copies"}
 
 
-def _kinds(track: Any) -> dict[tuple[bool, bool], tuple[np.ndarray, np.ndarray]]:
+def replay_kinds(track: Any) -> dict[tuple[bool, bool], tuple[np.ndarray, np.ndarray]]:
     """Per kind of replay (its path, whether it replayed prompt-cache copies): its log(replay / step), and for those
     executed twice the rows of log(replay / step), log(again / step), log(again / replay)."""
     ratios: dict[tuple[bool, bool], list[float]] = {k: [] for k in KIND_NAMES}
@@ -125,7 +112,7 @@ def one_execution(track: Any) -> dict[str, Any] | None:
     (`step_share`). `n_again` the replays executed twice, `replay_vs_replay` the median |log(again / replay)|
     (NaN without). A path without replays takes the other's. None with fewer than FLOOR_MIN_REPLAYS replays in
     all."""
-    kinds = _kinds(track)
+    kinds = replay_kinds(track)
     ratios = {path: np.concatenate([kinds[(path, c)][0] for c in (False, True)]) for path in (True, False)}
     again = {path: np.concatenate([kinds[(path, c)][1] for c in (False, True)]) for path in (True, False)}
     n = {k: len(v) for k, v in ratios.items()}
