@@ -75,10 +75,10 @@ def replay_kinds(track: Any) -> dict[tuple[bool, bool], tuple[np.ndarray, np.nda
                 if not (m.measured_s > 0 and m.step_s > 0):
                     continue
                 kind = (bool(m.prompt), bool(m.ops))
-                ratios[kind].append(math.log(m.measured_s / m.step_s))
+                a = math.log(m.measured_s / m.step_s)
+                ratios[kind].append(a)
                 if m.again_s is not None and m.again_s > 0:
-                    rows[kind].append((math.log(m.measured_s / m.step_s), math.log(m.again_s / m.step_s),
-                                       math.log(m.again_s / m.measured_s)))
+                    rows[kind].append((a, math.log(m.again_s / m.step_s), math.log(m.again_s / m.measured_s)))
     return {k: (np.asarray(ratios[k], dtype=float), np.asarray(rows[k], dtype=float).reshape(-1, 3))
             for k in KIND_NAMES}
 
@@ -151,10 +151,6 @@ def one_execution(track: Any) -> dict[str, Any] | None:
                 d[path] = d[other]
     return {"n": n, "centred": centred, "offset": offset, "scatter": scatter, "step_share": share, "split": split,
             "step_share_kinds": by_kind, "n_again": {k: len(v) for k, v in again.items()}, "replay_vs_replay": vs}
-
-
-def _json_number(x: float) -> float | None:
-    return None if not math.isfinite(x) else float(x)
 
 
 def interval_deltas(start_s: np.ndarray, elapsed_s: np.ndarray, lo: np.ndarray, hi: np.ndarray,
@@ -251,7 +247,7 @@ def repeat_floor(steps: pd.DataFrame | None, requests: pd.DataFrame, track: Any,
         "split": {k: one["split"][p] for k, p in by_name.items()},
         "step_share_kinds": dict(one["step_share_kinds"]),
         "n_again": {k: one["n_again"][p] for k, p in by_name.items()},
-        "replay_vs_replay": {k: _json_number(one["replay_vs_replay"][p]) for k, p in by_name.items()},
+        "replay_vs_replay": {k: one["replay_vs_replay"][p] for k, p in by_name.items()},   # NaN: null on write
         "draws": int(draws), "seed": int(seed), "target": float(target),
         "aggregate": aggregate, "per_request": per_request,
     }

@@ -678,6 +678,9 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
         if not 0 <= args.replay_decode <= 1:
             raise ValueError(f"--replay-decode must be a fraction of the decode step time in [0, 1], got "
                              f"{args.replay_decode}")
+        if args.replay_again and args.probe_every == 0 and not args.real_run:
+            raise ValueError("--replay-again executes the in-run probe's replays a second time: it needs the "
+                             "probe (--probe-every > 0)")
         if args.floor_draws < 0:
             raise ValueError(f"--floor-draws must be a number of re-simulations >= 0 (0 = off), got {args.floor_draws}")
         if not (math.isfinite(args.knot_window) and args.knot_window > 0):

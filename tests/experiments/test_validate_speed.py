@@ -547,7 +547,7 @@ def test_validation_json_has_the_repeat_floor_of_the_runs_replays(setup, tmp_pat
     assert read_validation(tmp_path / "none")[2]["repeat_floor"] is None
 
 
-def test_replay_again_times_every_replay_twice_and_the_floor_reads_the_split(setup, tmp_path):
+def test_replay_again_times_every_replay_twice_and_the_floor_reads_the_split(setup, tmp_path, capsys):
     """--replay-again: each timed replay executed once more (real/speed_track.json again_s); the command line keeps
     the flag; the floor reports the replays executed twice per path and its split (measured with enough)."""
     assert validate(setup, tmp_path / "v", "--replay-again", speed_probe=injected(1.0, 1.0)) == 0
@@ -561,6 +561,11 @@ def test_replay_again_times_every_replay_twice_and_the_floor_reads_the_split(set
         assert floor["n_again"][path] == n
         assert floor["split"][path] == ("measured" if n >= FLOOR_MIN_REPLAYS else "even")
         assert 0.0 <= floor["step_share"][path] <= 1.0
+    # without the probe there is nothing to execute again: refused before anything runs
+    assert validate(setup, tmp_path / "off", "--replay-again", "--probe-every", "0") == 2
+    assert "--replay-again executes the in-run probe's replays a second time: it needs the probe" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "off").exists()
     # without the flag, no second executions and an even split
     assert all(m.again_s is None for p in read_run_track(setup["out"] / "real").passes for m in p.mix)
     plain = read_validation(setup["out"])[2]["repeat_floor"]
