@@ -237,6 +237,7 @@ def faults_table(rows: list[dict], correction: str = "track-mix") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from experiments.flags import MEASURE_MEM_RESERVE_MIB
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cal", required=True, help="the calibration file (slotlab calibrate --out)")
@@ -248,9 +249,9 @@ def main(argv: list[str] | None = None) -> int:
                          "pins the real run's arrivals), comma-separated; '' for none (default off,steps)")
     ap.add_argument("--numerics", default="ggml", help="engine numerics (default ggml)")
     ap.add_argument("--threads", type=int, default=2, help="engine threads (default 2)")
-    ap.add_argument("--mem-reserve", type=int, default=0, metavar="MIB",
-                    help="each real run's heap reserve, as `slotlab validate --mem-reserve` (default 0; calibrate "
-                         "with the same)")
+    ap.add_argument("--mem-reserve", type=int, default=MEASURE_MEM_RESERVE_MIB, metavar="MIB",
+                    help="each real run's heap reserve, as `slotlab validate --mem-reserve` (default %(default)s, "
+                         "validate's; 0 = the allocator's defaults; calibrate with the same)")
     ap.add_argument("--out", default="results/validate_settings", help="campaign folder (default %(default)s)")
     ap.add_argument("--knot-window", default=None, metavar="SECONDS",
                     help="validate's --knot-window for every run and re-simulation (default: validate's own, 1 s)")
@@ -276,8 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     base = [args.slotlab or slotlab(), "validate", "--threads", str(args.threads), "--numerics", args.numerics,
             "--latency", f"parametric:{Path(args.cal).resolve()}", "--quiet", "--no-plots"]
-    if args.mem_reserve:
-        base += ["--mem-reserve", str(args.mem_reserve)]
+    base += ["--mem-reserve", str(args.mem_reserve)]    # always said: the run records what it ran with
     if args.knot_window is not None:
         base += ["--knot-window", str(args.knot_window)]
     if args.replay_again:             # the real runs' probe; a re-simulation (--real-run) reads what they stored

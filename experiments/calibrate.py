@@ -39,7 +39,7 @@ from engine.backend import NumpyBackend
 from engine.core.types import BatchPlan, Chunk, ForwardCall, KVOp, Task
 from engine.model import BatchChunk, load
 from engine.model.sampling import SamplingParams
-from experiments.flags import CALIBRATE, UsageError, add_flags
+from experiments.flags import CALIBRATE, MEASURE_MEM_RESERVE, UsageError, add_flags
 from experiments.results import new_results_dir
 from experiments.runs import reserve_heap, resolve_model
 from experiments.speed_probe import (
@@ -1287,7 +1287,7 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "cross-validate them on held-out shapes, record the machine's load, and write a calibration\n"
                     "file that `--latency parametric:FILE` reads (the table model; physical:FILE and simple:FILE\n"
                     "the others), plus <stem>_steps.csv and <stem>_fit.png.")
-    add_flags(p, CALIBRATE)
+    add_flags(p, CALIBRATE, defaults={"mem_reserve": MEASURE_MEM_RESERVE})
     p.set_defaults(func=run_calibrate)
     return p
 

@@ -35,6 +35,7 @@ from engine.model import load
 from engine.model.heap import reserved_mib
 from engine.model.tokenizer import ATTR_BYTE, ATTR_NORMAL, Tokenizer
 from experiments.flags import (
+    MEASURE_MEM_RESERVE,
     OPT_BY_DEST,
     VALIDATE,
     WORKLOAD_DESTS,
@@ -410,11 +411,13 @@ def add_validate_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "TTFT/TPOT/E2E/queue real, sim, errors; same slot, same n_cached), errors.csv (P50/P90/\n"
                     "P99/mean real vs sim), validation.json and plots.")
     # the default latency: the shipped calibration (run_validate takes the ggml one for a ggml run)
-    add_flags(p, VALIDATE, defaults={"latency": (
-        f"parametric:{MEASURED_CALIBRATION}",
-        f"the shipped calibration of the run's numerics, parametric:sim/data/{MEASURED_CALIBRATION_GGML.name} for "
-        f"ggml, parametric:sim/data/{MEASURED_CALIBRATION.name} for f32 and q")} if MEASURED_CALIBRATION.is_file()
-        else None)
+    defaults = {"mem_reserve": MEASURE_MEM_RESERVE}
+    if MEASURED_CALIBRATION.is_file():
+        defaults["latency"] = (
+            f"parametric:{MEASURED_CALIBRATION}",
+            f"the shipped calibration of the run's numerics, parametric:sim/data/{MEASURED_CALIBRATION_GGML.name} for "
+            f"ggml, parametric:sim/data/{MEASURED_CALIBRATION.name} for f32 and q")
+    add_flags(p, VALIDATE, defaults=defaults)
     p.set_defaults(func=run_validate)
     return p
 

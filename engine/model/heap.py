@@ -23,8 +23,10 @@ What `reserve` does, on glibc (the documented `mallopt(3)` parameters):
 
 The process's resident memory then stays at its high-water mark (at least `mib`) until it exits. A reserve is
 a difference from llama-server, whose prompt-cache states are `std::vector`s from the default allocator
-(`server_prompt_cache::alloc`, tools/server/server-task.cpp), so the commands' default is `--mem-reserve 0`: the
-allocator's defaults.
+(`server_prompt_cache::alloc`, tools/server/server-task.cpp), so `serve` and `replay` default to `--mem-reserve 0`:
+the allocator's defaults. `calibrate` and `validate`, which measure the engine for the simulator, default to 2048
+MiB: there the faults are noise no latency model can price (experiments/flags.py `MEASURE_MEM_RESERVE_MIB`,
+docs/validation_sim.md §29).
 Written here rather than taken from a library: it is four libc calls through ctypes, and no maintained Python
 package exposes them.
 """

@@ -25,9 +25,11 @@ from sim.latency_spec import get_latency_model
 
 
 def parse(*argv):
+    """calibrate's arguments, the heap reserve off unless `argv` sets one (the engine runs in pytest's process, whose
+    allocator a reserve would change for every later test)."""
     parser = argparse.ArgumentParser()
     add_calibrate_parser(parser.add_subparsers())
-    return parser.parse_args(["calibrate", *argv])
+    return parser.parse_args(["calibrate", "--mem-reserve", "0", *argv])
 
 
 def steady_load():
@@ -77,7 +79,7 @@ def test_calibration_file_records_fit_stats_and_where_it_was_measured(calibrated
     on = data["measured_on"]
     assert on["threads"] == 1 and on["model"] == "tiny.gguf" and on["engine"].startswith("slotlab numpy")
     assert "load average" in on["notes"]
-    assert on["mem_reserve_mib"] == 0                    # the allocator's defaults, as llama-server's
+    assert on["mem_reserve_mib"] == 0                    # as asked (parse): the allocator's defaults
 
 
 def test_latency_spec_parametric_loads_the_table_model_and_the_others_stay_selectable(calibrated):

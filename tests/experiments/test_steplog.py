@@ -289,7 +289,7 @@ def test_validate_reports_the_models_error_on_the_real_steps_and_the_calibration
     parser = argparse.ArgumentParser()
     add_validate_parser(parser.add_subparsers())
     out = tmp_path / "v"
-    args = parser.parse_args(["validate", "-m", tiny, "--threads", "1", "--latency", "constant:0.01",
+    args = parser.parse_args(["validate", "--mem-reserve", "0", "-m", tiny, "--threads", "1", "--latency", "constant:0.01",
                               "--out", str(out), *WORKLOAD])
     assert run_validate(args) == 0
     printed = capsys.readouterr().out

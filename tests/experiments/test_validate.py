@@ -18,9 +18,11 @@ MEASURED_ON = {"machine": "test", "cpu": "test", "threads": 1, "engine": "slotla
 
 
 def parse(*argv):
+    """validate's arguments, the heap reserve off unless `argv` sets one: these tests run the engine in pytest's own
+    process, whose allocator a reserve would change for every test after it (engine/model/heap.py)."""
     parser = argparse.ArgumentParser()
     add_validate_parser(parser.add_subparsers())
-    return parser.parse_args(["validate", *argv])
+    return parser.parse_args(["validate", "--mem-reserve", "0", *argv])
 
 
 @pytest.fixture(scope="module")
@@ -354,3 +356,23 @@ def test_a_command_gives_a_shared_flag_its_own_default_and_its_help_says_so():
     # a flag whose help does not state its default in the form "(default: X)" cannot be given another one quietly
     with pytest.raises(ValueError, match="does not say"):
         add_flags(argparse.ArgumentParser(), "validate", defaults={"threads": (4, "four")})
+
+
+def test_the_measuring_commands_reserve_the_heap_by_default_serve_and_replay_keep_the_allocators(capsys):
+    """calibrate and validate measure the engine for the simulator: a heap reserve takes the page faults of memory
+    new to the process out of its steps (docs/validation_sim.md §29). serve and replay stand for llama-server and
+    keep its allocator's defaults; each command's help says which it takes."""
+    from experiments.cli import build_parser, main
+    from experiments.flags import MEASURE_MEM_RESERVE_MIB
+    parser = build_parser()
+    assert MEASURE_MEM_RESERVE_MIB > 0
+    assert parser.parse_args(["validate"]).mem_reserve == MEASURE_MEM_RESERVE_MIB
+    assert parser.parse_args(["calibrate"]).mem_reserve == MEASURE_MEM_RESERVE_MIB
+    assert parser.parse_args(["replay"]).mem_reserve == 0
+    assert parser.parse_args(["serve", "-m", "x.gguf"]).mem_reserve == 0
+    assert parser.parse_args(["validate", "--mem-reserve", "0"]).mem_reserve == 0
+    for command, default in (("validate", f"(default: {MEASURE_MEM_RESERVE_MIB}: calibrate and validate measure"),
+                             ("calibrate", f"(default: {MEASURE_MEM_RESERVE_MIB}: calibrate and validate measure"),
+                             ("replay", "(default: 0)")):
+        assert main([command, "--help"]) == 0
+        assert default in " ".join(capsys.readouterr().out.split())
