@@ -277,20 +277,11 @@ def test_a_results_directory_without_a_step_log_reads_as_none_and_a_foreign_file
 
 
 def test_validate_reports_the_models_error_on_the_real_steps_and_the_calibrations_own(tiny, tmp_path, capsys):
-    import argparse
+    from experiments.validate import FILES, read_validation, run_validate
+    from tests.experiments.test_validate import parse      # the heap reserve off: the engine runs in this process
 
-    from experiments.validate import (
-        FILES,
-        add_validate_parser,
-        read_validation,
-        run_validate,
-    )
-
-    parser = argparse.ArgumentParser()
-    add_validate_parser(parser.add_subparsers())
     out = tmp_path / "v"
-    args = parser.parse_args(["validate", "--mem-reserve", "0", "-m", tiny, "--threads", "1", "--latency", "constant:0.01",
-                              "--out", str(out), *WORKLOAD])
+    args = parse("-m", tiny, "--threads", "1", "--latency", "constant:0.01", "--out", str(out), *WORKLOAD)
     assert run_validate(args) == 0
     printed = capsys.readouterr().out
     _, _, summary = read_validation(out)
