@@ -1,13 +1,15 @@
 """What `slotlab record` adds per request: C concurrent closed-loop clients against a stand-in llama-server,
-directly and through the recorder, in interleaved rounds (direct, recorder, [baseline recorder], direct, ...)
+directly and through the recorder, in interleaved rounds (direct, [relay], recorders, [baseline], direct, ...)
 so that load drift hits every path alike; per-request latency P50/P90 of each path, the difference, and the
 CPU seconds per request of the recorder and of the upstream processes.
 
-Processes: the stand-in upstream (this script, `--serve-upstream`), the recorder as `slotlab record` in its
-own process (as it runs in front of a server), with `--baseline DIR` a second recorder from another source
-tree (e.g. `git archive REV | tar -x -C DIR`) measured in the same rounds, and the clients (aiohttp) in this
-process. Upstream, recorders and clients share the machine's cores, so on a small machine the latency
-difference also measures CPU contention; the recorder's CPU per request (from /proc, including its
+Processes: the stand-in upstream (this script, `--serve-upstream`), one recorder per `--proxy` (default: both,
+`relay` and `asgi`) as `slotlab record` in its own process (as it runs in front of a server), with
+`--baseline DIR` one more recorder from another source tree (e.g. `git archive REV | tar -x -C DIR`; its
+default proxy) measured in the same rounds, with `--relay` a byte relay that parses nothing (this script,
+`--serve-relay`: the floor of what any proxy process adds), and the clients (aiohttp) in this process.
+Upstream, recorders and clients share the machine's cores, so on a small machine the latency difference also
+measures CPU contention; the recorder's CPU per request (from /proc, including its
 /tokenize and /apply-template calls and the trace line, read once every line of the round is on disk) is
 the figure that does not depend on what else runs.
 
@@ -18,6 +20,7 @@ llama-server's bodies (tools/server/server-task.cpp, `to_json_non_oaicompat`, `t
 
     python benchmarks/bench_record_proxy.py                           # 16 clients, 3 rounds x 20 requests each
     python benchmarks/bench_record_proxy.py --baseline /tmp/before    # + the recorder of another tree
+    python benchmarks/bench_record_proxy.py --delay-ms 50 --relay --rounds 9    # docs/cli.md "Cost, now"
     python benchmarks/bench_record_proxy.py --delay-ms 50 --mix native
 """
 
@@ -175,6 +178,66 @@ def serve_upstream(port: int, delay_s: float) -> None:
                 lifespan="on", server_header=False, date_header=False, ws="none", **server_options())
 
 
+# --- a byte relay: the floor of any proxy ------------------------------------------------------------------
+
+def serve_relay(port: int, upstream_port: int) -> None:
+    """A TCP relay that copies bytes both ways and parses nothing: one more process hop with the least work
+    a proxy can do per request (one accept per client connection, one upstream connection each, no HTTP).
+    What it adds is what the hop itself costs on this machine (wake-ups, loopback copies, a core to run on);
+    a recorder cannot add less."""
+    import socket as _socket
+
+    import uvloop
+
+    def nodelay(t: asyncio.Transport) -> None:
+        sock = t.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY, 1)
+
+    class Up(asyncio.Protocol):
+        def __init__(self, down: asyncio.Transport) -> None:
+            self.down = down
+
+        def connection_made(self, t) -> None:
+            nodelay(t)
+
+        def data_received(self, data: bytes) -> None:
+            self.down.write(data)
+
+        def connection_lost(self, exc) -> None:
+            self.down.close()
+
+    class Down(asyncio.Protocol):
+        def connection_made(self, t) -> None:
+            self.t, self.up, self.early = t, None, []
+            nodelay(t)
+            asyncio.get_running_loop().create_task(self.connect())
+
+        async def connect(self) -> None:
+            self.up, _ = await asyncio.get_running_loop().create_connection(
+                lambda: Up(self.t), "127.0.0.1", upstream_port)
+            if self.t.is_closing():                     # the client left while the upstream connection opened
+                self.up.close()
+            for data in self.early:                     # what the client sent before the upstream was open
+                self.up.write(data)
+
+        def data_received(self, data: bytes) -> None:
+            if self.up is None:
+                self.early.append(data)
+            else:
+                self.up.write(data)
+
+        def connection_lost(self, exc) -> None:
+            if self.up is not None:
+                self.up.close()
+
+    async def run() -> None:
+        server = await asyncio.get_running_loop().create_server(Down, "127.0.0.1", port)
+        await server.serve_forever()
+
+    uvloop.run(run())
+
+
 # --- clients ----------------------------------------------------------------------------------------------
 
 def request_of(kind: str, n_predict: int) -> tuple[str, dict]:
@@ -309,8 +372,18 @@ def main() -> int:
                     help="PYTHONPATH entries after the baseline tree (default: none; this tree's processes keep "
                          "the caller's PYTHONPATH)")
     ap.add_argument("--upstream", help="measure against this running server instead of the stand-in")
+    ap.add_argument("--proxy", default="relay,asgi",
+                    help="the recorder's proxies to measure (slotlab record --proxy), comma-separated "
+                         "(default: relay,asgi)")
+    ap.add_argument("--relay", action="store_true",
+                    help="also measure a byte relay (a process that copies bytes both ways and parses no HTTP): "
+                         "the floor of what any proxy process adds on this machine")
     ap.add_argument("--serve-upstream", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    ap.add_argument("--serve-relay", type=int, nargs=2, metavar=("PORT", "UPSTREAM_PORT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.serve_relay:
+        serve_relay(*args.serve_relay)
+        return 0
     if args.serve_upstream:
         serve_upstream(args.serve_upstream, args.delay_ms / 1e3)
         return 0
@@ -339,12 +412,18 @@ def main() -> int:
                              "--delay-ms", str(args.delay_ms)], ROOT, port)
             upstream = f"http://127.0.0.1:{port}"
         paths = [Path_("direct", upstream)]
-        for name, tree in (("recorder", ROOT), ("baseline", args.baseline)):
-            if tree is None:
-                continue
+        if args.relay:
+            rport = free_port()
+            relay = start([sys.executable, str(Path(__file__).resolve()), "--serve-relay", str(rport),
+                           str(yarl_port(upstream))], ROOT, rport)
+            paths.append(Path_("relay", f"http://127.0.0.1:{rport}", relay))
+        recorders = [(f"rec-{proxy}", ROOT, ["--proxy", proxy]) for proxy in args.proxy.split(",")]
+        if args.baseline:
+            recorders.append(("baseline", args.baseline, []))
+        for name, tree, extra in recorders:
             rport, trace = free_port(), tmp / f"{name}.jsonl"
             rec = start([sys.executable, "-m", "experiments.cli", "record", "--upstream", upstream, "--out",
-                         str(trace), "--port", str(rport)], tree.resolve(), rport)
+                         str(trace), "--port", str(rport), *extra], tree.resolve(), rport)
             paths.append(Path_(name, f"http://127.0.0.1:{rport}", rec, trace))
         for p in paths:                                              # warm-up: connections, imports, caches
             asyncio.run(one_round(p.url, args.clients, 1, kinds, args.n_predict))
@@ -359,6 +438,7 @@ def main() -> int:
                 p.lat += asyncio.run(one_round(p.url, args.clients, args.requests, kinds, args.n_predict))
                 if p.trace:
                     p.missing += want - wait_lines(p.trace, want)    # every line of the round is on disk
+                if p.proc:
                     p.cpu = [a + b for a, b in zip(p.cpu, since(p.proc.pid, c0))]
                 if up_proc:
                     p.up_cpu = [a + b for a, b in zip(p.up_cpu, since(up_proc.pid, u0))]
@@ -399,15 +479,24 @@ def main() -> int:
         print("by kind, P50 / P90 ms: " + "; ".join(
             f"{k}: " + ", ".join(f"{p.name} {q(p.lat, k)[0]:.1f} / {q(p.lat, k)[1]:.1f}" for p in paths)
             for k in kinds))
-    for p in paths[1:]:
+    traced = [p for p in paths if p.trace]
+    for p in traced:
         print(f"{p.name}: {n_lines(p.trace)} trace lines" + (f", {p.missing} missing" if p.missing else ""))
-    if len(paths) == 3:
-        same = content_of(paths[1].trace) == content_of(paths[2].trace)
-        print(f"trace content (times aside) of recorder and baseline: {'identical' if same else 'DIFFERENT'}")
+    for p in traced[1:]:
+        same = content_of(traced[0].trace) == content_of(p.trace)
+        print(f"trace content (times aside) of {traced[0].name} and {p.name}: {'identical' if same else 'DIFFERENT'}")
     print(f"CPU per request: user + system seconds of the process over its rounds / {n} requests "
           f"(clock tick {1e3 / os.sysconf('SC_CLK_TCK'):g} ms)")
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+def yarl_port(url: str) -> int:
+    from urllib.parse import urlsplit
+    port = urlsplit(url).port
+    if port is None:
+        raise SystemExit(f"--relay needs an upstream URL with a port, got {url}")
+    return port
 
 
 def threading_count() -> int:

@@ -1,7 +1,7 @@
 """The `slotlab` command line: the parser of every subcommand and `main`, which dispatches to them.
 
 Each subcommand is a module (`simulate`, `compare`, `replay`, `generate`, `calibrate`, `validate`, `serve`,
-`record`, `study.command`) that registers its parser and runs the command; their flags come from the one
+`record_cli`, `study.command`) that registers its parser and runs the command; their flags come from the one
 table in `experiments.flags` (`study` has its own few: it reads the rest from its spec).
 See docs/cli.md and docs/http_api.md.
 """
@@ -12,7 +12,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from experiments import calibrate, compare, generate, record, replay, serve, simulate, upstream_flags, validate
+from experiments import calibrate, compare, generate, record_cli, replay, serve, simulate, upstream_flags, validate
 from experiments.flags import UsageError
 from experiments.study.command import add_study_parser, cmd_study
 
@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_validate_parser(sub)
     serve.add_serve_parser(sub)
     add_study_parser(sub)
-    record.add_record_parser(sub)
+    record_cli.add_record_parser(sub)
     return parser
 
 

@@ -463,6 +463,10 @@ FLAGS: tuple[Flag, ...] = (
          (RECORD,), str, required=True, metavar="FILE"),
     Flag(None, ("--host",), "address to listen on (default: 127.0.0.1)", (RECORD,), str, "127.0.0.1"),
     Flag(None, ("--port",), "port to listen on (default: 8081)", (RECORD,), int, 8081),
+    Flag(None, ("--proxy",), "relay: an HTTP-aware byte relay (uvloop + httptools), answers passed on byte for "
+         "byte, the least latency added; asgi: an ASGI app on uvicorn with an aiohttp pool to the upstream, "
+         "~0.5 ms more CPU per request (docs/cli.md, slotlab record, \"Cost\") (default: relay)", (RECORD,), str,
+         "relay", choices=("relay", "asgi")),
 )
 
 RUN_GROUPS = (W, S, P, M, R)

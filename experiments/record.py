@@ -4,9 +4,11 @@ native trace (docs/traces.md §3, "Recorded traffic"), for `slotlab simulate --t
 
 Every request is forwarded as it came (method, path and query as sent, headers except hop-by-hop ones, body)
 and every response is sent back as it came; streamed responses go through HTTP chunk by HTTP chunk, each as
-soon as it is in. The proxy is a plain ASGI app on uvicorn (httptools, uvloop) with one aiohttp keep-alive
-pool to the upstream: the CPU it spends per request is what it adds to each request's latency on a busy
-machine (benchmarks/bench_record_proxy.py measures both). The one change: a native
+soon as it is in. Two proxies: the default, an HTTP-aware byte relay (experiments/record_relay.py,
+`--proxy relay`), and this module's plain ASGI app on uvicorn (httptools, uvloop) with one aiohttp keep-alive
+pool to the upstream (`--proxy asgi`); both record through this module's `Recorder`. The CPU a proxy spends
+per request is what it adds to each request's latency on a busy machine (benchmarks/bench_record_proxy.py
+measures both, docs/cli.md "Cost"). The one change: a native
 non-stream `/completion` that does not ask for `return_tokens` is sent with `"return_tokens": true` (and
 without `Accept-Encoding`), and the token ids are blanked out of the answer again (`"tokens":[]`, exactly
 what the client would have received), so the generated ids are recorded without the client seeing a difference.
@@ -23,10 +25,8 @@ end time). A killed recorder loses at most the requests in flight.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import gc
 import importlib.util
 import json
 import re
@@ -35,8 +35,6 @@ import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
-
-import uvicorn
 
 try:                          # dependencies of the project; an environment installed before them still runs
     import aiohttp            # every other command, and `record` says what to install
@@ -47,8 +45,6 @@ except ImportError as _e:     # pragma: no cover - depends on the environment
 else:
     MISSING = None
 
-from engine.http.app import ThreadedUvicorn, uvicorn_config
-from experiments.flags import RECORD, add_flags
 
 NATIVE, OAI_CMPL, OAI_CHAT = "native", "oai_cmpl", "oai_chat"
 # RFC 9110 §7.6.1 hop-by-hop headers, plus the ones the client library sets itself
@@ -75,6 +71,9 @@ TOKENS_FIELD = re.compile(rb'((?<!\\)"tokens"\s*:\s*\[)[-0-9,\s]*(\])')
 TOKENS_KEY = b'"tokens"'
 TOKENS_REST = re.compile(rb'\s*:\s*\[([-0-9,\s]*)\]')
 INFLIGHT_WAIT_S = 10.0
+RECORDING_WORKERS = 1          # recordings in progress at once, while they keep up with the traffic ...
+RECORDING_BACKLOG = 64         # ... and one more per this many waiting (up to RECORDING_WORKERS_MAX)
+RECORDING_WORKERS_MAX = 8
 CONNECT_TIMEOUT_S = 10.0
 KEEPALIVE_S = 4.0
 UPSTREAM_ERRORS = (aiohttp.ClientError if aiohttp else OSError, asyncio.TimeoutError, OSError)
@@ -225,7 +224,8 @@ class Recorder:
         self.stats: Counter[str] = Counter()
         self.log = log or (lambda msg: print(f"slotlab record: {msg}", file=sys.stderr))
         self._warned: set[str] = set()
-        self._tasks: set[asyncio.Task] = set()
+        self._queue: asyncio.Queue | None = None          # recordings waiting for a worker
+        self._workers: list[asyncio.Task] = []
         self._file = None
         self.client: aiohttp.ClientSession | None = None
         self.app = self
@@ -237,29 +237,57 @@ class Recorder:
         self._write({"slotlab_native": 1, "origin_format": "recorded", "origin_source": self.upstream,
                      "line_order": "end", "recorder": "slotlab record", "started_unix": self.started_unix})
 
+    async def start_client(self) -> None:
+        """The client for the upstream (the ASGI proxy's forwards; every proxy's /tokenize and /apply-template
+        calls), and the trace file if not open yet."""
+        # aiohttp's client: a C HTTP parser and a keep-alive pool that does not poll every pooled socket
+        # per request; about a third of httpcore's CPU per exchange (benchmarks/bench_record_proxy.py).
+        # The pool has no size limit (as many upstream connections as requests in flight), gives idle
+        # connections back before cpp-httplib's 5 s keep-alive would close them under a request, sends
+        # only the client's headers (no User-Agent, Accept, ... of its own), keeps no cookies and follows
+        # no redirect.
+        self.client = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S), auto_decompress=False,
+            skip_auto_headers=NO_AUTO_HEADERS, cookie_jar=aiohttp.DummyCookieJar(), trust_env=False,
+            timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S))
+        if self._file is None:
+            self.open()
+        self._queue = asyncio.Queue()
+        self._workers = [asyncio.get_running_loop().create_task(self._worker()) for _ in range(RECORDING_WORKERS)]
+
+    async def stop_client(self) -> None:
+        """Let the recordings in progress end (up to INFLIGHT_WAIT_S), then close the client."""
+        if self._queue is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._queue.join(), INFLIGHT_WAIT_S)
+            left = self._queue.qsize()
+            if left:
+                self.stats["not_recorded_shutdown"] += left
+        for w in self._workers:
+            w.cancel()
+        if self._workers:
+            await asyncio.gather(*self._workers, return_exceptions=True)
+        if self.client is not None:
+            await self.client.close()
+
+    async def _worker(self) -> None:
+        while True:
+            item = await self._queue.get()
+            try:
+                await self._finish(*item)
+            finally:
+                self._queue.task_done()
+
     async def _lifespan(self, receive, send) -> None:
         await receive()                                            # lifespan.startup
         try:
-            # aiohttp's client: a C HTTP parser and a keep-alive pool that does not poll every pooled socket
-            # per request; about a third of httpcore's CPU per exchange (benchmarks/bench_record_proxy.py).
-            # The pool has no size limit (as many upstream connections as requests in flight), gives idle
-            # connections back before cpp-httplib's 5 s keep-alive would close them under a request, sends
-            # only the client's headers (no User-Agent, Accept, ... of its own), keeps no cookies and follows
-            # no redirect.
-            self.client = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S), auto_decompress=False,
-                skip_auto_headers=NO_AUTO_HEADERS, cookie_jar=aiohttp.DummyCookieJar(), trust_env=False,
-                timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S))
-            if self._file is None:
-                self.open()
+            await self.start_client()
         except Exception as e:  # noqa: BLE001 - uvicorn reports it and exits
             await send({"type": "lifespan.startup.failed", "message": f"{type(e).__name__}: {e}"})
             return
         await send({"type": "lifespan.startup.complete"})
         await receive()                                            # lifespan.shutdown
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=INFLIGHT_WAIT_S)
-        await self.client.close()
+        await self.stop_client()
         self.close()
         await send({"type": "lifespan.shutdown.complete"})
 
@@ -401,17 +429,26 @@ class Recorder:
     # --- recording (after the client has its answer) ----------------------------------------------------------
     def _finish_later(self, pending: Pending, up: "Upstream", tap: SSETap | None, content: bytes | None,
                       end_s: float) -> None:
-        """Record the request in a task of its own: its parsing, /tokenize calls and line run after the client
-        has its answer (the line is written and flushed when they are done)."""
+        """Queue the request's recording: its parsing, /tokenize calls and line run after the client has its
+        answer, one request after the other (the line is written and flushed when they are done). One worker,
+        not a task per request: the 16 recordings of 16 answers that came in together would otherwise all be
+        ready at once, and the next requests (which their clients send at once) would wait behind all of them
+        in the event loop; with one, behind at most one step of recording work. Measured at 16 clients
+        (benchmarks/bench_record_proxy.py, docs/cli.md "Cost"): a task per request +2.8 ms, four workers
+        +2.4 ms, one +0.8 ms. More workers join when the backlog grows (the upstream's /tokenize is slow)."""
         if up.status_code != 200:
             self.stats[f"not_recorded_status_{up.status_code}"] += 1
             return
         if up.header(b"content-encoding", "identity") != "identity" and tap is None:
             self.stats["not_recorded_encoded"] += 1
             return
-        task = asyncio.get_running_loop().create_task(self._finish(pending, tap, content, end_s))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._queue.put_nowait((pending, tap, content, end_s))
+        waiting = self._queue.qsize()
+        if waiting > RECORDING_BACKLOG * len(self._workers) and len(self._workers) < RECORDING_WORKERS_MAX:
+            self._workers.append(asyncio.get_running_loop().create_task(self._worker()))
+            self.warn_once("backlog", f"{waiting} requests wait for their recording (/tokenize calls to the "
+                                      f"upstream): {len(self._workers)} recording workers now; their lines are "
+                                      "written late, and a killed recorder would lose them")
 
     async def _finish(self, p: Pending, tap: SSETap | None, content: bytes | None, end_s: float) -> None:
         try:
@@ -582,60 +619,3 @@ def server_options() -> dict[str, str]:
     its pure-Python h11 and asyncio: about half the CPU of an incoming exchange."""
     return {"http": "httptools" if importlib.util.find_spec("httptools") else "h11",
             "loop": "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"}
-
-
-class BackgroundRecorder(ThreadedUvicorn):
-    """The recorder in a background thread (tests, benchmarks): `start()` returns once the socket listens."""
-
-    def __init__(self, upstream: str, out: str | Path, host: str = "127.0.0.1", port: int = 0,
-                 log_level: str = "warning") -> None:
-        self.recorder = Recorder(upstream, out, log=lambda msg: None)
-        super().__init__(self.recorder.app, host, port, log_level, name="slotlab-record", shutdown_s=5.0,
-                         **server_options())
-
-
-# --- command line ----------------------------------------------------------------------------------------
-
-EPILOG = """examples:
-  slotlab serve -m model.gguf --port 8080 &
-  slotlab record --upstream http://127.0.0.1:8080 --out trace.jsonl --port 8081
-      point clients at :8081; every request goes on to :8080, one trace line per completion
-  slotlab validate --recorded trace.jsonl -np 4 --latency parametric:cal.json
-      simulate the recorded requests (their own prompt and output tokens), compare with what :8080 measured
-"""
-
-
-def add_record_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        RECORD, help="record the traffic of a llama-server compatible server as a native trace",
-        allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
-        description=__doc__.split("\n\n")[0].replace("`slotlab record`: a", "A"))
-    add_flags(p, RECORD)
-    p.set_defaults(func=run_record)
-    return p
-
-
-def run_record(args: argparse.Namespace) -> int:
-    if MISSING:
-        print(f"slotlab record: error: {MISSING}", file=sys.stderr)
-        return 2
-    if not args.upstream.startswith(("http://", "https://")):
-        print(f"slotlab record: error: --upstream must be an http(s) URL, got {args.upstream!r}", file=sys.stderr)
-        return 2
-    rec = Recorder(args.upstream, args.out)
-    try:
-        rec.open()
-    except OSError as e:
-        print(f"slotlab record: error: cannot write {args.out}: {e}", file=sys.stderr)
-        return 2
-    server = uvicorn.Server(uvicorn_config(rec.app, args.host, args.port, "warning", timeout_graceful_shutdown=5,
-                                                **server_options()))
-    print(f"slotlab record: http://{args.host}:{args.port} -> {rec.upstream}, writing {args.out}", file=sys.stderr)
-    gc.freeze()         # the objects of the imported modules: out of every later full collection's walk
-    try:
-        server.run()
-    finally:
-        rec.close()
-        stats = ", ".join(f"{k} {v}" for k, v in sorted(rec.stats.items())) or "no completion requests"
-        print(f"slotlab record: {stats} -> {args.out}", file=sys.stderr)
-    return 0

@@ -15,8 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine.http.app import ThreadedUvicorn, uvicorn_config
-from experiments.record import (TOKENS_FIELD, BackgroundRecorder, SSETap, blank_tokens, inject_return_tokens,
-                                split_prompts)
+from experiments.record import TOKENS_FIELD, SSETap, blank_tokens, inject_return_tokens, split_prompts
+from experiments.record_cli import BackgroundRecorder
 from traces import read_trace
 
 
@@ -25,9 +25,17 @@ def upstream(start_server):
     return start_server(n_parallel=2, n_ctx=2048, api_keys=())
 
 
+PROXIES = ("relay", "asgi")          # the two proxies of `slotlab record --proxy`: each test runs with each
+
+
+@pytest.fixture(params=PROXIES)
+def proxy(request) -> str:
+    return request.param
+
+
 @pytest.fixture()
-def recorder(upstream, tmp_path):
-    rec = BackgroundRecorder(upstream.base_url, tmp_path / "trace.jsonl").start()
+def recorder(upstream, tmp_path, proxy):
+    rec = BackgroundRecorder(upstream.base_url, tmp_path / "trace.jsonl", proxy=proxy).start()
     yield rec
     rec.stop()
 
@@ -131,8 +139,8 @@ def test_other_routes_and_errors_are_forwarded_as_they_are(upstream, recorder, t
     assert len(lines(tmp_path / "trace.jsonl")) == 1          # only the header: nothing was answered with 200
 
 
-def test_upstream_down_is_a_502_with_a_clear_message(tmp_path):
-    rec = BackgroundRecorder("http://127.0.0.1:9", tmp_path / "t.jsonl").start()
+def test_upstream_down_is_a_502_with_a_clear_message(tmp_path, proxy):
+    rec = BackgroundRecorder("http://127.0.0.1:9", tmp_path / "t.jsonl", proxy=proxy).start()
     try:
         r = httpx.post(rec.base_url + "/completion", json={"prompt": "x"}, timeout=30)
     finally:
@@ -149,11 +157,11 @@ def test_a_line_is_on_disk_as_soon_as_its_request_ended(recorder, tmp_path):
     assert len(got) == 2 and got[1]["prompt_tokens"] == [1, 2, 3]
 
 
-def test_a_killed_recorder_process_keeps_every_line_of_the_requests_that_ended(upstream, tmp_path):
+def test_a_killed_recorder_process_keeps_every_line_of_the_requests_that_ended(upstream, tmp_path, proxy):
     port = free_port()
     out = tmp_path / "killed.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "experiments.cli", "record", "--upstream", upstream.base_url,
-                             "--out", str(out), "--port", str(port)], stderr=subprocess.DEVNULL)
+                             "--out", str(out), "--port", str(port), "--proxy", proxy], stderr=subprocess.DEVNULL)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as c:
             t_end = time.monotonic() + 120
@@ -248,10 +256,10 @@ async def echo_app(scope, receive, send):
 
 
 @pytest.fixture()
-def echo(tmp_path):
+def echo(tmp_path, proxy):
     """An echo upstream that closes idle connections after 1 s, and a recorder in front of it."""
     up = ThreadedUvicorn(echo_app, timeout_keep_alive=1).start()
-    rec = BackgroundRecorder(up.base_url, tmp_path / "echo.jsonl").start()
+    rec = BackgroundRecorder(up.base_url, tmp_path / "echo.jsonl", proxy=proxy).start()
     yield up, rec
     rec.stop()
     up.stop()
@@ -317,3 +325,103 @@ def test_the_stream_tap_parses_complete_events_however_the_chunks_cut_them():
 def test_serve_keeps_h11_and_asyncio_whatever_is_installed():
     config = uvicorn_config(echo_app, "127.0.0.1", 0, "warning")
     assert (config.http, config.loop) == ("h11", "asyncio")
+
+
+def raw_exchange(base_url: str, data: bytes, n_responses: int, heads: tuple[int, ...] = ()) -> tuple[list, bool]:
+    """Send raw bytes to the proxy, read what comes back until the connection closes or stays quiet for 0.5 s
+    after `n_responses` answers; parse the answers (status, headers, body; those at indexes `heads` answer a
+    HEAD: no body) and say whether the proxy closed the connection."""
+    host, port = base_url.split("://")[1].split(":")
+    buf, closed = b"", False
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(data)
+        t_end = time.monotonic() + 20
+        while time.monotonic() < t_end:
+            s.settimeout(0.5 if buf.count(b"HTTP/1.") >= n_responses else 10)
+            try:
+                chunk = s.recv(65536)
+            except socket.timeout:
+                break
+            if not chunk:
+                closed = True
+                break
+            buf += chunk
+    out = []
+    while buf and len(out) < n_responses + 1:
+        head, _, buf = buf.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = {k.strip().lower(): v.strip() for k, v in (x.split(":", 1) for x in lines[1:])}
+        body = b""
+        if len(out) in heads or 100 <= status < 200:
+            pass
+        elif headers.get("transfer-encoding") == "chunked":
+            while True:
+                size, _, buf = buf.partition(b"\r\n")
+                n = int(size, 16)
+                body, buf = body + buf[:n], buf[n + 2:]
+                if n == 0:
+                    break
+        elif "content-length" in headers:
+            n = int(headers["content-length"])
+            body, buf = buf[:n], buf[n:]
+        else:                                             # ended by the close
+            body, buf = buf, b""
+        out.append((status, headers, body))
+    return out, closed
+
+
+def req(method: str, target: str, body: bytes = b"", extra: str = "", version: str = "1.1") -> bytes:
+    head = f"{method} {target} HTTP/{version}\r\nHost: x\r\n{extra}"
+    if body or method == "POST":
+        head += f"Content-Length: {len(body)}\r\n"
+    return head.encode() + b"\r\n" + body
+
+
+def echoed(body: bytes) -> dict:
+    return json.loads(body)
+
+
+def test_pipelined_requests_are_answered_in_order_on_one_connection(echo):
+    up, rec = echo
+    got, closed = raw_exchange(rec.base_url, req("POST", "/a", b"1") + req("POST", "/b", b"22") + req("GET", "/c"), 3)
+    assert [(s, echoed(b)["raw_path"], echoed(b)["body"]) for s, _, b in got] == \
+        [(200, "/a", "1"), (200, "/b", "22"), (200, "/c", "")]
+    assert not closed                                     # keep-alive: the connection stays open
+
+
+def test_a_client_that_asks_to_close_gets_its_answer_then_the_close(echo):
+    up, rec = echo
+    got, closed = raw_exchange(rec.base_url, req("POST", "/a", b"{}", "Connection: close\r\n"), 1)
+    assert got[0][0] == 200 and closed
+    got, closed = raw_exchange(rec.base_url, req("GET", "/old", version="1.0"), 1)
+    assert got[0][0] == 200 and echoed(got[0][2])["raw_path"] == "/old" and closed
+
+
+def test_expect_100_continue_is_answered_and_the_body_goes_on(echo):
+    up, rec = echo
+    got, _ = raw_exchange(rec.base_url, req("POST", "/e", b'{"k": 1}', "Expect: 100-continue\r\n"), 2)
+    assert got[0][0] == 100 and got[1][0] == 200
+    assert echoed(got[1][2])["body"] == '{"k": 1}'       # (the relay answers the 100 itself: it needs the body)
+
+
+def test_a_chunked_request_body_reaches_the_upstream_whole(echo):
+    up, rec = echo
+    body = b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
+    got, _ = raw_exchange(rec.base_url, req("POST", "/c", extra="Transfer-Encoding: chunked\r\n")[:-2]
+                          .replace(b"Content-Length: 0\r\n", b"") + b"\r\n" + body, 1)
+    sent = echoed(got[0][2])
+    assert sent["body"] == "hello world" and dict(sent["headers"])["content-length"] == "11"
+
+
+def test_a_head_request_keeps_the_connection_usable(echo):
+    up, rec = echo
+    got, closed = raw_exchange(rec.base_url, req("HEAD", "/h") + req("GET", "/after"), 2, heads=(0,))
+    assert [s for s, _, _ in got] == [200, 200] and got[0][2] == b""
+    assert echoed(got[1][2])["raw_path"] == "/after" and not closed
+
+
+def test_a_request_that_is_not_http_is_a_400(echo):
+    up, rec = echo
+    got, closed = raw_exchange(rec.base_url, b"NOT HTTP AT ALL\r\n\r\n", 1)
+    assert got[0][0] == 400 and closed

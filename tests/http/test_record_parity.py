@@ -25,7 +25,7 @@ from dataclasses import replace
 import httpx
 
 from engine.core import Recorder
-from experiments.record import BackgroundRecorder
+from experiments.record_cli import BackgroundRecorder
 from sim.driver import Simulation
 from traces import Trace, read_trace
 
