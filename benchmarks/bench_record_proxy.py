@@ -262,11 +262,14 @@ async def one_round(base_url: str, clients: int, per_client: int, kinds: tuple[s
             k = (c + i) % len(reqs)
             path, body = reqs[k]
             t0 = time.perf_counter()
-            async with s.post(base_url + path, json=body) as r:
-                if r.status != 200:
-                    raise RuntimeError(f"{base_url}{path} answered {r.status}: {(await r.read())[:200]!r}")
-                async for _chunk in r.content.iter_any():
-                    pass
+            try:
+                async with s.post(base_url + path, json=body) as r:
+                    if r.status != 200:
+                        raise RuntimeError(f"{base_url}{path} answered {r.status}: {(await r.read())[:200]!r}")
+                    async for _chunk in r.content.iter_any():
+                        pass
+            except aiohttp.ClientError as e:
+                raise RuntimeError(f"{base_url}{path}: {type(e).__name__}: {e}") from e
             lat.append((kinds[k], time.perf_counter() - t0))
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients),

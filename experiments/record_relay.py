@@ -79,12 +79,14 @@ class Request:
 class Exchange:
     """A request sent upstream and its answer on the way back."""
 
-    __slots__ = ("req", "pending", "hold", "status", "headers", "head_seen", "body", "tap", "forwarded",
-                 "raw_held", "stream", "head_only")
+    __slots__ = ("req", "pending", "wire", "reused", "hold", "status", "headers", "head_seen", "body", "tap",
+                 "forwarded", "got_bytes", "raw_held", "stream", "head_only")
 
-    def __init__(self, req: Request, pending: Pending | None) -> None:
+    def __init__(self, req: Request, pending: Pending | None, wire: bytes) -> None:
         self.req = req
         self.pending = pending
+        self.wire = wire                                         # the request as sent upstream
+        self.reused = False                                      # sent on a connection that served another
         self.hold = pending is not None and pending.injected     # answer held whole: its ids are blanked
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
@@ -92,6 +94,7 @@ class Exchange:
         self.body: list[bytes] = []
         self.tap: SSETap | None = None
         self.forwarded = False                                   # a byte of the answer went to the client
+        self.got_bytes = False                                   # a byte of the answer came in
         self.raw_held: list[bytes] = []
         self.stream = False
         self.head_only = req.method == b"HEAD"
@@ -145,6 +148,7 @@ class UpstreamConn(asyncio.Protocol):
         if ex is None:                       # nothing asked: an upstream that talks out of turn is closed
             self.transport.close()
             return
+        ex.got_bytes = True
         if not ex.hold:
             self.owner.transport.write(data)
             ex.forwarded = True
@@ -331,11 +335,17 @@ class ClientConn(asyncio.Protocol):
         if not has_length and (raw or req.method in (b"POST", b"PUT", b"PATCH")):
             head += [b"Content-Length: ", str(len(raw)).encode(), b"\r\n"]
         head.append(b"\r\n")
+        await self.transmit(Exchange(req, pending, b"".join(head) + raw), method, path)
+
+    async def transmit(self, ex: Exchange, method: str, path: str) -> None:
+        """Send `ex` on this connection's upstream connection, opened first if there is none (or it closed, or
+        sat idle past KEEPALIVE_S)."""
         up = self.up
         if up is not None and (up.closed or time.monotonic() - up.idle_since > KEEPALIVE_S):
             if not up.closed:
                 up.transport.close()
             up = self.up = None
+        ex.reused = up is not None
         if up is None:
             try:
                 up = await self.relay.open_upstream(self)
@@ -344,7 +354,7 @@ class ClientConn(asyncio.Protocol):
                 if self.closing:
                     return
                 self.bad_gateway(method, path, f"{type(e).__name__}: {e or 'no details'}")
-                if req.keep_alive:
+                if ex.req.keep_alive:
                     self.next()
                 else:
                     self.transport.close()
@@ -353,10 +363,10 @@ class ClientConn(asyncio.Protocol):
                 up.transport.close()
                 return
             self.up = up
-        self.exchange = Exchange(req, pending)
+        self.exchange = ex
         self.up_of_exchange = up
         self.sending = False
-        up.transport.write(b"".join(head) + raw)
+        up.transport.write(ex.wire)
 
     def answered(self, ex: Exchange, keep_alive: bool) -> None:
         """The upstream's answer to `ex` is complete."""
@@ -408,6 +418,19 @@ class ClientConn(asyncio.Protocol):
             up.transport.close()
         if self.up is up:
             self.up = None
+        if ex.reused and not ex.got_bytes and not self.closing:
+            # A kept-alive connection the upstream closed as the request went out, before any answer: sent
+            # again once, on a new connection. Some servers close every connection after its answer while
+            # announcing keep-alive (llama-server 0c1e57098: "Keep-Alive: timeout=5, max=100", then the
+            # close), and the next request races the close. A server that closes without answering has not
+            # answered it: what a client would do on that connection's failure too.
+            self.rec.stats["upstream_resent"] += 1
+            self.sending = True
+            method = ex.req.method.decode("latin-1")
+            fresh = Exchange(ex.req, ex.pending, ex.wire)
+            self.task = asyncio.get_running_loop().create_task(
+                self.transmit(fresh, method, ex.req.target.split(b"?", 1)[0].decode("latin-1")))
+            return
         if ex.pending is not None:
             self.rec.stats["not_recorded_interrupted"] += 1
         if ex.forwarded or self.closing:     # part of the answer is with the client: its connection ends too

@@ -425,3 +425,54 @@ def test_a_request_that_is_not_http_is_a_400(echo):
     up, rec = echo
     got, closed = raw_exchange(rec.base_url, b"NOT HTTP AT ALL\r\n\r\n", 1)
     assert got[0][0] == 400 and closed
+
+
+class ClosingUpstream:
+    """An upstream that announces keep-alive but closes a connection, unanswered, when a second request comes
+    on it (the race of a server that closes each connection after its answer): a thread of its own."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.base_url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.connections = 0
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self.handle, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def handle(conn: socket.socket) -> None:
+        with conn:
+            buf, answered = b"", 0
+            while True:
+                data = conn.recv(65536)
+                if not data:
+                    return
+                buf += data
+                if b"\r\n\r\n" not in buf:
+                    continue
+                if answered:
+                    return                                    # the second request: closed unanswered
+                body = b'{"ok": true}'
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nKeep-Alive: timeout=5, max=100\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                buf, answered = b"", 1
+
+
+def test_a_request_on_a_connection_the_upstream_closes_unanswered_is_sent_again(tmp_path):
+    up = ClosingUpstream()
+    rec = BackgroundRecorder(up.base_url, tmp_path / "t.jsonl", proxy="relay").start()
+    try:
+        with httpx.Client(base_url=rec.base_url, timeout=30) as c:
+            got = [c.get(f"/r{i}").status_code for i in range(4)]
+    finally:
+        rec.stop()
+        up.sock.close()
+    assert got == [200] * 4 and up.connections == 4
+    assert rec.recorder.stats["upstream_resent"] == 3             # each reuse raced the close once
