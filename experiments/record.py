@@ -77,6 +77,9 @@ RECORDING_WORKERS_MAX = 8
 CONNECT_TIMEOUT_S = 10.0
 KEEPALIVE_S = 4.0
 UPSTREAM_ERRORS = (aiohttp.ClientError if aiohttp else OSError, asyncio.TimeoutError, OSError)
+# what aiohttp raises when a kept-alive connection was closed under a request that had no answer yet
+RESEND_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) if aiohttp else ()
+NOT_RESENT = (aiohttp.ClientConnectorError,) if aiohttp else ()     # no connection at all: the upstream is down
 
 
 class Upstream:
@@ -349,11 +352,19 @@ class Recorder:
         query = scope["query_string"]
         url = yarl.URL(self.upstream + target.decode("latin-1") + ("?" + query.decode("latin-1") if query else ""),
                        encoded=True)
-        try:
-            up = Upstream(await self.client.request(method, url, data=raw or None, headers=headers,
-                                                    allow_redirects=False))
-        except UPSTREAM_ERRORS as e:
-            return await self._bad_gateway(send, method, path, e)
+        for attempt in (1, 2):
+            try:
+                up = Upstream(await self.client.request(method, url, data=raw or None, headers=headers,
+                                                        allow_redirects=False))
+                break
+            except UPSTREAM_ERRORS as e:
+                if attempt == 1 and isinstance(e, RESEND_ERRORS) and not isinstance(e, NOT_RESENT):
+                    # a pooled connection the upstream closed as the request went out, before any answer:
+                    # sent once more (on a new connection; the failed one left the pool), as the relay does
+                    # (experiments/record_relay.py, `ClientConn.upstream_broke`)
+                    self.stats["upstream_resent"] += 1
+                    continue
+                return await self._bad_gateway(send, method, path, e)
         out_headers = [(k, v) for k, v in up.headers if k.lower() not in DROP_RESPONSE]
         if up.header(b"content-type").startswith("text/event-stream"):
             return await self._stream(up, out_headers, pending, receive, send)
@@ -595,12 +606,20 @@ class Recorder:
     async def _upstream_json(self, route: str, body: Any, p: Pending) -> Any:
         prefix = p.path[:len(p.path) - len(_ENDPOINT_SUFFIX[p.kind](p.path))]
         data = json.dumps(body).encode()
-        async with self.client.post(self.upstream + prefix + route, data=data, allow_redirects=False,
-                                    headers=[("Content-Type", "application/json"), *p.auth]) as r:
-            content = await r.read()
-            if r.status != 200:
-                raise ValueError(f"{route} answered {r.status}")
-        return json.loads(content)
+        for attempt in (1, 2, 3):
+            try:
+                async with self.client.post(self.upstream + prefix + route, data=data, allow_redirects=False,
+                                            headers=[("Content-Type", "application/json"), *p.auth]) as r:
+                    content = await r.read()
+                    if r.status != 200:
+                        raise ValueError(f"{route} answered {r.status}")
+                return json.loads(content)
+            except RESEND_ERRORS as e:
+                # a pooled connection closed under the call (see `__call__`); /tokenize and /apply-template
+                # change nothing upstream, so they are asked again
+                if attempt == 3 or isinstance(e, NOT_RESENT):
+                    raise
+                self.stats["upstream_resent_recording"] += 1
 
 
 def _suffix(path: str, options: tuple[str, ...]) -> str:

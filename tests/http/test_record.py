@@ -429,7 +429,13 @@ def test_a_request_that_is_not_http_is_a_400(echo):
 
 class ClosingUpstream:
     """An upstream that announces keep-alive but closes a connection, unanswered, when a second request comes
-    on it (the race of a server that closes each connection after its answer): a thread of its own."""
+    on it (the race of a server that closes each connection after its answer): a thread of its own. It
+    answers `/tokenize` with three ids and anything else with a native completion."""
+
+    TOKENIZED = b'{"tokens": [1, 2, 3]}'
+    ANSWER = json.dumps({"index": 0, "content": "ab", "tokens": [5, 6], "id_slot": 0, "stop": True,
+                         "tokens_predicted": 2, "tokens_evaluated": 3, "stop_type": "limit",
+                         "timings": {"cache_n": 0, "prompt_n": 3, "predicted_n": 2}}).encode()
 
     def __init__(self) -> None:
         self.sock = socket.create_server(("127.0.0.1", 0))
@@ -459,20 +465,36 @@ class ClosingUpstream:
                     continue
                 if answered:
                     return                                    # the second request: closed unanswered
-                body = b'{"ok": true}'
+                body = ClosingUpstream.TOKENIZED if buf.startswith(b"POST /tokenize ") else ClosingUpstream.ANSWER
                 conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nKeep-Alive: timeout=5, max=100\r\n"
                              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
                 buf, answered = b"", 1
 
 
-def test_a_request_on_a_connection_the_upstream_closes_unanswered_is_sent_again(tmp_path):
+def test_a_request_on_a_connection_the_upstream_closes_unanswered_is_sent_again(tmp_path, proxy):
     up = ClosingUpstream()
-    rec = BackgroundRecorder(up.base_url, tmp_path / "t.jsonl", proxy="relay").start()
+    rec = BackgroundRecorder(up.base_url, tmp_path / "t.jsonl", proxy=proxy).start()
     try:
         with httpx.Client(base_url=rec.base_url, timeout=30) as c:
-            got = [c.get(f"/r{i}").status_code for i in range(4)]
+            got = [c.post(f"/r{i}", content=b"{}").status_code for i in range(4)]    # POST: not idempotent
     finally:
         rec.stop()
         up.sock.close()
     assert got == [200] * 4 and up.connections == 4
     assert rec.recorder.stats["upstream_resent"] == 3             # each reuse raced the close once
+
+
+def test_the_recording_calls_to_tokenize_are_sent_again_too(tmp_path, proxy):
+    up = ClosingUpstream()
+    rec = BackgroundRecorder(up.base_url, tmp_path / "t.jsonl", proxy=proxy).start()
+    try:
+        with httpx.Client(base_url=rec.base_url, timeout=30) as c:
+            for _ in range(4):
+                assert c.post("/completion", json={"prompt": "a text prompt", "n_predict": 2}).status_code == 200
+            got = wait_lines(tmp_path / "t.jsonl", 5)
+    finally:
+        rec.stop()
+        up.sock.close()
+    assert [x["prompt_tokens"] for x in got[1:]] == [[1, 2, 3]] * 4
+    assert [x["output_tokens"] for x in got[1:]] == [[5, 6]] * 4
+    assert rec.recorder.stats["upstream_resent_recording"] >= 1 and rec.recorder.stats["recorded"] == 4
