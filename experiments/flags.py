@@ -465,7 +465,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(None, ("--port",), "port to listen on (default: 8081)", (RECORD,), int, 8081),
     Flag(None, ("--proxy",), "relay: an HTTP-aware byte relay (uvloop + httptools), answers passed on byte for "
          "byte, the least latency added; asgi: an ASGI app on uvicorn with an aiohttp pool to the upstream, "
-         "~0.5 ms more CPU per request (docs/cli.md, slotlab record, \"Cost\") (default: relay)", (RECORD,), str,
+         "~0.3 ms more CPU per request (docs/cli.md, slotlab record, \"Cost\") (default: relay)", (RECORD,), str,
          "relay", choices=("relay", "asgi")),
 )
 

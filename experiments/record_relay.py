@@ -2,13 +2,14 @@
 parsers, the event loop and HTTP parser uvicorn itself runs on, without uvicorn's ASGI cycle on one side and
 a client library's request objects on the other.
 
-Why not the ASGI app (`--proxy asgi`, experiments/record.py): the issue's budget is ≤ 1 ms added per request
-at 16 concurrent clients. On a 2-core machine the ASGI proxy (uvicorn + an aiohttp pool) spent ~0.75 ms of
-CPU per request on the request path alone, and with 16 clients whose requests arrive together each request
-waits for the ones ahead of it: it added +2.2 to +3.1 ms. A relay that copies bytes and parses nothing adds
-~0.1–0.8 ms in the same rounds (benchmarks/bench_record_proxy.py `--relay`). This proxy stays close to that
-floor: the bytes of a response go to the client as they come (head, framing and body, unchanged), and the
-parsers only watch them, in C, to find where each message ends and to keep what the trace needs.
+Why not the ASGI app alone (`--proxy asgi`, experiments/record.py): the recorder's budget is ≤ 1 ms added
+per request at 16 concurrent clients. On a 2-core machine, with an upstream that spends 50 ms per request,
+the ASGI proxy (uvicorn + an aiohttp pool) spends ~1.3 ms of CPU per request, its recording included, and
+adds +0.8 to +1.5 ms at the median; this relay spends ~0.95 ms and adds +0.2 to +0.6 ms; a relay that copies
+bytes and parses nothing adds +0.3 to +0.5 ms in the same rounds (benchmarks/bench_record_proxy.py
+`--relay`; docs/cli.md, `slotlab record`, "Cost"). This proxy stays close to that floor: the bytes of an
+answer go to the client as they come (head, framing and body, unchanged), and the parsers only watch
+them, in C, to find where each message ends and to keep what the trace needs.
 
 What it does per client connection:
 - requests are parsed (httptools.HttpRequestParser), buffered whole (as the ASGI proxy does) and sent one at a
