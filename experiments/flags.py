@@ -197,6 +197,7 @@ MEASURE_MEM_RESERVE_MIB = 2048
 MEASURE_MEM_RESERVE = (MEASURE_MEM_RESERVE_MIB, f"{MEASURE_MEM_RESERVE_MIB}: calibrate and validate measure the "
                        "engine for the simulator, docs/validation_sim.md §29; serve and replay: 0")
 _CPUS = os.cpu_count() or 1
+RECORD_PROXIES = ("relay", "asgi")   # slotlab record --proxy, the default first (experiments/record_cli.py)
 
 FLAGS: tuple[Flag, ...] = (
     # serve: model and network
@@ -466,7 +467,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(None, ("--proxy",), "relay: an HTTP-aware byte relay (uvloop + httptools), answers passed on byte for "
          "byte, the least latency added; asgi: an ASGI app on uvicorn with an aiohttp pool to the upstream, "
          "~0.3 ms more CPU per request (docs/cli.md, slotlab record, \"Cost\") (default: relay)", (RECORD,), str,
-         "relay", choices=("relay", "asgi")),
+         RECORD_PROXIES[0], choices=RECORD_PROXIES),
 )
 
 RUN_GROUPS = (W, S, P, M, R)

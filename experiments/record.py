@@ -33,6 +33,7 @@ import re
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,18 +83,28 @@ RESEND_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) if aioh
 NOT_RESENT = (aiohttp.ClientConnectorError,) if aiohttp else ()     # no connection at all: the upstream is down
 
 
-class Upstream:
-    """The upstream's answer: status, raw headers (as sent), the aiohttp response for the body."""
+class Answer:
+    """An upstream answer's status and raw headers (as sent), as `Recorder._finish_later` reads them."""
 
-    __slots__ = ("raw", "status_code", "headers")
+    __slots__ = ("status_code", "headers")
 
-    def __init__(self, raw: aiohttp.ClientResponse) -> None:
-        self.raw = raw
-        self.status_code = raw.status
-        self.headers = raw.raw_headers
+    def __init__(self, status_code: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.status_code = status_code
+        self.headers = headers
 
     def header(self, name: bytes, default: str = "") -> str:
+        """The first header called `name` (lower case), decoded."""
         return next((v.decode("latin-1") for k, v in self.headers if k.lower() == name), default)
+
+
+class Upstream(Answer):
+    """The ASGI proxy's upstream answer: an `Answer` and the aiohttp response for its body."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: aiohttp.ClientResponse) -> None:
+        super().__init__(raw.status, raw.raw_headers)
+        self.raw = raw
 
 
 def endpoint_kind(method: str, path: str) -> str | None:
@@ -149,6 +160,42 @@ def inject_return_tokens(raw: bytes, body: dict[str, Any]) -> bytes:
     rest = raw[i:]
     sep = b"" if rest.lstrip().startswith(b"}") else b","
     return raw[:i] + b'"return_tokens":true' + sep + rest
+
+
+def pending_of(method: str, path: str, raw: bytes, arrival_s: float,
+               auth: Callable[[], list[tuple[str, str]]]) -> tuple[Pending | None, bytes]:
+    """What both proxies decide for a request: its recording (None when it is not a completion request with a
+    JSON object body) and the body to forward, with `"return_tokens": true` injected (`Pending.injected`; the
+    proxy then drops `Accept-Encoding` and blanks the ids of the answer) for a native non-stream `/completion`
+    that does not ask for the ids itself. `auth()`: the request's `Authorization` / `X-Api-Key` headers."""
+    kind = endpoint_kind(method, path)
+    if kind is None:
+        return None, raw
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None, raw
+    if not isinstance(body, dict):
+        return None, raw
+    pending = Pending(kind, path, body, arrival_s, auth())
+    if (kind == NATIVE and not pending.stream and body.get("return_tokens") is not True
+            and not body.get("response_fields")):
+        raw = inject_return_tokens(raw, body)
+        pending.injected = True
+    return pending, raw
+
+
+def resendable(e: BaseException) -> bool:
+    """An aiohttp error of a kept-alive connection the upstream closed under a request that had no answer yet
+    (not a connection that could not be opened: the upstream is down)."""
+    return isinstance(e, RESEND_ERRORS) and not isinstance(e, NOT_RESENT)
+
+
+def bad_gateway_body(upstream: str, method: str, path: str, what: str) -> bytes:
+    """The 502 answer's body (llama-server's error JSON) when the upstream did not answer."""
+    return json.dumps({"error": {
+        "code": 502, "type": "unavailable_error",
+        "message": f"slotlab record: the upstream {upstream} did not answer {method} {path} ({what})"}}).encode()
 
 
 def blank_tokens(raw: bytes) -> bytes:
@@ -332,21 +379,10 @@ class Recorder:
         method, path = scope["method"], scope["path"]
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
                    if k.lower() not in DROP_REQUEST]
-        pending = None
-        kind = endpoint_kind(method, path)
-        if kind is not None:
-            try:
-                body = json.loads(raw)
-            except ValueError:
-                body = None
-            if isinstance(body, dict):
-                auth = [(k, v) for k, v in headers if k.lower() in AUTH_HEADERS]
-                pending = Pending(kind, path, body, arrival, auth)
-                if (kind == NATIVE and not pending.stream and body.get("return_tokens") is not True
-                        and not body.get("response_fields")):
-                    raw = inject_return_tokens(raw, body)
-                    pending.injected = True
-                    headers = [(k, v) for k, v in headers if k.lower() != "accept-encoding"]
+        pending, raw = pending_of(method, path, raw, arrival,
+                                  lambda: [(k, v) for k, v in headers if k.lower() in AUTH_HEADERS])
+        if pending is not None and pending.injected:
+            headers = [(k, v) for k, v in headers if k.lower() != "accept-encoding"]
         # the path and query as the client sent them (still percent-encoded)
         target = scope.get("raw_path") or path.encode()
         query = scope["query_string"]
@@ -358,7 +394,7 @@ class Recorder:
                                                         allow_redirects=False))
                 break
             except UPSTREAM_ERRORS as e:
-                if attempt == 1 and isinstance(e, RESEND_ERRORS) and not isinstance(e, NOT_RESENT):
+                if attempt == 1 and resendable(e):
                     # a pooled connection the upstream closed as the request went out, before any answer:
                     # sent once more (on a new connection; the failed one left the pool), as the relay does
                     # (experiments/record_relay.py, `ClientConn.upstream_broke`)
@@ -384,10 +420,7 @@ class Recorder:
 
     async def _bad_gateway(self, send, method: str, path: str, e: BaseException) -> None:
         self.stats["upstream_errors"] += 1
-        body = json.dumps({"error": {
-            "code": 502, "type": "unavailable_error",
-            "message": f"slotlab record: the upstream {self.upstream} did not answer {method} {path} "
-                       f"({type(e).__name__}: {e or 'no details'})"}}).encode()
+        body = bad_gateway_body(self.upstream, method, path, f"{type(e).__name__}: {e or 'no details'}")
         await send({"type": "http.response.start", "status": 502,
                     "headers": [(b"content-type", b"application/json; charset=utf-8"),
                                 (b"content-length", str(len(body)).encode())]})
@@ -617,7 +650,7 @@ class Recorder:
             except RESEND_ERRORS as e:
                 # a pooled connection closed under the call (see `__call__`); /tokenize and /apply-template
                 # change nothing upstream, so they are asked again
-                if attempt == 3 or isinstance(e, NOT_RESENT):
+                if attempt == 3 or not resendable(e):
                     raise
                 self.stats["upstream_resent_recording"] += 1
 

@@ -15,22 +15,19 @@ from typing import Any
 import uvicorn
 
 from engine.http.app import ThreadedUvicorn, uvicorn_config
-from experiments.flags import RECORD, add_flags
+from experiments.flags import RECORD, RECORD_PROXIES, add_flags
 from experiments.record import MISSING, Recorder, server_options
 from experiments.record import __doc__ as RECORD_DOC
 from experiments.record_relay import BackgroundRelay, new_loop, serve
-
-PROXIES = ("relay", "asgi")
-
 
 class BackgroundRecorder:
     """The recorder in a background thread (tests, benchmarks): `start()` returns once the socket listens.
     `proxy`: "relay" (the default, experiments/record_relay.py) or "asgi" (this module's ASGI app on uvicorn)."""
 
     def __init__(self, upstream: str, out: str | Path, host: str = "127.0.0.1", port: int = 0,
-                 log_level: str = "warning", proxy: str = "relay") -> None:
-        if proxy not in PROXIES:
-            raise ValueError(f"proxy must be one of {PROXIES}, got {proxy!r}")
+                 log_level: str = "warning", proxy: str = RECORD_PROXIES[0]) -> None:
+        if proxy not in RECORD_PROXIES:
+            raise ValueError(f"proxy must be one of {RECORD_PROXIES}, got {proxy!r}")
         self.recorder = Recorder(upstream, out, log=lambda msg: None)
         if proxy == "relay":
             self._impl = BackgroundRelay(self.recorder, host, port)

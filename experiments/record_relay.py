@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import socket
 import ssl
 import threading
@@ -46,26 +45,13 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from experiments.record import (CONNECT_TIMEOUT_S, HOP_BY_HOP, INFLIGHT_WAIT_S, KEEPALIVE_S, NATIVE, Pending,
-                                Recorder, SSETap, blank_tokens, endpoint_kind, inject_return_tokens)
+from engine.http.app import start_and_wait
+from experiments.record import (AUTH_HEADERS, CONNECT_TIMEOUT_S, HOP_BY_HOP, INFLIGHT_WAIT_S, KEEPALIVE_S, Answer,
+                                Pending, Recorder, SSETap, bad_gateway_body, blank_tokens, pending_of)
 
 # what the proxy does not forward of a request's headers (it sets Host and Content-Length itself; it answers
 # Expect itself)
 DROP = HOP_BY_HOP | {b"host", b"content-length", b"expect"}
-REASONS = {400: b"Bad Request", 502: b"Bad Gateway"}
-
-
-class Answer:
-    """A response's status and headers, as `Recorder._finish_later` reads them."""
-
-    __slots__ = ("status_code", "headers")
-
-    def __init__(self, status_code: int, headers: list[tuple[bytes, bytes]]) -> None:
-        self.status_code = status_code
-        self.headers = headers
-
-    def header(self, name: bytes, default: str = "") -> str:
-        return next((v.decode("latin-1") for k, v in self.headers if k.lower() == name), default)
 
 
 class Request:
@@ -81,7 +67,7 @@ class Exchange:
     """A request sent upstream and its answer on the way back."""
 
     __slots__ = ("req", "pending", "wire", "reused", "hold", "status", "headers", "head_seen", "body", "tap",
-                 "forwarded", "got_bytes", "raw_held", "stream", "head_only")
+                 "forwarded", "got_bytes", "raw_held", "head_only")
 
     def __init__(self, req: Request, pending: Pending | None, wire: bytes) -> None:
         self.req = req
@@ -97,7 +83,6 @@ class Exchange:
         self.forwarded = False                                   # a byte of the answer went to the client
         self.got_bytes = False                                   # a byte of the answer came in
         self.raw_held: list[bytes] = []
-        self.stream = False
         self.head_only = req.method == b"HEAD"
 
 
@@ -186,7 +171,6 @@ class UpstreamConn(asyncio.Protocol):
         if ex.pending is not None and ex.status == 200:
             ctype = next((v for k, v in ex.headers if k.lower() == b"content-type"), b"")
             if ctype.startswith(b"text/event-stream"):
-                ex.stream = True
                 ex.tap = SSETap()
 
     def on_body(self, body: bytes) -> None:
@@ -234,9 +218,9 @@ class ClientConn(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self.reply_and_close(400, b"slotlab record: protocol upgrades are not forwarded")
+            self.bad_request(b"slotlab record: protocol upgrades are not forwarded")
         except httptools.HttpParserError as e:
-            self.reply_and_close(400, f"slotlab record: invalid HTTP request ({e})".encode())
+            self.bad_request(f"slotlab record: invalid HTTP request ({e})".encode())
 
     def connection_lost(self, exc) -> None:
         self.relay.connections.discard(self)
@@ -300,23 +284,10 @@ class ClientConn(asyncio.Protocol):
         raw = b"".join(req.body)
         method = req.method.decode("latin-1")
         path = req.target.split(b"?", 1)[0].decode("latin-1")
-        pending = None
-        kind = endpoint_kind(method, path)
-        drop_encoding = False
-        if kind is not None:
-            try:
-                body = json.loads(raw)
-            except ValueError:
-                body = None
-            if isinstance(body, dict):
-                auth = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in req.headers
-                        if k.lower() in (b"authorization", b"x-api-key")]
-                pending = Pending(kind, path, body, req.arrival_s, auth)
-                if (kind == NATIVE and not pending.stream and body.get("return_tokens") is not True
-                        and not body.get("response_fields")):
-                    raw = inject_return_tokens(raw, body)
-                    pending.injected = True
-                    drop_encoding = True
+        pending, raw = pending_of(method, path, raw, req.arrival_s, lambda: [
+            (k.decode("latin-1"), v.decode("latin-1")) for k, v in req.headers
+            if k.lower().decode("latin-1") in AUTH_HEADERS])
+        drop_encoding = pending is not None and pending.injected
         head = [req.method, b" ", self.relay.prefix, req.target, b" HTTP/", req.version, b"\r\n"]
         has_length = False
         for k, v in req.headers:
@@ -382,7 +353,7 @@ class ClientConn(asyncio.Protocol):
             else:
                 self.transport.write(b"".join(ex.raw_held))
         if ex.pending is not None:
-            answer = Answer(ex.status, [(k.lower(), v) for k, v in ex.headers])
+            answer = Answer(ex.status, ex.headers)
             self.rec._finish_later(ex.pending, answer, ex.tap, original, end_s)
         if up is not None:
             if keep_alive:
@@ -399,8 +370,8 @@ class ClientConn(asyncio.Protocol):
 
     @staticmethod
     def rewritten(ex: Exchange, body: bytes) -> bytes:
-        """A held answer with its new body: status line and headers as sent, framing by Content-Length."""
-        out = [b"HTTP/1.1 %d %s\r\n" % (ex.status, REASONS.get(ex.status, b"OK"))]
+        """A held 200 answer with its new body: headers as sent, framing by Content-Length."""
+        out = [b"HTTP/1.1 200 OK\r\n"]
         for k, v in ex.headers:
             lk = k.lower()
             if lk in (b"content-length", b"transfer-encoding"):
@@ -448,17 +419,15 @@ class ClientConn(asyncio.Protocol):
 
     def bad_gateway(self, method: str, path: str, what: str) -> None:
         self.rec.stats["upstream_errors"] += 1
-        body = json.dumps({"error": {
-            "code": 502, "type": "unavailable_error",
-            "message": f"slotlab record: the upstream {self.rec.upstream} did not answer {method} {path} ({what})"}}
-        ).encode()
+        body = bad_gateway_body(self.rec.upstream, method, path, what)
         self.transport.write(b"HTTP/1.1 502 Bad Gateway\r\nContent-Type: application/json; charset=utf-8\r\n"
                              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
 
-    def reply_and_close(self, status: int, text: bytes) -> None:
+    def bad_request(self, text: bytes) -> None:
+        """A 400 with `text`, and the connection closed (its bytes can no longer be parsed)."""
         self.closing = True
-        self.transport.write(b"HTTP/1.1 %d %s\r\nContent-Type: text/plain; charset=utf-8\r\nConnection: close\r\n"
-                             b"Content-Length: %d\r\n\r\n%s" % (status, REASONS[status], len(text), text))
+        self.transport.write(b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\n"
+                             b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(text), text))
         self.transport.close()
 
 
@@ -522,12 +491,7 @@ class BackgroundRelay:
         self._server = server
 
     def start(self, timeout_s: float = 30.0):
-        self.thread.start()
-        t_end = time.monotonic() + timeout_s
-        while self._server is None:
-            if not self.thread.is_alive() or time.monotonic() > t_end:
-                raise RuntimeError(f"slotlab-record did not start ({self._error})")
-            time.sleep(0.01)
+        start_and_wait(self.thread, lambda: self._server is not None, timeout_s, cause=lambda: self._error)
         return self
 
     @property

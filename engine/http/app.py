@@ -18,7 +18,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import uvicorn
 from starlette.applications import Starlette
@@ -234,6 +234,19 @@ def uvicorn_config(app, host: str, port: int, log_level: str, **kw) -> uvicorn.C
                           lifespan="on", ws="none", **kw)
 
 
+def start_and_wait(thread: threading.Thread, ready: Callable[[], bool], timeout_s: float,
+                   cause: Callable[[], object] = lambda: None) -> None:
+    """Start a server's thread and return once `ready()`; RuntimeError (with `cause()`, when it has one) if the
+    thread ends first or `timeout_s` passes."""
+    thread.start()
+    t_end = time.monotonic() + timeout_s
+    while not ready():
+        if not thread.is_alive() or time.monotonic() > t_end:
+            why = cause()
+            raise RuntimeError(f"{thread.name} did not start" + (f" ({why})" if why is not None else ""))
+        time.sleep(0.01)
+
+
 class ThreadedUvicorn:
     """uvicorn serving `app` in a background thread (tests, notebooks, benchmarks): `start()` returns once
     the socket listens; `stop()` asks it to exit and waits."""
@@ -247,12 +260,7 @@ class ThreadedUvicorn:
         self._join_s = shutdown_s + 8.0
 
     def start(self, timeout_s: float = 30.0):
-        self.thread.start()
-        t_end = time.monotonic() + timeout_s
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > t_end:
-                raise RuntimeError(f"{self.thread.name} did not start")
-            time.sleep(0.01)
+        start_and_wait(self.thread, lambda: self.server.started, timeout_s)
         return self
 
     @property
