@@ -62,6 +62,10 @@ class Request:
         self.headers: list[tuple[bytes, bytes]] = []
         self.body: list[bytes] = []
 
+    def method_path(self) -> tuple[str, str]:
+        """The method and the target's path (its query left out), as text."""
+        return self.method.decode("latin-1"), self.target.split(b"?", 1)[0].decode("latin-1")
+
 
 class Exchange:
     """A request sent upstream and its answer on the way back."""
@@ -282,8 +286,7 @@ class ClientConn(asyncio.Protocol):
 
     async def send(self, req: Request) -> None:
         raw = b"".join(req.body)
-        method = req.method.decode("latin-1")
-        path = req.target.split(b"?", 1)[0].decode("latin-1")
+        method, path = req.method_path()
         pending, raw = pending_of(method, path, raw, req.arrival_s, lambda: [
             (k.decode("latin-1"), v.decode("latin-1")) for k, v in req.headers
             if k.lower().decode("latin-1") in AUTH_HEADERS])
@@ -307,9 +310,9 @@ class ClientConn(asyncio.Protocol):
         if not has_length and (raw or req.method in (b"POST", b"PUT", b"PATCH")):
             head += [b"Content-Length: ", str(len(raw)).encode(), b"\r\n"]
         head.append(b"\r\n")
-        await self.transmit(Exchange(req, pending, b"".join(head) + raw), method, path)
+        await self.transmit(Exchange(req, pending, b"".join(head) + raw))
 
-    async def transmit(self, ex: Exchange, method: str, path: str) -> None:
+    async def transmit(self, ex: Exchange) -> None:
         """Send `ex` on this connection's upstream connection, opened first if there is none (or it closed, or
         sat idle past KEEPALIVE_S)."""
         up = self.up
@@ -325,7 +328,7 @@ class ClientConn(asyncio.Protocol):
                 self.sending = False
                 if self.closing:
                     return
-                self.bad_gateway(method, path, f"{type(e).__name__}: {e or 'no details'}")
+                self.bad_gateway(ex.req, f"{type(e).__name__}: {e or 'no details'}")
                 if ex.req.keep_alive:
                     self.next()
                 else:
@@ -398,10 +401,8 @@ class ClientConn(asyncio.Protocol):
             # answered it: what a client would do on that connection's failure too.
             self.rec.stats["upstream_resent"] += 1
             self.sending = True
-            method = ex.req.method.decode("latin-1")
             fresh = Exchange(ex.req, ex.pending, ex.wire)
-            self.task = asyncio.get_running_loop().create_task(
-                self.transmit(fresh, method, ex.req.target.split(b"?", 1)[0].decode("latin-1")))
+            self.task = asyncio.get_running_loop().create_task(self.transmit(fresh))
             return
         if ex.pending is not None:
             self.rec.stats["not_recorded_interrupted"] += 1
@@ -409,17 +410,16 @@ class ClientConn(asyncio.Protocol):
             self.closing = True
             self.transport.close()
             return
-        method = ex.req.method.decode("latin-1")
-        self.bad_gateway(method, ex.req.target.split(b"?", 1)[0].decode("latin-1"), what)
+        self.bad_gateway(ex.req, what)
         if ex.req.keep_alive:
             self.next()
         else:
             self.closing = True
             self.transport.close()
 
-    def bad_gateway(self, method: str, path: str, what: str) -> None:
+    def bad_gateway(self, req: Request, what: str) -> None:
         self.rec.stats["upstream_errors"] += 1
-        body = bad_gateway_body(self.rec.upstream, method, path, what)
+        body = bad_gateway_body(self.rec.upstream, *req.method_path(), what)
         self.transport.write(b"HTTP/1.1 502 Bad Gateway\r\nContent-Type: application/json; charset=utf-8\r\n"
                              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
 
