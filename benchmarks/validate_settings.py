@@ -117,6 +117,8 @@ def read_run(path: Path) -> dict:
                            if "ttft_faults_real" in per.columns else None)
     floor = summary.get("repeat_floor") or run_floor(Path(summary["real_dir"]))
     dynamic = (floor or {}).get("dynamic")
+    # the prompt steps' replays against the steps (median): what the track-mix knots carry into TTFT
+    row["offset_prompt"] = ((floor or {}).get("offset") or {}).get("prompt", math.nan) - 1.0
     for m in METRICS:   # the ideal simulator's expected count of P50, P90 within the target (0-2), NaN if none:
         # the schedule fixed (floor_), and free (dyn_: re-simulated, validate --floor-draws; none in runs before it)
         row[f"floor_{m}"] = expected_hits(floor, m)
@@ -148,7 +150,7 @@ def read_noise(path: Path) -> dict:
     per = floor["per_request"]
     row = {f"{m}_{st}": float(agg.get((m, st), math.nan)) for m in METRICS for st in ("p50", "p90")}
     row.update(tpot_req=per.get("tpot_median_ape", math.nan), e2e_req=per.get("e2e_median_ape", math.nan),
-               same=per.get("decision_match_rate", math.nan), bias=math.nan, busy=math.nan,
+               same=per.get("decision_match_rate", math.nan), bias=math.nan, busy=math.nan, offset_prompt=math.nan,
                n=per.get("n_requests"), threads=summary.get("threads"), _ttft_faults=None,
                load=load_span(summary),
                **{f"{k}_{m}": math.nan for k in ("floor", "dyn") for m in METRICS})
@@ -173,13 +175,13 @@ def pct(v: float) -> str:
 
 def table(rows: list[dict]) -> str:
     out = ["| run · correction | TTFT P50 / P90 | TPOT P50 / P90 | E2E P50 / P90 | per request TPOT / E2E | "
-           "same decisions | steps bias / busy | requests | load |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "same decisions | steps bias / busy | prompt replays / steps | requests | load |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['run']} · {r['correction']} | {pct(r['ttft_p50'])} / {pct(r['ttft_p90'])} | "
                    f"{pct(r['tpot_p50'])} / {pct(r['tpot_p90'])} | {pct(r['e2e_p50'])} / {pct(r['e2e_p90'])} | "
                    f"{100 * r['tpot_req']:.1f} / {100 * r['e2e_req']:.1f} | {100 * r['same']:.0f}% | "
-                   f"{pct(r['bias'])} / {pct(r['busy'])} | {r['n']} | {r['load']} |")
+                   f"{pct(r['bias'])} / {pct(r['busy'])} | {pct(r['offset_prompt'])} | {r['n']} | {r['load']} |")
     return "\n".join(out)
 
 
@@ -311,7 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     faults = faults_table(rows)
     text = (f"{table(rows)}\n\n{summary_table(rows)}\n\n" + (f"{faults}\n\n" if faults else "")
             + "Relative errors sim vs real in %; per request = median |error|; steps bias / busy = the latency "
-            "model's median signed error on the real run's steps / its error on their total; repeat floor: "
+            "model's median signed error on the real run's steps / its error on their total; prompt replays / "
+            "steps: the median of the run's prompt steps' replays against the steps (the track-mix knots price "
+            "the replays' speed: TTFT reads short by about a negative figure, docs/validation_sim.md §30); "
+            "repeat floor: "
             "validation.json's repeat_floor (the run's own replays' scatter, docs/validation_sim.md §13), the schedule "
             "fixed and free (re-simulated, §27); TTFT by "
             "page faults: each request's first-token steps from the real run's step log (§18)"

@@ -382,9 +382,16 @@ def format_repeat_floor(floor: Mapping[str, Any]) -> str:
     measured = (f", the step's share of a replay's scatter measured from second executions: "
                 + " / ".join(path_share(k) for k in ("prompt", "decode"))
                 if "measured" in split.values() else "")
+    offset = floor.get("offset") or {}
+    # the replays' median against their steps: the track-mix knots price the machine as the replays found it, so a
+    # run whose prompt steps ran slower than their replays reads short in TTFT by about as much (over 40 held-out
+    # runs, each run's median per-request TTFT error was 0.95 times its prompt offset, r = 0.79,
+    # docs/validation_sim.md §30); within a run it is mostly the steps' own scatter, which the draws hold
+    against = (f", replay / step x{offset['prompt']:.3f} prompt / x{offset['decode']:.3f} decode (median)"
+               if "prompt" in offset and "decode" in offset else "")
     return (f"repeat floor ({n['prompt']} + {n['decode']} replays, one execution's scatter "
             f"{100 * floor['scatter']['prompt']:.1f}% prompt / {100 * floor['scatter']['decode']:.1f}% decode"
-            f"{measured}): an "
+            f"{against}{measured}): an "
             f"ideal simulator's P50/P90 |err| in 9 of 10 draws within " + ", ".join(parts)
             + "; per request median " + ", ".join(f"{m.upper()} {100 * per[f'{m}_median_ape']:.1f}%"
                                                   for m in FLOOR_METRICS if f"{m}_median_ape" in per))

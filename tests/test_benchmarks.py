@@ -120,6 +120,7 @@ def test_validate_settings_reads_two_real_runs_as_a_row_and_counts_it_like_the_s
     assert cells[5] == "4/6 · 6/6" and cells[6] == "1/2 · 2/2 · 1/2" and cells[7] == "n/a · n/a · n/a"
     assert cells[8].rstrip(" |") == "n/a · n/a · n/a"
     assert "real vs real" in mod.table([{"run": "np1 1", "correction": "real vs real", **row}])
+    assert math.isnan(row["offset_prompt"])                 # two real runs: no replays priced
 
 
 def test_validate_settings_counts_the_repeat_floor_with_the_schedule_fixed_and_free(tmp_path):
@@ -129,7 +130,7 @@ def test_validate_settings_counts_the_repeat_floor_with_the_schedule_fixed_and_f
         return {"aggregate": [{"metric": m, "stat": st, "within_target": within[m] if st != "p99" else 0.5}
                               for m in ("ttft", "tpot", "e2e") for st in ("p50", "p90", "p99")]}
 
-    fixed = floor({"ttft": 0.7, "tpot": 1.0, "e2e": 0.9})
+    fixed = {**floor({"ttft": 0.7, "tpot": 1.0, "e2e": 0.9}), "offset": {"prompt": 0.968, "decode": 1.002}}
     runs = []
     for i, dynamic in enumerate((floor({"ttft": 0.5, "tpot": 0.75, "e2e": 1.0}), None)):
         run = tmp_path / str(i)
@@ -144,6 +145,10 @@ def test_validate_settings_counts_the_repeat_floor_with_the_schedule_fixed_and_f
         runs.append(mod.read_run(run))
     assert (runs[0]["floor_ttft"], runs[0]["dyn_ttft"], runs[0]["dyn_tpot"]) == (1.4, 1.0, 1.5)
     assert math.isnan(runs[1]["dyn_e2e"]) and runs[1]["floor_e2e"] == 1.8
+    # the prompt replays' median against their steps, in the per-run table beside the steps' bias
+    assert runs[0]["offset_prompt"] == pytest.approx(-0.032)
+    line = mod.table([{"run": "np1 1", "correction": "track-mix", **runs[0]}]).splitlines()
+    assert "prompt replays / steps" in line[0] and line[2].split(" | ")[7] == "-3.2"
     cells = mod.summary_table([{"run": "np1 1", "correction": "track-mix", **runs[0]}]).splitlines()[2].split(" | ")
     assert cells[7] == "1.4/2 · 2.0/2 · 1.8/2" and cells[8].rstrip(" |") == "1.0/2 · 1.5/2 · 2.0/2"
     both = [{"run": f"np1 {i}", "correction": "track-mix", **r} for i, r in enumerate(runs)]

@@ -223,8 +223,17 @@ def test_the_floor_prints_a_measured_split():
     steps, reqs = one_prompt_run()
     pairs = [(1.1, 1.1), (0.9, 0.9)] * 6
     text = format_repeat_floor(repeat_floor(steps, reqs, track_again(pairs, pairs), draws=20))
-    assert ("one execution's scatter 10.0% prompt / 10.0% decode, the step's share of a replay's scatter measured "
-            "from second executions: 1.00 prompt / 1.00 decode)") in text
+    # (the median of log 1.1 and log 0.9, six of each: their mean, -0.5%)
+    assert ("one execution's scatter 10.0% prompt / 10.0% decode, replay / step x0.995 prompt / x0.995 decode "
+            "(median), the step's share of a replay's scatter measured from second executions: 1.00 prompt / 1.00 "
+            "decode)") in text
+
+
+def test_the_floor_prints_the_replays_median_against_their_steps():
+    # prompt replays 4% faster than their steps: what the track-mix knots carry into TTFT
+    steps, reqs = one_prompt_run()
+    text = format_repeat_floor(repeat_floor(steps, reqs, track([0.96, 0.95, 0.97] * 4, [1.01] * 12), draws=20))
+    assert "replay / step x0.960 prompt / x1.010 decode (median)" in text
 
 
 def test_the_draws_are_seeded():
@@ -257,7 +266,8 @@ def test_the_floor_prints_per_metric_and_per_request():
     steps, reqs = one_prompt_run()
     floor = repeat_floor(steps, reqs, track([1.1, 0.9] * 5, [1.0] * 10), draws=50)
     text = format_repeat_floor(floor)
-    assert text.startswith("repeat floor (10 + 10 replays, one execution's scatter 7.1% prompt / 0.0% decode)")
+    assert text.startswith("repeat floor (10 + 10 replays, one execution's scatter 7.1% prompt / 0.0% decode, "
+                           "replay / step x0.995 prompt / x1.000 decode (median))")
     assert "TTFT " in text and "TPOT 0.0/0.0% (within 3%: 100/100%)" in text and "per request median TTFT" in text
 
 
