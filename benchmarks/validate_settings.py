@@ -261,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="validate's --replay-again on each real run: every replay executed twice, so that the repeat "
                          "floor measures how a replay's scatter splits between the step and the replay "
                          "(docs/validation_sim.md §28)")
+    ap.add_argument("--floor-scatter", default=None, choices=("step", "replay"),
+                    help="validate's --floor-scatter for every run and re-simulation (default: validate's own, "
+                         "step; replay: the floors of pricing each step by one replay, docs/validation_sim.md §30)")
     ap.add_argument("--repeat", action="store_true",
                     help="run the engine a second time on each setting and seed (validate --noise-floor) and add "
                          "the simulator against that run and the two real runs against each other")
@@ -282,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     base += ["--mem-reserve", str(args.mem_reserve)]    # always said: the run records what it ran with
     if args.knot_window is not None:
         base += ["--knot-window", str(args.knot_window)]
+    if args.floor_scatter is not None:
+        base += ["--floor-scatter", args.floor_scatter]
     if args.replay_again:             # the real runs' probe; a re-simulation (--real-run) reads what they stored
         base += ["--replay-again"]
     print(f"validate_settings: {len(seeds)} seeds x {len(args.settings.split(','))} settings, scale {args.scale}, "

@@ -377,6 +377,11 @@ FLAGS: tuple[Flag, ...] = (
          "simulation: what a simulator exact to each step's expected time would score on this host, the "
          "schedule's sensitivity included (docs/validation_sim.md §27); a run with the in-run probe's replays "
          "only (default: 16; 0 = off)", (VALIDATE,), int, 16, "N"),
+    Flag(None, ("--floor-scatter",), "what the repeat floors (fixed and free) redraw each step with: step = the "
+         "step's own share of its replay's scatter (what a simulator exact to each step's expected time would "
+         "score); replay = a replay's whole scatter against its step (what a simulator that prices each step by "
+         "one replay of it would score, as track-mix prices a prompt step: its floor, docs/validation_sim.md §30) "
+         "(default: step)", (VALIDATE,), str, "step", "step|replay", choices=("step", "replay")),
     Flag(None, ("--arrivals",), "loop = the simulator's chat turns arrive as the workload says, think time after "
          "the simulated reply (closed loop); real = each turn arrives when it arrived in the real run (or when "
          "its simulated previous reply ends, if later): the loop no longer carries one run's timing error "

@@ -38,6 +38,11 @@ multiplied by a draw of the same scatter (`sim.latency.JitteredLatency`), the co
 follows, and compares each drawn simulation with the undisturbed one as validate compares the simulator with the
 real run. It is what a simulator exact to each step's expected time would score against a real run whose steps
 scatter as this host's do, the schedule's sensitivity included (docs/validation_sim.md §27).
+
+Whose floor (validate `--floor-scatter`, validation.json `repeat_floor.scatter_of`): by default the draws are the
+step's own share of the scatter, the ideal simulator's; with "replay" they are a replay's whole scatter against its
+step, the floor of a simulator that prices each step by one replay of it, as track-mix prices a prompt step by its
+own replay (docs/validation_sim.md §30).
 """
 
 from __future__ import annotations
@@ -98,7 +103,10 @@ def step_share(rows: np.ndarray) -> float:
     return float(min(1.0, math.sqrt(max(own, 0.0)) / s_a))
 
 
-def one_execution(track: Any) -> dict[str, Any] | None:
+FLOOR_SCATTERS = ("step", "replay")   # validate --floor-scatter: the step's own share, or a replay's whole scatter
+
+
+def one_execution(track: Any, scatter_of: str = "step") -> dict[str, Any] | None:
     """One execution's scatter around its expected time, per path (True: steps with prompt tokens), from a
     track's replays (module docs, 1.): `centred` the log ratios replay / step less their median, times the
     step's share of their scatter; `offset` exp(that median); `scatter` the median |centred|; `n` the replays.
@@ -111,7 +119,14 @@ def one_execution(track: Any) -> dict[str, Any] | None:
     FLOOR_MIN_REPLAYS second executions takes the path's median and the share of the path's rows pooled
     (`step_share`). `n_again` the replays executed twice, `replay_vs_replay` the median |log(again / replay)|
     (NaN without). A path without replays takes the other's. None with fewer than FLOOR_MIN_REPLAYS replays in
-    all."""
+    all.
+
+    `scatter_of` "replay" (validate `--floor-scatter replay`): each path's log ratios centred on the path's median
+    and not scaled, a replay's whole scatter against its step: what a simulator that prices each step by one
+    replay of it would meet (track-mix prices a prompt step by its own replay; docs/validation_sim.md §30).
+    `step_share` and `split` still say what the second executions measured."""
+    if scatter_of not in FLOOR_SCATTERS:
+        raise ValueError(f"scatter_of must be one of {', '.join(FLOOR_SCATTERS)}, got {scatter_of!r}")
     kinds = replay_kinds(track)
     ratios = {path: np.concatenate([kinds[(path, c)][0] for c in (False, True)]) for path in (True, False)}
     again = {path: np.concatenate([kinds[(path, c)][1] for c in (False, True)]) for path in (True, False)}
@@ -142,6 +157,8 @@ def one_execution(track: Any) -> dict[str, Any] | None:
             centred[path] = np.concatenate(parts)
         else:
             centred[path] = (v - med) * even
+        if scatter_of == "replay":
+            centred[path] = v - med
         offset[path] = math.exp(med)
         scatter[path] = float(np.median(np.abs(centred[path])))
     for path in (True, False):                 # a path without replays takes the other's
@@ -150,7 +167,8 @@ def one_execution(track: Any) -> dict[str, Any] | None:
             for d in (centred, offset, scatter, share, split, vs):
                 d[path] = d[other]
     return {"n": n, "centred": centred, "offset": offset, "scatter": scatter, "step_share": share, "split": split,
-            "step_share_kinds": by_kind, "n_again": {k: len(v) for k, v in again.items()}, "replay_vs_replay": vs}
+            "step_share_kinds": by_kind, "n_again": {k: len(v) for k, v in again.items()}, "replay_vs_replay": vs,
+            "scatter_of": scatter_of}
 
 
 def interval_deltas(start_s: np.ndarray, elapsed_s: np.ndarray, lo: np.ndarray, hi: np.ndarray,
@@ -174,12 +192,13 @@ def interval_deltas(start_s: np.ndarray, elapsed_s: np.ndarray, lo: np.ndarray, 
 
 
 def repeat_floor(steps: pd.DataFrame | None, requests: pd.DataFrame, track: Any, *, draws: int = FLOOR_DRAWS,
-                 seed: int = 0, target: float = FLOOR_TARGET) -> dict[str, Any] | None:
+                 seed: int = 0, target: float = FLOOR_TARGET, scatter_of: str = "step") -> dict[str, Any] | None:
     """validation.json's `repeat_floor` (see the module docs): None when the run has no step log with a clock or
-    fewer than FLOOR_MIN_REPLAYS replays. A path without replays of its own takes the other path's scatter."""
+    fewer than FLOOR_MIN_REPLAYS replays. A path without replays of its own takes the other path's scatter.
+    `scatter_of`: as `one_execution`'s."""
     if steps is None or "clock_s" not in steps or not len(steps):
         return None
-    one = one_execution(track)
+    one = one_execution(track, scatter_of)
     if one is None:
         return None
     n, centred, offset, scatter = one["n"], one["centred"], one["offset"], one["scatter"]
@@ -240,6 +259,7 @@ def repeat_floor(steps: pd.DataFrame | None, requests: pd.DataFrame, track: Any,
                 "fixed; median_abs, p90_abs: the median and 90th percentile over the draws of the |relative "
                 "error|; within_target: the fraction of draws within the target; optimistic (independent draws "
                 "per step)",
+        "scatter_of": scatter_of,
         "n_replays": {"prompt": n[True], "decode": n[False]},
         "offset": {"prompt": offset[True], "decode": offset[False]},
         "scatter": {"prompt": scatter[True], "decode": scatter[False]},
@@ -256,7 +276,8 @@ def repeat_floor(steps: pd.DataFrame | None, requests: pd.DataFrame, track: Any,
 def dynamic_floor(simulate: Callable[[Any], pd.DataFrame],
                   score: Callable[[pd.DataFrame], tuple[Mapping[tuple[str, str], float], Mapping[str, Any]]],
                   latency: Any, track: Any, *, draws: int = DYNAMIC_DRAWS, seed: int = 0,
-                  target: float = FLOOR_TARGET, progress: Callable[[], Any] | None = None) -> dict[str, Any] | None:
+                  target: float = FLOOR_TARGET, progress: Callable[[], Any] | None = None,
+                  scatter_of: str = "step") -> dict[str, Any] | None:
     """validation.json's `repeat_floor.dynamic` (module docs, "The schedule free"): the validation's simulation
     run `draws` more times, each with every step's time multiplied by a draw of one execution's scatter
     (`one_execution`, `sim.latency.JitteredLatency` over `latency`), and compared with the undisturbed simulation
@@ -267,8 +288,9 @@ def dynamic_floor(simulate: Callable[[Any], pd.DataFrame],
     ({(metric, stat): relative error}, validate's per-request summary: `<metric>_median_ape`,
     `decision_match_rate`). `progress()` is called after each draw. `hits`: per draw, how many of the P50s and
     P90s met the target, and their median and 10th and 90th percentiles: the range a simulator exact to each
-    step's expected time lands in on this host. None without enough replays or draws."""
-    one = one_execution(track)
+    step's expected time lands in on this host. None without enough replays or draws. `scatter_of`: as
+    `one_execution`'s."""
+    one = one_execution(track, scatter_of)
     if one is None or draws < 1:
         return None
     errs: dict[tuple[str, str], list[float]] = {(m, st): [] for m in FLOOR_METRICS for st in STATS}
@@ -306,8 +328,8 @@ def dynamic_floor(simulate: Callable[[Any], pd.DataFrame],
                 "(batches, slots, cached prefixes, a closed loop's arrivals), and compared with the undisturbed "
                 "simulation as the simulator is with the real run; within_target: the fraction of draws within the "
                 "target",
-        "draws": int(draws), "seed": int(seed), "target": float(target), "aggregate": aggregate,
-        "per_request": {f"{m}_median_ape": median(v) for m, v in per.items()},
+        "draws": int(draws), "seed": int(seed), "target": float(target), "scatter_of": scatter_of,
+        "aggregate": aggregate, "per_request": {f"{m}_median_ape": median(v) for m, v in per.items()},
         "decision_match_rate": median(alike),
         "hits": {"of": 2 * len(FLOOR_METRICS), "per_draw": hits, "median": float(np.median(hits)),
                  "p10": float(np.percentile(hits, 10)), "p90": float(np.percentile(hits, 90))},
@@ -389,9 +411,11 @@ def format_repeat_floor(floor: Mapping[str, Any]) -> str:
     # docs/validation_sim.md §30); within a run it is mostly the steps' own scatter, which the draws hold
     against = (f", replay / step x{offset['prompt']:.3f} prompt / x{offset['decode']:.3f} decode (median)"
                if "prompt" in offset and "decode" in offset else "")
-    return (f"repeat floor ({n['prompt']} + {n['decode']} replays, one execution's scatter "
+    by_replay = floor.get("scatter_of") == "replay"
+    whose = "a replay's whole scatter against its step" if by_replay else "one execution's scatter"
+    who = "a simulator pricing each step by one replay of it" if by_replay else "an ideal simulator"
+    return (f"repeat floor ({n['prompt']} + {n['decode']} replays, {whose} "
             f"{100 * floor['scatter']['prompt']:.1f}% prompt / {100 * floor['scatter']['decode']:.1f}% decode"
-            f"{against}{measured}): an "
-            f"ideal simulator's P50/P90 |err| in 9 of 10 draws within " + ", ".join(parts)
+            f"{against}{measured}): {who}'s P50/P90 |err| in 9 of 10 draws within " + ", ".join(parts)
             + "; per request median " + ", ".join(f"{m.upper()} {100 * per[f'{m}_median_ape']:.1f}%"
                                                   for m in FLOOR_METRICS if f"{m}_median_ape" in per))

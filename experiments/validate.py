@@ -369,7 +369,7 @@ def rel_errors(errors: pd.DataFrame) -> dict[tuple[str, str], float]:
 
 def run_dynamic_floor(values: Mapping[str, Any], workload: Any, real_config: Mapping[str, Any], model_path: str,
                       latency: Any, reference: pd.DataFrame, track: Any, draws: int,
-                      progress: Callable[[], Any] | None = None) -> dict[str, Any] | None:
+                      progress: Callable[[], Any] | None = None, scatter_of: str = "step") -> dict[str, Any] | None:
     """validation.json's `repeat_floor.dynamic` (`experiments.repeat_floor.dynamic_floor`): the twin simulation of
     `workload` (its arrivals as simulated: pinned ones included) run again `draws` times under `latency` jittered
     by the real run's replay scatter, each compared with `reference`, the undisturbed simulation's requests, as
@@ -382,7 +382,7 @@ def run_dynamic_floor(values: Mapping[str, Any], workload: Any, real_config: Map
     def score(drawn: pd.DataFrame) -> tuple[dict[tuple[str, str], float], dict[str, Any]]:
         return rel_errors(aggregate_errors(reference, drawn)), per_request_summary(compare_requests(reference, drawn))
 
-    return dynamic_floor(simulate, score, latency, track, draws=draws, progress=progress)
+    return dynamic_floor(simulate, score, latency, track, draws=draws, progress=progress, scatter_of=scatter_of)
 
 
 # --- command line ----------------------------------------------------------------------------------------
@@ -805,12 +805,13 @@ def run_validate(args: argparse.Namespace, *, speed_probe: Callable[[Any], Speed
     summary["calibration_error"] = calibration_error(latency)
     if floor_run is not None:
         summary["noise_floor"] = noise_floor(real, floor_run)
-    summary["repeat_floor"] = repeat_floor(steps, real.requests, track)
+    summary["repeat_floor"] = repeat_floor(steps, real.requests, track, scatter_of=args.floor_scatter)
     if summary["repeat_floor"] is not None and args.floor_draws > 0:
         with tqdm(total=args.floor_draws, unit="draw", desc="validate: repeat floor", file=sys.stderr, leave=False,
                   disable=args.quiet) as b:
             dyn = summary["repeat_floor"]["dynamic"] = run_dynamic_floor(
-                values, workload, real.config, model, sim_latency, sim.requests, track, args.floor_draws, b.update)
+                values, workload, real.config, model, sim_latency, sim.requests, track, args.floor_draws, b.update,
+                scatter_of=args.floor_scatter)
         if dyn is not None:       # the simulator's own count, beside the draws' range
             dyn["simulator_hits"] = hits_within(rel_errors(errors), dyn["target"])
     step_report = None

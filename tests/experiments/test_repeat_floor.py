@@ -329,6 +329,34 @@ def test_a_scattered_host_moves_the_drawn_simulations_and_the_draws_are_seeded()
     assert one["hits"]["p10"] <= one["hits"]["median"] <= one["hits"]["p90"]
 
 
+def test_a_replays_whole_scatter_is_the_floor_of_pricing_each_step_by_one_replay():
+    # --floor-scatter replay: the log ratios centred on their path's median, not scaled by the step's share
+    ratios = [1.10, 0.92, 1.03, 0.97, 1.05] * 2
+    t = track(ratios, [1.02, 0.99] * 5)
+    whole = one_execution(t, "replay")
+    logs = np.log(ratios)
+    assert sorted(whole["centred"][True]) == pytest.approx(sorted(logs - np.median(logs)), rel=1e-12)
+    assert whole["scatter_of"] == "replay" and whole["step_share"][True] == pytest.approx(1 / math.sqrt(2))
+    share = one_execution(t)
+    assert share["scatter_of"] == "step"
+    assert whole["scatter"][True] == pytest.approx(share["scatter"][True] * math.sqrt(2), rel=1e-12)
+    # with second executions measuring a share of 1 for the plain kind, the two agree on that kind
+    pairs = [(1.1, 1.1), (0.9, 0.9)] * 6
+    assert one_execution(track_again(pairs, pairs), "replay")["centred"][True] == pytest.approx(
+        one_execution(track_again(pairs, pairs))["centred"][True], abs=1e-8)
+    # more scatter, fewer aggregates an ideal draw meets; the floor says whose it is
+    steps, reqs = one_prompt_run()
+    by_step, by_replay = (repeat_floor(steps, reqs, t, draws=200, scatter_of=w) for w in ("step", "replay"))
+    assert by_replay["scatter_of"] == "replay" and by_step["scatter_of"] == "step"
+    assert floor_expected_hits(by_replay) <= floor_expected_hits(by_step)
+    text = format_repeat_floor(by_replay)
+    assert "a replay's whole scatter against its step 6.0% prompt" in text
+    assert "a simulator pricing each step by one replay of it's P50/P90" in text
+    assert "an ideal simulator's P50/P90" in format_repeat_floor(by_step)
+    with pytest.raises(ValueError, match="scatter_of must be one of step, replay"):
+        one_execution(t, "steps")
+
+
 def test_the_drawn_simulations_get_one_executions_scatter_per_path():
     seen = []
 
@@ -342,6 +370,12 @@ def test_the_drawn_simulations_get_one_executions_scatter_per_path():
     assert [m.seed for m in seen] == [7, 8] and all(m.base is BASE for m in seen)
     assert sorted(seen[0]._prompt) == pytest.approx(sorted(np.exp(one["centred"][True])), rel=1e-12)
     assert set(seen[0]._decode) == {1.0}
+    # --floor-scatter replay: the draws get a replay's whole scatter
+    seen.clear()
+    dyn = dynamic_floor(simulate, scorer(simulated(BASE)), BASE, t, draws=1, seed=7, scatter_of="replay")
+    assert dyn["scatter_of"] == "replay"
+    assert sorted(seen[0]._prompt) == pytest.approx(sorted(np.exp(one_execution(t, "replay")["centred"][True])))
+    assert sorted(seen[0]._prompt) == pytest.approx(sorted([math.exp(0.3), math.exp(-0.3)] * 5), rel=1e-12)
 
 
 def test_no_dynamic_floor_without_enough_replays_or_draws():

@@ -614,3 +614,13 @@ def test_the_repeat_floor_with_the_schedule_free_resimulates_the_validation(setu
     assert rc == 0 and "repeat floor, the schedule free (2 re-simulations" in out and "; the simulator met " in out
     assert validate(setup, tmp_path / "bad", "--real-run", str(moving), "--floor-draws", "-1") == 2
     assert "--floor-draws must be a number of re-simulations >= 0" in capsys.readouterr().err
+    # --floor-scatter replay: both floors drawn with a replay's whole scatter, said in validation.json
+    assert validate(setup, tmp_path / "whole", "--real-run", str(moving), "--floor-draws", "2",
+                    "--floor-scatter", "replay") == 0
+    whole = read_validation(tmp_path / "whole")[2]["repeat_floor"]
+    assert whole["scatter_of"] == "replay" and whole["dynamic"]["scatter_of"] == "replay"
+    assert read_validation(tmp_path / "off")[2]["repeat_floor"]["scatter_of"] == "step"      # the default
+    assert whole["scatter"]["prompt"] >= read_validation(tmp_path / "off")[2]["repeat_floor"]["scatter"]["prompt"]
+    with pytest.raises(SystemExit):
+        parse(*setup["options"], "--latency", f"parametric:{setup['cal']}", "--floor-scatter", "steps")
+    assert "invalid choice: 'steps'" in capsys.readouterr().err
