@@ -258,7 +258,8 @@ def repeat_floor(steps: pd.DataFrame | None, requests: pd.DataFrame, track: Any,
                 "step_share, measured from second executions where split says so, else 1 / sqrt 2), the schedule "
                 "fixed; median_abs, p90_abs: the median and 90th percentile over the draws of the |relative "
                 "error|; within_target: the fraction of draws within the target; optimistic (independent draws "
-                "per step)",
+                "per step); scatter_of replay: the replays' log ratios centred on their path's median and not "
+                "scaled, the floor of a simulator that prices each step by one replay of it",
         "scatter_of": scatter_of,
         "n_replays": {"prompt": n[True], "decode": n[False]},
         "offset": {"prompt": offset[True], "decode": offset[False]},
