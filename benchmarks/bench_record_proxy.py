@@ -185,14 +185,9 @@ def serve_relay(port: int, upstream_port: int) -> None:
     a proxy can do per request (one accept per client connection, one upstream connection each, no HTTP).
     What it adds is what the hop itself costs on this machine (wake-ups, loopback copies, a core to run on);
     a recorder cannot add less."""
-    import socket as _socket
-
     import uvloop
 
-    def nodelay(t: asyncio.Transport) -> None:
-        sock = t.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY, 1)
+    from experiments.record_relay import nodelay
 
     class Up(asyncio.Protocol):
         def __init__(self, down: asyncio.Transport) -> None:
@@ -418,7 +413,7 @@ def main() -> int:
         if args.relay:
             rport = free_port()
             relay = start([sys.executable, str(Path(__file__).resolve()), "--serve-relay", str(rport),
-                           str(yarl_port(upstream))], ROOT, rport)
+                           str(port_of(upstream))], ROOT, rport)
             paths.append(Path_("relay", f"http://127.0.0.1:{rport}", relay))
         recorders = [(f"rec-{proxy}", ROOT, ["--proxy", proxy]) for proxy in args.proxy.split(",")]
         if args.baseline:
@@ -494,7 +489,7 @@ def main() -> int:
     return 0
 
 
-def yarl_port(url: str) -> int:
+def port_of(url: str) -> int:
     from urllib.parse import urlsplit
     port = urlsplit(url).port
     if port is None:

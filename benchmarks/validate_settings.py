@@ -239,7 +239,7 @@ def faults_table(rows: list[dict], correction: str = "track-mix") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from experiments.flags import MEASURE_MEM_RESERVE_MIB
+    from experiments.flags import FLOOR_SCATTERS, MEASURE_MEM_RESERVE_MIB
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cal", required=True, help="the calibration file (slotlab calibrate --out)")
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="validate's --replay-again on each real run: every replay executed twice, so that the repeat "
                          "floor measures how a replay's scatter splits between the step and the replay "
                          "(docs/validation_sim.md §28)")
-    ap.add_argument("--floor-scatter", default=None, choices=("step", "replay"),
+    ap.add_argument("--floor-scatter", default=None, choices=FLOOR_SCATTERS,
                     help="validate's --floor-scatter for every run and re-simulation (default: validate's own, "
                          "step; replay: the floors of pricing each step by one replay, docs/validation_sim.md §30)")
     ap.add_argument("--repeat", action="store_true",

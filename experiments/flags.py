@@ -198,6 +198,7 @@ MEASURE_MEM_RESERVE = (MEASURE_MEM_RESERVE_MIB, f"{MEASURE_MEM_RESERVE_MIB}: cal
                        "engine for the simulator, docs/validation_sim.md §29; serve and replay: 0")
 _CPUS = os.cpu_count() or 1
 RECORD_PROXIES = ("relay", "asgi")   # slotlab record --proxy, the default first (experiments/record_cli.py)
+FLOOR_SCATTERS = ("step", "replay")   # validate --floor-scatter, the default first (experiments/repeat_floor.py)
 
 FLAGS: tuple[Flag, ...] = (
     # serve: model and network
@@ -381,7 +382,7 @@ FLAGS: tuple[Flag, ...] = (
          "step's own share of its replay's scatter (what a simulator exact to each step's expected time would "
          "score); replay = a replay's whole scatter against its step (what a simulator that prices each step by "
          "one replay of it would score, as track-mix prices a prompt step: its floor, docs/validation_sim.md §30) "
-         "(default: step)", (VALIDATE,), str, "step", "step|replay", choices=("step", "replay")),
+         "(default: step)", (VALIDATE,), str, FLOOR_SCATTERS[0], "|".join(FLOOR_SCATTERS), choices=FLOOR_SCATTERS),
     Flag(None, ("--arrivals",), "loop = the simulator's chat turns arrive as the workload says, think time after "
          "the simulated reply (closed loop); real = each turn arrives when it arrived in the real run (or when "
          "its simulated previous reply ends, if later): the loop no longer carries one run's timing error "

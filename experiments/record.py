@@ -84,7 +84,7 @@ NOT_RESENT = (aiohttp.ClientConnectorError,) if aiohttp else ()     # no connect
 
 
 class Answer:
-    """An upstream answer's status and raw headers (as sent), as `Recorder._finish_later` reads them."""
+    """An upstream answer's status and raw headers (as sent), as `Recorder.finish_later` reads them."""
 
     __slots__ = ("status_code", "headers")
 
@@ -416,7 +416,7 @@ class Recorder:
                     "headers": out_headers + [(b"content-length", str(len(content)).encode())]})
         await send({"type": "http.response.body", "body": content})
         if pending is not None:
-            self._finish_later(pending, up, None, original, self.now())
+            self.finish_later(pending, up, None, original, self.now())
 
     async def _bad_gateway(self, send, method: str, path: str, e: BaseException) -> None:
         self.stats["upstream_errors"] += 1
@@ -465,13 +465,13 @@ class Recorder:
                 up.raw.close()                   # cut mid-body: the connection is not reused
             if pending is not None:
                 if complete:
-                    self._finish_later(pending, up, tap, None, self.now())
+                    self.finish_later(pending, up, tap, None, self.now())
                 else:
                     self.stats["not_recorded_interrupted"] += 1
         await send({"type": "http.response.body", "body": b""})
 
     # --- recording (after the client has its answer) ----------------------------------------------------------
-    def _finish_later(self, pending: Pending, up: "Upstream", tap: SSETap | None, content: bytes | None,
+    def finish_later(self, pending: Pending, up: Answer, tap: SSETap | None, content: bytes | None,
                       end_s: float) -> None:
         """Queue the request's recording: its parsing, /tokenize calls and line run after the client has its
         answer, one request after the other (the line is written and flushed when they are done). One worker,

@@ -20,6 +20,7 @@ from experiments.record import MISSING, Recorder, server_options
 from experiments.record import __doc__ as RECORD_DOC
 from experiments.record_relay import BackgroundRelay, new_loop, serve
 
+
 class BackgroundRecorder:
     """The recorder in a background thread (tests, benchmarks): `start()` returns once the socket listens.
     `proxy`: "relay" (the default, experiments/record_relay.py) or "asgi" (this module's ASGI app on uvicorn)."""

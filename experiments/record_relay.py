@@ -292,11 +292,12 @@ class ClientConn(asyncio.Protocol):
             if k.lower().decode("latin-1") in AUTH_HEADERS])
         drop_encoding = pending is not None and pending.injected
         head = [req.method, b" ", self.relay.prefix, req.target, b" HTTP/", req.version, b"\r\n"]
-        has_length = False
+        has_host = has_length = False
         for k, v in req.headers:
             lk = k.lower()
             if lk == b"host":
                 head += [k, b": ", self.relay.host_header, b"\r\n"]
+                has_host = True
             elif lk == b"content-length":
                 if not has_length:
                     head += [k, b": ", str(len(raw)).encode(), b"\r\n"]
@@ -305,7 +306,7 @@ class ClientConn(asyncio.Protocol):
                 continue
             else:
                 head += [k, b": ", v, b"\r\n"]
-        if not any(k.lower() == b"host" for k, _ in req.headers):
+        if not has_host:
             head += [b"Host: ", self.relay.host_header, b"\r\n"]
         if not has_length and (raw or req.method in (b"POST", b"PUT", b"PATCH")):
             head += [b"Content-Length: ", str(len(raw)).encode(), b"\r\n"]
@@ -329,10 +330,7 @@ class ClientConn(asyncio.Protocol):
                 if self.closing:
                     return
                 self.bad_gateway(ex.req, f"{type(e).__name__}: {e or 'no details'}")
-                if ex.req.keep_alive:
-                    self.next()
-                else:
-                    self.transport.close()
+                self.then(ex.req.keep_alive)
                 return
             if self.closing:                 # the client left while the connection opened
                 up.transport.close()
@@ -357,7 +355,7 @@ class ClientConn(asyncio.Protocol):
                 self.transport.write(b"".join(ex.raw_held))
         if ex.pending is not None:
             answer = Answer(ex.status, ex.headers)
-            self.rec._finish_later(ex.pending, answer, ex.tap, original, end_s)
+            self.rec.finish_later(ex.pending, answer, ex.tap, original, end_s)
         if up is not None:
             if keep_alive:
                 up.idle_since = time.monotonic()
@@ -365,11 +363,15 @@ class ClientConn(asyncio.Protocol):
                 up.transport.close()
                 if self.up is up:
                     self.up = None
-        if not ex.req.keep_alive or not keep_alive:
+        self.then(ex.req.keep_alive and keep_alive)
+
+    def then(self, keep_alive: bool) -> None:
+        """After an exchange: the next request on the connection, or (`keep_alive` false) its end."""
+        if keep_alive:
+            self.next()
+        else:
             self.closing = True
             self.transport.close()
-            return
-        self.next()
 
     @staticmethod
     def rewritten(ex: Exchange, body: bytes) -> bytes:
@@ -411,11 +413,7 @@ class ClientConn(asyncio.Protocol):
             self.transport.close()
             return
         self.bad_gateway(ex.req, what)
-        if ex.req.keep_alive:
-            self.next()
-        else:
-            self.closing = True
-            self.transport.close()
+        self.then(ex.req.keep_alive)
 
     def bad_gateway(self, req: Request, what: str) -> None:
         self.rec.stats["upstream_errors"] += 1

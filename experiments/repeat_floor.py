@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from experiments.flags import FLOOR_SCATTERS
 from experiments.results import LATENCY_METRICS, STATS, latency_stats_rows
 from sim.latency import JitteredLatency
 
@@ -101,9 +102,6 @@ def step_share(rows: np.ndarray) -> float:
         return 1.0
     own = (s_a * s_a + s_c * s_c - s_b * s_b) / 2.0
     return float(min(1.0, math.sqrt(max(own, 0.0)) / s_a))
-
-
-FLOOR_SCATTERS = ("step", "replay")   # validate --floor-scatter: the step's own share, or a replay's whole scatter
 
 
 def one_execution(track: Any, scatter_of: str = "step") -> dict[str, Any] | None:
